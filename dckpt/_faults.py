@@ -1,0 +1,64 @@
+"""Fault injection for dckpt's own crash tests.
+
+``DCKPT_FAULT="point:rank:action[;point:rank:action...]"`` makes ``rank`` fail at
+``point`` (one of plan, write, vote, commit, committed, load). ``action`` is ``raise``
+(an OSError), ``kill`` (SIGKILL of the process) or ``sleep=SECONDS``. ``rank`` may be
+``*``. Unset in normal use; the check is one environment lookup.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+POINTS = ("plan", "write", "vote", "commit", "committed", "load")
+
+
+def fault(point: str, rank: int) -> None:
+    spec = os.environ.get("DCKPT_FAULT")
+    if not spec:
+        return
+    for part in spec.split(";"):
+        try:
+            p, r, action = part.split(":", 2)
+        except ValueError:
+            continue
+        if p != point or (r != "*" and int(r) != rank):
+            continue
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action.startswith("sleep="):
+            time.sleep(float(action.split("=", 1)[1]))
+        else:
+            raise OSError(f"injected fault at {point} on rank {rank}")
+
+
+class _MidWriteFault:
+    """Wraps a storage Writer: fires the ``write`` fault after the first data write, so
+    a file is left half-written."""
+
+    def __init__(self, inner, rank: int) -> None:
+        self.inner, self.rank, self.writes = inner, rank, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _tick(self) -> None:
+        self.writes += 1
+        if self.writes == 2:
+            fault("write", self.rank)
+
+    def write(self, data) -> None:
+        self.inner.write(data)
+        self._tick()
+
+    def pwrite(self, data, offset: int) -> None:
+        self.inner.pwrite(data, offset)
+        self._tick()
+
+
+def wrap_writer(writer, rank: int):
+    """``writer`` itself unless a ``write`` fault is armed."""
+    if "write:" in os.environ.get("DCKPT_FAULT", ""):
+        return _MidWriteFault(writer, rank)
+    return writer

@@ -1,0 +1,58 @@
+"""A rank's local save plan and its compact binary encoding (no pickle).
+
+Wire format: ``u64 len | keys JSON | u64 len | extra JSON | int64 boxes``. The keys JSON
+lists ``[key, dtype, shape]`` per item; it is byte-identical on every rank of an FSDP job,
+so the coordinator parses it once for all ranks. ``boxes`` holds, per item, its offsets
+then its sizes. ``extra`` carries JSON values and a local error, if any.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+_U64 = struct.Struct("<Q")
+
+
+@dataclass
+class LocalPlan:
+    """What one rank holds. ``items[i] = (key, dtype_code, global_shape)``; ``boxes`` is
+    flat int64: offsets then sizes of item 0, then item 1..."""
+
+    items: list[tuple[str, str, tuple[int, ...]]] = field(default_factory=list)
+    boxes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    values: dict[str, Any] = field(default_factory=dict)
+    error: dict[str, str] | None = None  # {"type": ..., "message": ...}
+    keys_json: bytes = b""  # set by decode: the raw key table, used as a cache key
+
+
+def encode(plan: LocalPlan) -> bytes:
+    """Serialise a local plan. O(items), no I/O."""
+    keys = json.dumps([[k, d, list(s)] for k, d, s in plan.items],
+                      separators=(",", ":")).encode()
+    extra = json.dumps({"values": plan.values, "error": plan.error},
+                       separators=(",", ":"), allow_nan=True).encode()
+    return b"".join((_U64.pack(len(keys)), keys, _U64.pack(len(extra)), extra,
+                     np.ascontiguousarray(plan.boxes, dtype="<i8").tobytes()))
+
+
+def decode(data: bytes, cache: dict[bytes, list] | None = None) -> LocalPlan:
+    """Parse :func:`encode`'s output. ``cache`` maps key-table bytes to parsed tables so
+    identical tables are parsed once. Raises ValueError on malformed input."""
+    mv = memoryview(data)
+    (n,) = _U64.unpack_from(mv, 0)
+    keys_raw = bytes(mv[8:8 + n])
+    pos = 8 + n
+    (m,) = _U64.unpack_from(mv, pos)
+    extra = json.loads(bytes(mv[pos + 8:pos + 8 + m]))
+    pos += 8 + m
+    items = None if cache is None else cache.get(keys_raw)
+    if items is None:
+        items = [(k, d, tuple(s)) for k, d, s in json.loads(keys_raw)]
+        if cache is not None:
+            cache[keys_raw] = items
+    boxes = np.frombuffer(mv[pos:], dtype="<i8")
+    return LocalPlan(items, boxes, extra.get("values") or {}, extra.get("error"), keys_raw)

@@ -1,0 +1,198 @@
+"""The coordinator's global save plan. Pure: numpy, no torch.distributed.
+
+Given every rank's :class:`LocalPlan`, :func:`plan_global` checks that ranks agree on
+each tensor's dtype and global shape, that every box lies inside its tensor, and that the
+boxes of each tensor (after dropping duplicates held by replicas) tile it exactly once;
+then it picks one writer per distinct box, spreading replicated boxes across their
+holders. Cost: O(N log N) in the number N of (rank, tensor) items, vectorised; key tables
+that are byte-identical across ranks are handled once.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import StateMismatchError
+from ..format.dtypes import ITEMSIZE
+from . import tiling
+from .localplan import LocalPlan
+
+
+@dataclass(frozen=True, eq=False)
+class PlannedTensor:
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    offsets: np.ndarray  # (n, ndim) distinct non-empty boxes, grid C order when grid
+    sizes: np.ndarray
+    writer: np.ndarray  # (n,) rank that writes each box
+    grid: tuple[tuple[int, ...], ...] | None
+
+
+@dataclass(frozen=True, eq=False)
+class GlobalPlan:
+    tensors: dict[str, PlannedTensor]
+    values: dict
+    writes: list[np.ndarray]  # per rank: bool mask over that rank's local items
+    bytes_per_rank: np.ndarray
+
+
+def _key_table(plans: list[LocalPlan]):
+    """Global key order, dtype and shape; item -> global key id per distinct table."""
+    keys: dict[str, int] = {}
+    meta: list[tuple[str, tuple[int, ...], int]] = []  # dtype, shape, first rank
+    table_ids: dict[bytes, np.ndarray] = {}
+    for r, p in enumerate(plans):
+        if not p.keys_json:  # built in memory, not decoded: derive the cache key
+            p.keys_json = json.dumps([[k, d, list(s)] for k, d, s in p.items]).encode()
+        if p.keys_json in table_ids:
+            continue
+        ids = np.empty(len(p.items), np.int64)
+        for j, (k, dt, shape) in enumerate(p.items):
+            kid = keys.get(k)
+            if kid is None:
+                kid = keys[k] = len(meta)
+                meta.append((dt, tuple(shape), r))
+            else:
+                mdt, mshape, r0 = meta[kid]
+                if (mdt, mshape) != (dt, tuple(shape)):
+                    raise StateMismatchError(
+                        f"ranks disagree about tensor {k!r}: rank {r0} has dtype {mdt} shape "
+                        f"{list(mshape)}, rank {r} has dtype {dt} shape {list(shape)}")
+            ids[j] = kid
+        if len(set(ids.tolist())) != len(ids):
+            raise StateMismatchError(f"rank {r} lists a tensor key twice")
+        table_ids[p.keys_json] = ids
+    return list(keys), meta, table_ids
+
+
+def _items(plans, meta, table_ids, dmax):
+    """Stack every rank's boxes into (N, dmax) arrays padded with offset 0 / size 1."""
+    groups: dict[bytes, list[int]] = {}
+    for r, p in enumerate(plans):
+        groups.setdefault(p.keys_json, []).append(r)
+    kid_l, rank_l, local_l, off_l, size_l = [], [], [], [], []
+    for kj, ranks in groups.items():
+        items = plans[ranks[0]].items
+        ids = table_ids[kj]
+        nd = np.array([len(s) for _, _, s in items], np.int64)
+        width = int(2 * nd.sum())
+        flat = np.stack([plans[r].boxes for r in ranks]) if width else np.zeros((len(ranks), 0), np.int64)
+        if flat.shape[1] != width:
+            bad = [r for r in ranks if len(plans[r].boxes) != width]
+            raise StateMismatchError(f"rank {bad[0]} sent a malformed plan ({len(plans[bad[0]].boxes)} "
+                                     f"box numbers for {width})")
+        # Column index of offset/size d of item j; pads point at two extra columns.
+        start = np.concatenate(([0], np.cumsum(2 * nd)[:-1])).astype(np.int64)
+        d = np.arange(dmax)
+        valid = d[None, :] < nd[:, None]
+        oidx = np.where(valid, start[:, None] + d[None, :], width)
+        sidx = np.where(valid, start[:, None] + nd[:, None] + d[None, :], width + 1)
+        ext = np.concatenate([flat, np.zeros((len(ranks), 1), np.int64),
+                              np.ones((len(ranks), 1), np.int64)], axis=1)
+        n = len(items)
+        off_l.append(ext[:, oidx].reshape(len(ranks) * n, dmax))
+        size_l.append(ext[:, sidx].reshape(len(ranks) * n, dmax))
+        kid_l.append(np.tile(ids, len(ranks)))
+        rank_l.append(np.repeat(np.asarray(ranks, np.int64), n))
+        local_l.append(np.tile(np.arange(n, dtype=np.int64), len(ranks)))
+    cat = (lambda xs, shape: np.concatenate(xs) if xs else np.zeros(shape, np.int64))
+    return (cat(kid_l, 0), cat(rank_l, 0), cat(local_l, 0),
+            cat(off_l, (0, dmax)), cat(size_l, (0, dmax)))
+
+
+def plan_global(plans: list[LocalPlan]) -> GlobalPlan:
+    """Validate all local plans and assign writers. Pure; raises StateMismatchError
+    naming the tensor (and rank) at fault."""
+    world = len(plans)
+    names, meta, table_ids = _key_table(plans)
+    values: dict = {}
+    for p in reversed(plans):  # lowest rank wins on conflicting values
+        values.update(p.values)
+    clash = set(values) & set(names)
+    if clash:
+        raise StateMismatchError(f"key {sorted(clash)[0]!r} is a tensor on one rank and a "
+                                 "plain value on another")
+    dmax = max([len(s) for _, s, _ in meta], default=0)
+    kid, rank, local, offs, sizes = _items(plans, meta, table_ids, dmax)
+    shapes = np.ones((len(meta), dmax), np.int64)
+    for i, (_, s, _) in enumerate(meta):
+        shapes[i, :len(s)] = s
+    bad = (offs < 0).any(1) | (sizes < 0).any(1) | (offs + sizes > shapes[kid]).any(1)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise StateMismatchError(
+            f"rank {rank[i]} holds a box of tensor {names[kid[i]]!r} outside its shape "
+            f"{list(meta[kid[i]][1])}: offsets {offs[i].tolist()} sizes {sizes[i].tolist()}")
+    keep = (sizes > 0).all(1)  # empty shards write nothing
+    kid, rank, local, offs, sizes = kid[keep], rank[keep], local[keep], offs[keep], sizes[keep]
+
+    # Dedup: sort by (key, box, rank); equal boxes of one key are replicas.
+    order = np.lexsort(tuple([rank] + [sizes[:, d] for d in reversed(range(dmax))]
+                             + [offs[:, d] for d in reversed(range(dmax))] + [kid]))
+    kid, rank, local, offs, sizes = kid[order], rank[order], local[order], offs[order], sizes[order]
+    new = np.ones(len(kid), bool)
+    if len(kid) > 1:
+        new[1:] = ((kid[1:] != kid[:-1]) | (offs[1:] != offs[:-1]).any(1)
+                   | (sizes[1:] != sizes[:-1]).any(1))
+    gstart = np.flatnonzero(new)
+    gcount = np.diff(np.append(gstart, len(kid)))
+    gid = np.cumsum(new) - 1
+
+    itemsize = np.array([ITEMSIZE[dt] for dt, _, _ in meta], np.int64)
+    gbytes = np.prod(sizes[gstart], axis=1) * itemsize[kid[gstart]] if len(gstart) else np.zeros(0, np.int64)
+    # Writer choice: boxes held by one rank are written by it. Replicated boxes go round
+    # robin over their holders, largest first, so replicated bytes spread evenly.
+    pick = np.zeros(len(gstart), np.int64)
+    rep = np.flatnonzero(gcount > 1)
+    if len(rep):
+        by_size = rep[np.argsort(-gbytes[rep], kind="stable")]
+        pick[by_size] = np.arange(len(by_size)) % gcount[by_size]
+    writer_row = gstart + pick
+    wr, wl = rank[writer_row], local[writer_row]
+    counts = np.array([len(p.items) for p in plans], np.int64)
+    base = np.concatenate(([0], np.cumsum(counts)))
+    mask = np.zeros(int(base[-1]), bool)
+    mask[base[wr] + wl] = True
+    writes = np.split(mask, base[1:-1])
+    bytes_per_rank = np.bincount(wr, weights=gbytes, minlength=world).astype(np.int64)
+
+    # Per-key tiling over the distinct boxes.
+    gk = kid[gstart]
+    kstart = np.searchsorted(gk, np.arange(len(meta)))
+    kend = np.searchsorted(gk, np.arange(len(meta)), side="right")
+    tensors: dict[str, PlannedTensor] = {}
+    for k, name in enumerate(names):
+        dt, shape, _ = meta[k]
+        nd = len(shape)
+        sl = slice(kstart[k], kend[k])
+        o, s = offs[gstart[sl], :nd], sizes[gstart[sl], :nd]
+        t = tiling.analyse(shape, o, s)
+        if t.error:
+            raise StateMismatchError(
+                f"tensor {name!r} is not fully and exactly covered by the ranks' shards: "
+                f"{t.error}. Plain tensors must be identical on every rank; DTensors must "
+                "use Shard/Replicate placements")
+        w = wr[sl]
+        if t.grid is not None and t.order is not None and len(t.order) == len(o):
+            o, s, w = o[t.order], s[t.order], w[t.order]
+        tensors[name] = PlannedTensor(name, dt, shape, o, s, w, t.grid)
+    return GlobalPlan(tensors, values, writes, bytes_per_rank)
+
+
+def encode_writes(plan: GlobalPlan) -> bytes:
+    """Pack every rank's write mask: int64 counts then packed bits. O(items)."""
+    counts = np.array([len(w) for w in plan.writes], "<i8")
+    bits = np.packbits(np.concatenate(plan.writes)) if plan.writes else np.zeros(0, np.uint8)
+    return len(counts).to_bytes(8, "little") + counts.tobytes() + bits.tobytes()
+
+
+def decode_writes(data: bytes, rank: int) -> np.ndarray:
+    """This rank's write mask out of :func:`encode_writes`'s bytes."""
+    world = int.from_bytes(data[:8], "little")
+    counts = np.frombuffer(data, "<i8", count=world, offset=8)
+    bits = np.unpackbits(np.frombuffer(data, np.uint8, offset=8 + 8 * world))
+    start = int(counts[:rank].sum())
+    return bits[start:start + int(counts[rank])].astype(bool)

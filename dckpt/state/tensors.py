@@ -1,0 +1,83 @@
+"""Adapters between torch tensors / DTensors and the pure layout boxes."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import UnsupportedValueError
+from ..format.dtypes import to_code
+from ..layout.chunks import Box, local_box
+
+try:  # torch >= 2.4
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+except ImportError:  # pragma: no cover - older torch
+    from torch.distributed._tensor import DTensor, Replicate, Shard  # type: ignore
+    from torch.distributed._tensor.placement_types import Partial  # type: ignore
+
+
+@dataclass
+class LocalPiece:
+    """What this rank holds of one tensor: its global description, its box, and the
+    local torch tensor with exactly the box's shape (None when the box is empty)."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    box: Box
+    local: torch.Tensor | None
+
+
+def _placements(dt: "DTensor", key: str) -> list[tuple]:
+    out = []
+    for p in dt.placements:
+        if type(p).__name__ == "_StridedShard":
+            raise UnsupportedValueError(
+                f"DTensor {key!r} uses a strided shard placement (FSDP2 + TP); not yet "
+                "supported: call .full_tensor() or redistribute it first")
+        if isinstance(p, Shard):
+            out.append(("S", p.dim if p.dim >= 0 else p.dim + dt.ndim))
+        elif isinstance(p, Replicate):
+            out.append(("R",))
+        elif isinstance(p, Partial):
+            raise UnsupportedValueError(
+                f"DTensor {key!r} has a Partial placement (pending reduction): its local "
+                "values are not the tensor's values. Redistribute it to Replicate or Shard "
+                "before saving (dt.redistribute(mesh, [Replicate()]))")
+        else:
+            raise UnsupportedValueError(f"DTensor {key!r} has unknown placement {p!r}")
+    return out
+
+
+def describe(key: str, t: torch.Tensor) -> LocalPiece:
+    """The piece of ``t`` this rank holds. Cheap (no copy); raises UnsupportedValueError
+    for an unsupported dtype or placement, or a local shard whose shape does not match
+    torch.chunk's layout."""
+    code = to_code(t.dtype, key)
+    if isinstance(t, DTensor):
+        shape = tuple(t.shape)
+        mesh = t.device_mesh
+        coord = mesh.get_coordinate()
+        local = t.to_local()
+        if coord is None:  # this rank is not in the tensor's mesh: it holds nothing
+            return LocalPiece(key, code, shape, Box((0,) * len(shape), (0,) * len(shape)), None)
+        box = local_box(shape, tuple(mesh.shape), tuple(coord), _placements(t, key))
+        if tuple(local.shape) != box.sizes:
+            raise UnsupportedValueError(
+                f"DTensor {key!r}: local shard shape {list(local.shape)} differs from the "
+                f"torch.chunk layout {list(box.sizes)} of its placements")
+        return LocalPiece(key, code, shape, box, local)
+    shape = tuple(t.shape)
+    return LocalPiece(key, code, shape, Box((0,) * len(shape), shape), t)
+
+
+def as_bytes(t: torch.Tensor) -> memoryview:
+    """A byte view of ``t`` (copied only if non-contiguous or not on the CPU). Blocking
+    device-to-host copy for accelerator tensors."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1)
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")

@@ -1,0 +1,53 @@
+"""The Storage protocol: the few operations a checkpoint needs from a file system.
+
+Two implementations: :class:`~dckpt.storage.local.LocalStorage` (os calls, pwrite/pread,
+fsync of files and directories, atomic rename) and
+:class:`~dckpt.storage.fsspec_storage.FsspecStorage` (any fsspec URL; the manifest is
+one ``pipe`` call, which object stores apply atomically).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    size: int
+    mtime: float
+    is_dir: bool
+
+
+class Writer(Protocol):
+    """A file being written. ``pwrite`` exists only where ``Storage.random_write``."""
+
+    def write(self, data) -> None: ...
+    def pwrite(self, data, offset: int) -> None: ...
+    def commit(self) -> None:
+        """Flush, fsync where the backend can, close. Blocking I/O."""
+    def abort(self) -> None:
+        """Close and remove the partial file; never raises."""
+
+
+class Storage(Protocol):
+    """Operations on paths under one root. All calls block on I/O; raise OSError (or
+    FileNotFoundError) on failure."""
+
+    random_write: bool
+
+    def join(self, *parts: str) -> str: ...
+    def exists(self, path: str) -> bool: ...
+    def makedirs(self, path: str) -> None: ...
+    def listdir(self, path: str) -> list[Entry]: ...
+    def size(self, path: str) -> int: ...
+    def read(self, path: str, start: int = 0, length: int | None = None) -> bytes:
+        """Bytes ``[start, start+length)`` (to the end when length is None). Short at EOF."""
+    def readinto(self, path: str, start: int, buf: memoryview) -> int:
+        """Fill ``buf`` from ``start``; returns the number of bytes read (short at EOF)."""
+    def open_write(self, path: str) -> Writer: ...
+    def put_atomic(self, path: str, data: bytes) -> None:
+        """Make ``path`` hold ``data`` in one step: readers see the old content or the
+        new, never a part. Durable on return."""
+    def remove(self, path: str) -> None: ...
+    def remove_tree(self, path: str) -> None: ...

@@ -1,0 +1,122 @@
+"""Local file system storage: os.pwrite/os.pread, fsync, atomic rename."""
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+
+from .base import Entry
+
+
+class LocalWriter:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.pos = 0
+
+    def write(self, data) -> None:
+        self.pwrite(data, self.pos)
+
+    def pwrite(self, data, offset: int) -> None:
+        mv = memoryview(data).cast("B")
+        end = offset + len(mv)
+        while len(mv):  # pwrite may write less than asked (signals, huge buffers)
+            n = os.pwrite(self.fd, mv, offset)
+            mv, offset = mv[n:], offset + n
+        self.pos = max(self.pos, end)
+
+    def commit(self) -> None:
+        try:
+            os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+            self.fd = -1
+
+    def abort(self) -> None:
+        try:
+            if self.fd >= 0:
+                os.close(self.fd)
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalStorage:
+    """Storage on a POSIX file system. ``put_atomic`` writes a temp file, fsyncs it,
+    renames it over the target and fsyncs the directory, so a crash leaves the old
+    content or the new one."""
+
+    random_write = True
+
+    def join(self, *parts: str) -> str:
+        return os.path.join(*parts)
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def makedirs(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+    def listdir(self, path: str) -> list[Entry]:
+        out = []
+        with os.scandir(path) as it:
+            for e in it:
+                try:
+                    st = e.stat()
+                except FileNotFoundError:
+                    continue  # removed while listing
+                out.append(Entry(e.name, st.st_size, st.st_mtime, e.is_dir()))
+        return out
+
+    def size(self, path: str) -> int:
+        return os.stat(path).st_size
+
+    def read(self, path: str, start: int = 0, length: int | None = None) -> bytes:
+        with open(path, "rb", buffering=0) as f:
+            if length is None:
+                length = max(0, os.fstat(f.fileno()).st_size - start)
+            return os.pread(f.fileno(), length, start) if length else b""
+
+    def readinto(self, path: str, start: int, buf: memoryview) -> int:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            mv = memoryview(buf).cast("B")
+            done = 0
+            while done < len(mv):
+                n = os.preadv(fd, [mv[done:]], start + done)
+                if n == 0:
+                    break
+                done += n
+            return done
+        finally:
+            os.close(fd)
+
+    def open_write(self, path: str) -> LocalWriter:
+        return LocalWriter(path)
+
+    def put_atomic(self, path: str, data: bytes) -> None:
+        d = os.path.dirname(path) or "."
+        tmp = os.path.join(d, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
+        w = LocalWriter(tmp)
+        try:
+            w.write(data)
+            w.commit()
+            os.replace(tmp, path)
+        except BaseException:
+            w.abort()
+            raise
+        _fsync_dir(d)
+
+    def remove(self, path: str) -> None:
+        os.unlink(path)
+
+    def remove_tree(self, path: str) -> None:
+        shutil.rmtree(path)
