@@ -10,11 +10,13 @@ that are byte-identical across ranks are handled once.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import StateMismatchError
+from ..format import manifest as mf
 from ..format.dtypes import ITEMSIZE
 from . import tiling
 from .localplan import LocalPlan
@@ -196,3 +198,20 @@ def decode_writes(data: bytes, rank: int) -> np.ndarray:
     bits = np.unpackbits(np.frombuffer(data, np.uint8, offset=8 + 8 * world))
     start = int(counts[:rank].sum())
     return bits[start:start + int(counts[rank])].astype(bool)
+
+
+def to_manifest(gp: GlobalPlan, files: list[mf.FileEntry], save_id: str, world: int,
+                meta: dict | None = None) -> mf.Manifest:
+    """Assemble the manifest from the plan and the files the ranks reported
+    (``files[i].rank`` wrote file i). Pure, O(chunks)."""
+    index = np.full(world, -1, np.int64)
+    for i, f in enumerate(files):
+        index[f.rank] = i
+    tensors = {}
+    for k, t in gp.tensors.items():
+        fidx = index[t.writer]
+        if (fidx < 0).any():
+            raise StateMismatchError(f"tensor {k!r}: rank {int(t.writer[fidx < 0][0])} was to "
+                                     "write a chunk but reported no file")
+        tensors[k] = mf.TensorEntry(k, t.dtype, t.shape, mf.Chunks(t.offsets, t.sizes, fidx, t.grid))
+    return mf.Manifest(save_id, world, time.time(), tuple(files), tensors, gp.values, dict(meta or {}))
