@@ -37,9 +37,7 @@ def analyse(shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray) -> T
               or (offsets + sizes > np.asarray(shape, np.int64)).any()):
         return Tiling("a chunk is empty or lies outside the tensor")
     if numel == 0:
-        return Tiling(None if n == 0 else "chunks given for an empty tensor",
-                      tuple((0, s) for s in shape) if n == 0 else None,
-                      np.zeros(0, np.int64))
+        return Tiling(None if n == 0 else "chunks given for an empty tensor")
     covered = int(np.prod(sizes, axis=1).sum()) if n else 0
     if covered != numel:
         return Tiling(f"chunks cover {covered} elements of {numel} (overlap or gap)")

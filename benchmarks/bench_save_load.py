@@ -1,0 +1,271 @@
+"""Save/load wall time of dckpt vs torch.distributed.checkpoint (DCP) on the same state.
+
+Spawns ``--world`` gloo ranks (torch.multiprocessing, file:// rendezvous,
+OMP_NUM_THREADS=1). Each rank holds fp32 "weights" plus Adam "exp_avg"/"exp_avg_sq" of a
+small transformer as DTensors sharded Shard(0) over a 1-D CPU mesh of all ranks. Every
+repetition saves and loads with both libraries (order alternates), each save into a
+fresh directory, and also measures the physical limits on the same bytes: raw
+os.write + os.fsync (each rank its own file, concurrently), raw cold read, and memcpy
+(torch ``copy_`` into a preallocated buffer). Times are per-rank wall times between
+barriers, max over ranks; the table reports medians over repetitions.
+
+    python benchmarks/bench_save_load.py [--reps 5] [--layers 6 --hidden 768] [--json OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BLOCK = 64 << 20
+
+
+def model_specs(layers: int, hidden: int, vocab: int, ffn_mult: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, global shape) of every parameter of a GPT-like model."""
+    h, f = hidden, ffn_mult * hidden
+    specs: list[tuple[str, tuple[int, ...]]] = [("embed.weight", (vocab, h)), ("pos.weight", (1024, h))]
+    for i in range(layers):
+        p = f"layers.{i}."
+        for n in ("q", "k", "v", "o"):
+            specs += [(p + f"attn.{n}.weight", (h, h)), (p + f"attn.{n}.bias", (h,))]
+        specs += [(p + "mlp.up.weight", (f, h)), (p + "mlp.up.bias", (f,)),
+                  (p + "mlp.down.weight", (h, f)), (p + "mlp.down.bias", (h,))]
+        for n in ("ln1", "ln2"):
+            specs += [(p + f"{n}.weight", (h,)), (p + f"{n}.bias", (h,))]
+    specs += [("ln_f.weight", (h,)), ("ln_f.bias", (h,))]
+    return specs
+
+
+def make_state(specs, mesh, rank: int, world: int, zero: bool) -> dict[str, Any]:
+    """{"weights"|"exp_avg"|"exp_avg_sq": {name: DTensor Shard(0)}, "step": int}."""
+    import torch
+    from torch.distributed.tensor import DTensor, Shard
+    from dckpt.layout.chunks import chunk_range
+
+    state: dict[str, Any] = {"step": 0 if zero else 1000}
+    gen = torch.Generator().manual_seed(1234 + rank)
+    for group in ("weights", "exp_avg", "exp_avg_sq"):
+        d = {}
+        for name, shape in specs:
+            _, n = chunk_range(shape[0], world, rank)
+            local_shape = (n, *shape[1:])
+            local = torch.zeros(local_shape) if zero else torch.rand(local_shape, generator=gen)
+            stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+            d[name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                         shape=torch.Size(shape), stride=stride)
+        state[group] = d
+    return state
+
+
+def locals_of(state: dict[str, Any]) -> list:
+    return [t.to_local() for g in ("weights", "exp_avg", "exp_avg_sq") for t in state[g].values()]
+
+
+def _max_over_ranks(x: float) -> float:
+    import torch
+    import torch.distributed as dist
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    """Barrier, run ``fn`` on every rank, barrier; the slowest rank's seconds."""
+    import torch.distributed as dist
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dt = time.perf_counter() - t0
+    dist.barrier()
+    return _max_over_ranks(dt)
+
+
+def drop_caches(rank: int) -> bool:
+    """sync + echo 3 > /proc/sys/vm/drop_caches on rank 0 (one host); True if it worked."""
+    import torch.distributed as dist
+    ok = 1.0
+    if rank == 0:
+        try:
+            os.sync()
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3\n")
+        except OSError:
+            ok = 0.0
+    dist.barrier()
+    return _max_over_ranks(ok) > 0
+
+
+def raw_write(path: str, nbytes: int, block: memoryview) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = nbytes
+        while left:
+            left -= os.write(fd, block[:min(left, len(block))])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def raw_read(path: str, buf: memoryview) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while os.readv(fd, [buf]) > 0:
+            pass
+    finally:
+        os.close(fd)
+
+
+def worker(rank: int, world: int, init: str, a: dict, out: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    import dckpt
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    specs = model_specs(a["layers"], a["hidden"], a["vocab"], a["ffn_mult"])
+    src = make_state(specs, mesh, rank, world, zero=False)
+    my_bytes = sum(t.numel() * t.element_size() for t in locals_of(src))
+    t = torch.tensor([my_bytes], dtype=torch.int64)
+    dist.all_reduce(t)
+    total = int(t.item())
+    block = memoryview(np.random.default_rng(rank).integers(0, 256, BLOCK, np.uint8)).cast("B")
+    rbuf = memoryview(np.empty(BLOCK, np.uint8)).cast("B")
+    cbuf = torch.empty(my_bytes, dtype=torch.uint8)
+
+    def do_save(lib: str, path: str) -> None:
+        if lib == "dckpt":
+            dckpt.save(src, path)
+        else:
+            dcp.save(src, storage_writer=dcp.FileSystemWriter(path, sync_files=True,
+                                                              thread_count=a["dcp_threads"]))
+
+    def do_load(lib: str, dst: dict, path: str) -> None:
+        if lib == "dckpt":
+            dckpt.load(dst, path)
+        else:
+            dcp.load(dst, storage_reader=dcp.FileSystemReader(path))
+
+    def memcpy() -> None:
+        pos = 0
+        for x in locals_of(src):
+            n = x.numel() * x.element_size()
+            cbuf[pos:pos + n].copy_(x.reshape(-1).view(torch.uint8))
+            pos += n
+
+    rows, dropped, checked = [], True, {}
+    for i in range(a["warmup"] + a["reps"]):
+        row: dict[str, Any] = {"rep": i - a["warmup"], "order": []}
+        libs = ["dckpt", "dcp"] if i % 2 == 0 else ["dcp", "dckpt"]
+        for lib in libs:
+            path = os.path.join(a["dir"], f"{lib}-{i}")
+            row["order"].append(lib)
+            row[f"{lib}_save"] = timed(lambda: do_save(lib, path))
+            dst = make_state(specs, mesh, rank, world, zero=True)  # fresh zeroed, same layout
+            if a["drop_caches"]:
+                dropped = drop_caches(rank) and dropped
+            row[f"{lib}_load"] = timed(lambda: do_load(lib, dst, path))
+            if lib not in checked:
+                ok = dst["step"] == src["step"] and all(
+                    torch.equal(x, y) for x, y in zip(locals_of(dst), locals_of(src)))
+                checked[lib] = _max_over_ranks(0.0 if ok else 1.0) == 0.0
+            del dst
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(path, ignore_errors=True)
+        raw = os.path.join(a["dir"], f"raw-{i}-{rank}.bin")
+        row["raw_write"] = timed(lambda: raw_write(raw, my_bytes, block))
+        if a["drop_caches"]:
+            dropped = drop_caches(rank) and dropped
+        row["raw_read"] = timed(lambda: raw_read(raw, rbuf))
+        os.unlink(raw)
+        row["memcpy"] = timed(memcpy)
+        if i >= a["warmup"]:
+            rows.append(row)
+        if rank == 0:
+            print(f"  rep {row['rep']:>2} ({'/'.join(row['order'])}): " + "  ".join(
+                f"{k} {v:.3f}s" for k, v in row.items() if isinstance(v, float)), flush=True)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"rows": rows, "total_bytes": total, "checked": checked,
+                       "tensors": 3 * len(specs), "dropped": dropped and a["drop_caches"]}, f)
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--world", type=int, default=2, help="gloo ranks")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions")
+    p.add_argument("--warmup", type=int, default=1, help="untimed repetitions first")
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--vocab", type=int, default=8193, help="odd: uneven Shard(0)")
+    p.add_argument("--ffn-mult", type=int, default=4)
+    p.add_argument("--dcp-threads", type=int, default=1, help="FileSystemWriter thread_count")
+    p.add_argument("--dir", default=None, help="scratch dir (default: a new temp dir)")
+    p.add_argument("--no-drop-caches", dest="drop_caches", action="store_false",
+                   help="do not try to drop the page cache before loads")
+    p.add_argument("--json", default=None, help="write results as JSON here")
+    args = p.parse_args(argv)
+    import torch.multiprocessing as tmp
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    scratch = tempfile.mkdtemp(prefix="dckpt-bench-", dir=args.dir)
+    a = {**vars(args), "dir": scratch}
+    res_path = os.path.join(scratch, "result.json")
+    print(f"scratch dir {scratch}; {args.world} ranks; {args.reps} reps (+{args.warmup} warmup)")
+    try:
+        tmp.spawn(worker, args=(args.world, os.path.join(scratch, "rdv"), a, res_path),
+                  nprocs=args.world, join=True)
+        with open(res_path) as f:
+            res = json.load(f)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    res["args"] = vars(args)
+    report(res)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+def report(res: dict) -> None:
+    rows, total = res["rows"], res["total_bytes"]
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if isinstance(rows[0][k], float)}
+    res["median"] = med
+    gb = total / 1e9
+    print(f"\nstate: {total / 2**20:.1f} MiB in {res['tensors']} DTensors (+1 int), "
+          f"Shard(0) over {res['args']['world']} ranks; medians of {len(rows)} reps")
+    print("loads: " + ("page cache dropped before each load (cold reads from disk)" if res["dropped"]
+                       else "page cache NOT dropped: loads read from the page cache for both"))
+    print(f"correct (loaded == saved): {res['checked']}\n")
+    print(f"{'':22}{'save s':>9}{'GB/s':>7}{'load s':>9}{'GB/s':>7}")
+    for lib, name in (("dckpt", "dckpt"), ("dcp", "DCP")):
+        s, lo = med[f"{lib}_save"], med[f"{lib}_load"]
+        print(f"{name:22}{s:9.3f}{gb / s:7.2f}{lo:9.3f}{gb / lo:7.2f}")
+    rs, rl = med["dckpt_save"] / med["dcp_save"], med["dckpt_load"] / med["dcp_load"]
+    print(f"{'ratio dckpt/DCP':22}{rs:9.2f}{'':7}{rl:9.2f}   (target <= 0.80)")
+    print(f"\n{'physical limits':22}{'s':>9}{'GB/s':>7}")
+    for k, name in (("raw_write", "raw write+fsync"), ("raw_read", "raw read"), ("memcpy", "memcpy (copy_)")):
+        print(f"{name:22}{med[k]:9.3f}{gb / med[k]:7.2f}")
+    pct = 100 * med["raw_write"] / med["dckpt_save"]
+    pct_dcp = 100 * med["raw_write"] / med["dcp_save"]
+    res["ratios"] = {"save": rs, "load": rl, "dckpt_save_pct_of_raw": pct, "dcp_save_pct_of_raw": pct_dcp}
+    print(f"\ndckpt save throughput = {pct:.0f}% of raw write+fsync (target >= 80%); DCP {pct_dcp:.0f}%")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""Single-process save/load: every dtype and leaf, errors, integrity, overwrite."""
+from __future__ import annotations
+
+import json
+import os
+import zlib
+
+import pytest
+import torch
+
+import dckpt
+from dckpt.errors import (AlreadyExistsError, CheckpointError, IntegrityError, ManifestError,
+                          NotCommittedError, StateMismatchError, UnsupportedValueError)
+from statekit import plain_state, same, zeros_like_state
+
+
+def data_files(path) -> list[str]:
+    return sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+
+
+def saved(tmp_path, sd=None, name="ckpt"):
+    sd = plain_state() if sd is None else sd
+    path = str(tmp_path / name)
+    dckpt.save(sd, path)
+    return path, sd
+
+
+def test_round_trip_every_dtype_and_leaf(tmp_path):
+    path, sd = saved(tmp_path)
+    target = zeros_like_state(sd)
+    ids = {k: id(v) for k, v in target["dtypes"].items()}
+    out = dckpt.load(target, path)
+    assert out is target
+    assert same(sd, target)
+    assert type(target["nested"]["tuple"]) is tuple
+    assert all(id(target["dtypes"][k]) == i for k, i in ids.items()), "tensors filled in place"
+
+
+def test_info_and_files_are_plain_safetensors(tmp_path):
+    from safetensors.torch import load_file
+
+    sd = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.tensor([True, False]), "x": 1}
+    info = dckpt.save(sd, str(tmp_path / "c"))
+    assert info.world_size == 1 and info.num_files == 1 and info.seconds > 0
+    files = data_files(tmp_path / "c")
+    assert info.bytes_written == os.path.getsize(tmp_path / "c" / files[0])
+    loaded = load_file(str(tmp_path / "c" / files[0]))
+    assert torch.equal(loaded["a"], sd["a"]) and torch.equal(loaded["b"], sd["b"])
+
+
+def test_file_url_and_memory_fs(tmp_path):
+    sd = plain_state(1)
+    dckpt.save(sd, f"file://{tmp_path}/u")
+    t = zeros_like_state(sd)
+    dckpt.load(t, str(tmp_path / "u"))
+    assert same(sd, t)
+    dckpt.save(sd, "memory://dckpt-test/m1")
+    t = zeros_like_state(sd)
+    dckpt.load(t, "memory://dckpt-test/m1")
+    assert same(sd, t)
+    with pytest.raises(AlreadyExistsError):
+        dckpt.save(sd, "memory://dckpt-test/m1")
+    dckpt.save(plain_state(2), "memory://dckpt-test/m1", overwrite=True)
+    t = zeros_like_state(sd)
+    dckpt.load(t, "memory://dckpt-test/m1")
+    assert same(plain_state(2), t)
+
+
+@pytest.mark.parametrize("bad, what", [
+    (lambda: None, "function"),
+    (torch.nn.Linear(2, 2), "Linear"),
+    (object(), "object"),
+    ({1: torch.ones(1)}, "key 1"),
+    (b"bytes", "bytes"),
+    ({1.5, 2}, "set"),
+])
+def test_refused_leaves_write_nothing(tmp_path, bad, what):
+    sd = {"ok": torch.ones(2), "deep": {"bad": bad}}
+    with pytest.raises(UnsupportedValueError, match=what) as e:
+        dckpt.save(sd, str(tmp_path / "r"))
+    assert "deep" in str(e.value)
+    assert not (tmp_path / "r").exists()
+
+
+def test_key_collision_refused(tmp_path):
+    with pytest.raises(UnsupportedValueError, match="a.b"):
+        dckpt.save({"a.b": torch.ones(1), "a": {"b": torch.ones(1)}}, str(tmp_path / "c"))
+
+
+def test_not_committed(tmp_path):
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "data-0123456789abcdef-00000.safetensors").write_bytes(b"x" * 100)
+    with pytest.raises(NotCommittedError, match="no committed checkpoint"):
+        dckpt.load({"a": torch.zeros(1)}, str(tmp_path / "half"))
+    with pytest.raises(NotCommittedError):
+        dckpt.load({"a": torch.zeros(1)}, str(tmp_path / "nowhere"))
+
+
+def test_mismatches(tmp_path):
+    path, _ = saved(tmp_path, {"w": torch.ones(2, 3), "n": 1, "extra": torch.ones(1)})
+    with pytest.raises(StateMismatchError, match="'missing'"):
+        dckpt.load({"w": torch.zeros(2, 3), "n": 0, "extra": torch.zeros(1), "missing": torch.zeros(1)}, path)
+    with pytest.raises(StateMismatchError, match=r"'w'.*shape \[3, 2\]"):
+        dckpt.load({"w": torch.zeros(3, 2), "n": 0, "extra": torch.zeros(1)}, path)
+    with pytest.raises(StateMismatchError, match=r"'w'.*F64"):
+        dckpt.load({"w": torch.zeros(2, 3, dtype=torch.float64), "n": 0, "extra": torch.zeros(1)}, path)
+    with pytest.raises(StateMismatchError, match="'extra'.*strict=False"):
+        dckpt.load({"w": torch.zeros(2, 3), "n": 0}, path)
+    with pytest.raises(StateMismatchError, match="'n'"):
+        dckpt.load({"w": torch.zeros(2, 3), "n": torch.zeros(1), "extra": torch.zeros(1)}, path)
+    t = {"w": torch.zeros(2, 3), "n": 0}
+    dckpt.load(t, path, strict=False)
+    assert torch.equal(t["w"], torch.ones(2, 3)) and t["n"] == 1
+    # A failed load leaves the target untouched.
+    t = {"w": torch.zeros(2, 3), "n": 0, "bad": torch.zeros(1)}
+    with pytest.raises(StateMismatchError):
+        dckpt.load(t, path, strict=False)
+    assert torch.equal(t["w"], torch.zeros(2, 3)) and t["n"] == 0
+
+
+def test_overwrite_refused_then_allowed_and_old_files_cleaned(tmp_path):
+    path, old = saved(tmp_path, plain_state(1))
+    before = data_files(path)
+    with pytest.raises(AlreadyExistsError, match="overwrite=True"):
+        dckpt.save(plain_state(2), path)
+    assert data_files(path) == before
+    t = zeros_like_state(old)
+    dckpt.load(t, path)
+    assert same(old, t)
+    dckpt.save(plain_state(2), path, overwrite=True)
+    after = data_files(path)
+    assert len(after) == 1 and after != before
+    t = zeros_like_state(old)
+    dckpt.load(t, path)
+    assert same(plain_state(2), t)
+
+
+def _corrupt(path, fn):
+    f = os.path.join(path, data_files(path)[0])
+    b = bytearray(open(f, "rb").read())
+    b = fn(b)
+    if b is None:
+        os.unlink(f)
+    else:
+        open(f, "wb").write(bytes(b))
+    return os.path.basename(f)
+
+
+def _flip_data(b):
+    b[-7] ^= 0x10
+    return b
+
+
+def _flip_header(b):
+    b[20] ^= 0x01
+    return b
+
+
+@pytest.mark.parametrize("damage, match", [
+    (_flip_data, "checksum mismatch"),
+    (_flip_header, "header checksum"),
+    (lambda b: b[:-5], "truncated"),
+    (lambda b: b + b"\0", "bytes, the manifest recorded"),
+    (lambda b: None, "missing"),
+])
+def test_integrity(tmp_path, damage, match):
+    path, sd = saved(tmp_path, {"a": torch.randn(300, 7), "b": torch.arange(10)})
+    name = _corrupt(path, damage)
+    t = zeros_like_state(sd)
+    with pytest.raises(IntegrityError, match=match) as e:
+        dckpt.load(t, path)
+    assert name in str(e.value)
+    from dckpt.verify import verify_checkpoint
+    rep = verify_checkpoint(path)
+    assert not rep.ok and any(name in p for p in rep.problems)
+
+
+def _rewrite_manifest(path, fn):
+    p = os.path.join(path, "manifest.json")
+    with open(p, "rb") as f:
+        raw = f.read()
+    with open(p, "wb") as f:
+        f.write(fn(raw))
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda raw: b"\x00garbage{", "not valid JSON"),
+    (lambda raw: b"[1, 2]", "not a dckpt manifest"),
+    (lambda raw: raw.replace(b'"version":1', b'"version":99'), "version 99"),
+    (lambda raw: raw.replace(b'"data-', b'"../../data-'), "plain file name"),
+    (lambda raw: raw.replace(b'"data-', b'"/etc/data-'), "plain file name"),
+    (lambda raw: raw.replace(b'"data-', b'"s3://bucket/data-'), "plain file name"),
+    (lambda raw: raw[: len(raw) // 2], "not valid JSON"),
+])
+def test_bad_manifests(tmp_path, edit, match):
+    path, sd = saved(tmp_path, {"a": torch.ones(3)})
+    _rewrite_manifest(path, edit)
+    with pytest.raises(ManifestError, match=match):
+        dckpt.load(zeros_like_state(sd), path)
+
+
+def test_manifest_lying_about_shapes(tmp_path):
+    path, sd = saved(tmp_path, {"a": torch.ones(3)})
+    _rewrite_manifest(path, lambda raw: raw.replace(b'"shape":[3]', b'"shape":[4]')
+                      .replace(b'"grid":[[0,3]]', b'"grid":[[0,4]]'))
+    with pytest.raises(IntegrityError, match="does not hold"):
+        dckpt.load({"a": torch.zeros(4)}, path)
+
+
+def test_errors_are_exceptions():
+    for cls in (CheckpointError, NotCommittedError, IntegrityError, StateMismatchError):
+        assert issubclass(cls, Exception)
+        assert issubclass(cls, CheckpointError)
+
+
+def test_manifest_is_json_not_pickle(tmp_path):
+    path, _ = saved(tmp_path)
+    doc = json.loads(open(os.path.join(path, "manifest.json"), "rb").read())
+    assert doc["format"] == "dckpt" and doc["version"] == 1
+    import dckpt as pkg
+    root = os.path.dirname(pkg.__file__)
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            if f.endswith(".py"):
+                src = open(os.path.join(dirpath, f)).read()
+                assert "import pickle" not in src and "torch.load" not in src, f
+
+
+def test_failed_header_crc_detected_via_zlib(tmp_path):
+    # The manifest's header checksum is the CRC32 of the file's first 8+header_len bytes.
+    path, _ = saved(tmp_path, {"a": torch.ones(3)})
+    m = json.loads(open(os.path.join(path, "manifest.json")).read())
+    name, size, hlen, crc, rank = m["files"][0]
+    head = open(os.path.join(path, name), "rb").read(8 + hlen)
+    assert zlib.crc32(head) == crc and os.path.getsize(os.path.join(path, name)) == size
