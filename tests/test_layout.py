@@ -531,6 +531,26 @@ def test_hsdp_replicas_spread():
     assert sum(per_rank) == 16 and max(per_rank) - min(per_rank) <= 1
 
 
+@SETTINGS
+@given(st.integers(1, 4), st.integers(1, 4), st.integers(1, 6), st.integers(1, 3),
+       st.booleans())
+def test_hsdp_replicas_spread_property(replicas, shards, nkeys, rows_per_shard, outer):
+    """HSDP: each shard box held by `replicas` ranks. Every rank holds exactly one box
+    per key, so write counts must differ by at most one."""
+    shape = (shards * rows_per_shard, 3)
+    if outer:
+        mesh, pl = (replicas, shards), (("R",), ("S", 0))
+    else:
+        mesh, pl = (shards, replicas), (("S", 0), ("R",))
+    keys = [(f"t{i}", "F32", shape, pl) for i in range(nkeys)]
+    plans = roundtrip(local_plans(mesh, keys))
+    gp = plan.plan_global(plans)
+    check_global_plan(plans, gp)
+    per_rank = [int(w.sum()) for w in gp.writes]
+    assert sum(per_rank) == nkeys * shards
+    assert max(per_rank) - min(per_rank) <= 1, per_rank
+
+
 def _lp(items, boxes, values=None):
     return localplan.LocalPlan(items, np.array(boxes, np.int64), dict(values or {}))
 

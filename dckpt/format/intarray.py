@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+_LO, _HI = -(1 << 63), (1 << 63) - 1
+
 
 def encode(values: np.ndarray) -> list[int] | dict[str, list[list[int]]]:
     """Encode a 1-D int64 array. O(n), vectorised."""
@@ -31,19 +33,20 @@ def encode(values: np.ndarray) -> list[int] | dict[str, list[list[int]]]:
 def decode(obj: Any, what: str) -> np.ndarray:
     """Decode what :func:`encode` wrote. Raises ValueError naming ``what`` on bad input."""
     if isinstance(obj, list):
-        if not all(type(x) is int for x in obj):
-            raise ValueError(f"{what}: expected a list of integers")
+        if not all(type(x) is int and _LO <= x <= _HI for x in obj):
+            raise ValueError(f"{what}: expected a list of 64-bit integers")
         return np.asarray(obj, dtype=np.int64).reshape(-1)
     if isinstance(obj, dict) and set(obj) == {"runs"} and isinstance(obj["runs"], list):
         runs = obj["runs"]
-        if not all(isinstance(r, list) and len(r) == 3 and all(type(x) is int for x in r)
-                   for r in runs):
-            raise ValueError(f"{what}: runs must be [first, step, count] integer triples")
+        # first and step are int64 (arithmetic wraps modulo 2**64, as encode's diff does)
+        if not all(isinstance(r, list) and len(r) == 3
+                   and all(type(x) is int and _LO <= x <= _HI for x in r) for r in runs):
+            raise ValueError(f"{what}: runs must be [first, step, count] 64-bit integer triples")
         if not runs:
             return np.zeros(0, dtype=np.int64)
         r = np.asarray(runs, dtype=np.int64)
         counts = r[:, 2]
-        if (counts < 1).any() or counts.sum() > 1 << 31:
+        if (counts < 1).any() or (counts > 1 << 31).any() or counts.sum() > 1 << 31:
             raise ValueError(f"{what}: run counts must be in [1, 2**31]")
         firsts = np.repeat(r[:, 0], counts)
         steps = np.repeat(r[:, 1], counts)

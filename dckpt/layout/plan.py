@@ -81,11 +81,11 @@ def _items(plans, meta, table_ids, dmax):
         ids = table_ids[kj]
         nd = np.array([len(s) for _, _, s in items], np.int64)
         width = int(2 * nd.sum())
-        flat = np.stack([plans[r].boxes for r in ranks]) if width else np.zeros((len(ranks), 0), np.int64)
-        if flat.shape[1] != width:
-            bad = [r for r in ranks if len(plans[r].boxes) != width]
+        bad = [r for r in ranks if len(plans[r].boxes) != width]
+        if bad:
             raise StateMismatchError(f"rank {bad[0]} sent a malformed plan ({len(plans[bad[0]].boxes)} "
                                      f"box numbers for {width})")
+        flat = np.stack([plans[r].boxes for r in ranks]) if width else np.zeros((len(ranks), 0), np.int64)
         # Column index of offset/size d of item j; pads point at two extra columns.
         start = np.concatenate(([0], np.cumsum(2 * nd)[:-1])).astype(np.int64)
         d = np.arange(dmax)
@@ -146,12 +146,22 @@ def plan_global(plans: list[LocalPlan]) -> GlobalPlan:
     itemsize = np.array([ITEMSIZE[dt] for dt, _, _ in meta], np.int64)
     gbytes = np.prod(sizes[gstart], axis=1) * itemsize[kid[gstart]] if len(gstart) else np.zeros(0, np.int64)
     # Writer choice: boxes held by one rank are written by it. Replicated boxes go round
-    # robin over their holders, largest first, so replicated bytes spread evenly.
+    # robin over their holders, largest first, so replicated bytes spread evenly. The
+    # round robin runs separately over each holder set (a fingerprint of the holding
+    # ranks), starting at a different holder per set: one global counter taken modulo
+    # the holder count would, for HSDP (every box on 2 ranks, boxes of one set 2 apart in
+    # the order), give every box of a set to the same rank and leave its replica idle.
     pick = np.zeros(len(gstart), np.int64)
     rep = np.flatnonzero(gcount > 1)
     if len(rep):
-        by_size = rep[np.argsort(-gbytes[rep], kind="stable")]
-        pick[by_size] = np.arange(len(by_size)) % gcount[by_size]
+        salt = np.random.default_rng(0).integers(1, 1 << 62, max(world, 1), dtype=np.int64)
+        fp = np.add.reduceat(salt[rank], gstart)[rep]  # rows of a group are contiguous
+        by = np.lexsort((-gbytes[rep], fp))  # holder set, then largest first, stable
+        first = np.ones(len(by), bool)
+        first[1:] = fp[by[1:]] != fp[by[:-1]]
+        cls = np.cumsum(first) - 1
+        pos = np.arange(len(by)) - np.flatnonzero(first)[cls]
+        pick[rep[by]] = (pos + cls) % gcount[rep[by]]
     writer_row = gstart + pick
     wr, wl = rank[writer_row], local[writer_row]
     counts = np.array([len(p.items) for p in plans], np.int64)

@@ -1,0 +1,620 @@
+"""Unit and property tests of the pure on-disk format layer: dckpt.format.{intarray,
+manifest, shards}. No torch.distributed, no processes."""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import struct
+import tempfile
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file
+
+from dckpt.errors import CheckpointError, IntegrityError, ManifestError
+from dckpt.format import intarray, shards
+from dckpt.format import manifest as mf
+from dckpt.format.dtypes import ITEMSIZE, to_code, to_torch
+from dckpt.storage.local import LocalStorage
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "manifest_v1.json")
+I64 = st.integers(-(2**63), 2**63 - 1)
+
+
+# ----------------------------------------------------------------------------- intarray
+
+@st.composite
+def int_arrays(draw):
+    """Concatenated arithmetic runs (possibly of length 1) and random values."""
+    parts: list[int] = []
+    for _ in range(draw(st.integers(0, 6))):
+        if draw(st.booleans()):
+            first = draw(st.integers(-1000, 1000) | I64)
+            step = draw(st.integers(-3, 3) | st.integers(-(2**40), 2**40))
+            count = draw(st.integers(1, 40))
+            parts += [(first + step * i) for i in range(count)]
+        else:
+            parts += draw(st.lists(I64, max_size=5))
+    # keep within int64: the inputs are int64 arrays
+    return np.array([((x + 2**63) % 2**64) - 2**63 for x in parts], np.int64)
+
+
+@settings(max_examples=200, deadline=None)
+@given(int_arrays())
+def test_intarray_roundtrip(v):
+    enc = intarray.encode(v)
+    text = json.dumps(enc)  # plain JSON
+    back = intarray.decode(json.loads(text), "x")
+    assert back.dtype == np.int64 and back.shape == v.shape
+    assert (back == v).all()
+    if isinstance(enc, dict):
+        runs = enc["runs"]
+        assert 3 * len(runs) < len(v)  # only used when shorter
+        assert all(r[2] >= 1 for r in runs) and sum(r[2] for r in runs) == len(v)
+    else:
+        assert enc == v.tolist()
+
+
+def test_intarray_examples():
+    assert intarray.encode(np.arange(4096)) == {"runs": [[0, 1, 4096]]}
+    assert intarray.encode(np.array([5, 5, 5, 5, 5])) == {"runs": [[5, 0, 5]]}
+    assert intarray.encode(np.array([1, 2, 3])) == [1, 2, 3]
+    assert intarray.encode(np.array([], np.int64)) == []
+    # greedy: a value whose incoming step differs starts a run of its own
+    assert intarray.encode(np.array([0, 1, 2, 3, 4, 5, 10, 20, 30, 40, 50, 60])) == {
+        "runs": [[0, 1, 6], [10, 0, 1], [20, 10, 5]]}
+    # int64 wrap-around steps round-trip
+    v = np.array([2**63 - 1, -(2**63), -(2**63) + 1, -(2**63) + 2, 0], np.int64)
+    assert (intarray.decode(intarray.encode(v), "x") == v).all()
+    assert intarray.decode({"runs": []}, "x").tolist() == []
+    assert intarray.decode({"runs": [[3, -2, 3], [0, 0, 1]]}, "x").tolist() == [3, 1, -1, 0]
+
+
+@pytest.mark.parametrize("obj", [
+    [1.0], [1, 2.5], [True], [None], ["1"], [[1]], "1,2", None, 3, 1.5,
+    {"run": [[0, 1, 2]]}, {"runs": [[0, 1, 2]], "x": 1}, {"runs": "0,1,2"},
+    {"runs": [[0, 1]]}, {"runs": [[0, 1, 2, 3]]}, {"runs": [[0, 1.0, 2]]},
+    {"runs": [[0, True, 2]]}, {"runs": [[0, 1, 0]]}, {"runs": [[0, 1, -1]]},
+    {"runs": [[0, 1, 2**31], [0, 1, 2]]}, {"runs": [0, 1, 2]}, {"runs": [None]},
+    [2**63], [-(2**63) - 1], {"runs": [[2**64, 1, 2]]},
+    {"runs": [[0, 2**63, 2]]}, {"runs": [[0, 0, 2**62]] * 4}, {"runs": [[0, 1, 2**31 + 1]]},
+])
+def test_intarray_decode_rejects(obj):
+    with pytest.raises(ValueError) as e:
+        intarray.decode(obj, "tensor 'w' grid")
+    assert "tensor 'w' grid" in str(e.value)
+
+
+# ----------------------------------------------------------------------------- golden manifest
+
+def _grid_chunks(grid, files):
+    o, s = mf.grid_cells(grid)
+    return mf.Chunks(o, s, np.asarray(files, np.int64), grid)
+
+
+def golden_manifest() -> mf.Manifest:
+    files = (mf.FileEntry("rank00000.safetensors", 4096, 512, 0x1234ABCD, 0),
+             mf.FileEntry("rank00001.safetensors", 2048, 256, 0xDEADBEEF, 1))
+    irregular_o = np.array([[0, 0], [0, 2], [1, 0], [1, 1], [1, 3]], np.int64)
+    irregular_s = np.array([[1, 2], [1, 2], [1, 1], [1, 2], [1, 1]], np.int64)
+    tensors = {
+        # FSDP x TP style: 2x2 grid, rows split over the two files
+        "model.w": mf.TensorEntry("model.w", "F32", (4, 6),
+                                  _grid_chunks(((0, 2, 4), (0, 3, 6)), [0, 0, 1, 1])),
+        "model.b": mf.TensorEntry("model.b", "BF16", (6,), _grid_chunks(((0, 6),), [1])),
+        # 8 pieces: the breakpoints are one arithmetic run
+        "emb": mf.TensorEntry("emb", "I32", (8,),
+                              _grid_chunks((tuple(range(9)),), [0, 0, 0, 0, 1, 1, 1, 1])),
+        "step": mf.TensorEntry("step", "I64", (), _grid_chunks((), [1])),
+        "irregular": mf.TensorEntry("irregular", "F16", (2, 4), mf.Chunks(
+            irregular_o, irregular_s, np.array([0, 1, 0, 1, 0], np.int64), None)),
+        "empty": mf.TensorEntry("empty", "F32", (0, 3), mf.Chunks(
+            np.zeros((0, 2), np.int64), np.zeros((0, 2), np.int64), np.zeros(0, np.int64), None)),
+    }
+    values = {"epoch": 3, "name": "run-a", "none": None, "flag": True, "lr": 0.001}
+    return mf.Manifest("0123456789abcdef", 2, 0.0, files, tensors, values, {"user": {"tag": "x"}})
+
+
+def test_manifest_golden_bytes():
+    got = mf.to_json(golden_manifest())
+    with open(GOLDEN, "rb") as f:
+        want = f.read()
+    assert got == want, "the manifest format changed: bump VERSION or fix the writer"
+
+
+def test_manifest_golden_content():
+    with open(GOLDEN, "rb") as f:
+        raw = f.read()
+    doc = json.loads(raw)
+    assert doc["format"] == "dckpt" and doc["version"] == 1
+    assert list(doc)[:2] == ["format", "version"]
+    assert doc["tensors"]["emb"]["chunks"]["grid"] == [{"runs": [[0, 1, 9]]}]
+    assert doc["tensors"]["model.w"]["chunks"] == {"grid": [[0, 2, 4], [0, 3, 6]],
+                                                   "file": [0, 0, 1, 1]}
+    assert doc["tensors"]["step"] == {"dtype": "I64", "shape": [],
+                                      "chunks": {"grid": [], "file": [1]}}
+
+    m = mf.parse(raw)
+    assert m.save_id == "0123456789abcdef" and m.world_size == 2 and m.created == 0.0
+    assert m.files == golden_manifest().files
+    assert m.total_bytes == 4096 + 2048
+    assert m.values == {"epoch": 3, "name": "run-a", "none": None, "flag": True, "lr": 0.001}
+    assert type(m.values["flag"]) is bool and type(m.values["epoch"]) is int
+    assert m.meta == {"user": {"tag": "x"}}
+    w = m.tensors["model.w"]
+    assert (w.dtype, w.shape, w.nbytes, len(w.chunks)) == ("F32", (4, 6), 96, 4)
+    assert w.chunks.grid == ((0, 2, 4), (0, 3, 6))
+    assert w.chunks.offsets.tolist() == [[0, 0], [0, 3], [2, 0], [2, 3]]
+    assert w.chunks.sizes.tolist() == [[2, 3]] * 4
+    assert w.chunks.file.tolist() == [0, 0, 1, 1]
+    e = m.tensors["emb"]
+    assert e.chunks.offsets.ravel().tolist() == list(range(8)) and e.chunks.file.tolist() == [0] * 4 + [1] * 4
+    s = m.tensors["step"]
+    assert s.shape == () and s.nbytes == 8 and s.chunks.offsets.shape == (1, 0)
+    assert s.chunks.file.tolist() == [1]
+    ir = m.tensors["irregular"]
+    assert ir.chunks.grid is None and ir.chunks.sizes.tolist() == [[1, 2], [1, 2], [1, 1], [1, 2], [1, 1]]
+    assert m.tensors["empty"].shape == (0, 3) and len(m.tensors["empty"].chunks) == 0
+    assert m.tensors["empty"].nbytes == 0
+    assert m.tensors["model.b"].nbytes == 12
+    assert mf.to_json(m) == raw  # parse . to_json is the identity on the golden file
+
+
+# ----------------------------------------------------------------------------- validation
+
+def golden_doc() -> dict:
+    with open(GOLDEN, "rb") as f:
+        return json.loads(f.read())
+
+
+def _bad(doc_or_bytes, *fragments):
+    data = doc_or_bytes if isinstance(doc_or_bytes, bytes) else json.dumps(doc_or_bytes).encode()
+    with pytest.raises(ManifestError) as e:
+        mf.parse(data, where="ckpt/manifest.json")
+    msg = str(e.value)
+    for frag in fragments:
+        assert frag in msg, (frag, msg)
+    assert isinstance(e.value, IntegrityError) and isinstance(e.value, CheckpointError)
+    return msg
+
+
+def _mut(fn):
+    doc = golden_doc()
+    fn(doc)
+    return doc
+
+
+@pytest.mark.parametrize("data", [
+    b"", b"\x00\xff\xfe garbage", os.urandom(64) + b"\x80", b"{", b"{\"format\": \"dckpt\",",
+    b"\xef\xbb\xbf\xff{}",
+])
+def test_manifest_not_json(data):
+    _bad(data, "ckpt/manifest.json")
+
+
+@pytest.mark.parametrize("data", [b"[]", b"3", b"null", b"\"dckpt\"", b"[{\"format\": \"dckpt\"}]"])
+def test_manifest_not_object(data):
+    _bad(data, "not a dckpt manifest")
+
+
+def test_manifest_format_and_version():
+    _bad(_mut(lambda d: d.pop("format")), "not a dckpt manifest")
+    _bad(_mut(lambda d: d.update(format="other")), "not a dckpt manifest")
+    _bad(_mut(lambda d: d.update(version=2)), "version 2", "upgrade")
+    _bad(_mut(lambda d: d.pop("version")), "version None")
+    _bad(_mut(lambda d: d.update(version="1")), "version '1'")
+    _bad(_mut(lambda d: d.update(version=True)), "version True")
+    _bad(_mut(lambda d: d.update(version=1.0)), "version 1.0")
+
+
+@pytest.mark.parametrize("name", [
+    "../evil.safetensors", "/etc/passwd", "s3://bucket/x", "a/b.safetensors", ".hidden", "",
+    "a\\b.safetensors", "..", "x..safetensors", "C:evil", "evil.safetensors\n",
+    "a b.safetensors", "x" * 256, "é.safetensors", None, 3,
+])
+def test_manifest_bad_file_name(name):
+    _bad(_mut(lambda d: d["files"][0].__setitem__(0, name)), "files[0]", "name")
+
+
+def test_manifest_good_file_names():
+    for name in ["rank0.safetensors", "a-b_c.D.1", "_x", "x" * 255]:
+        m = mf.parse(json.dumps(_mut(lambda d: d["files"][0].__setitem__(0, name))).encode())
+        assert m.files[0].name == name
+
+
+def test_manifest_bad_files():
+    _bad(_mut(lambda d: d["files"][1].__setitem__(1, -5)), "files[1].size", "-5")
+    _bad(_mut(lambda d: d["files"][1].__setitem__(1, 1.5)), "files[1].size")
+    _bad(_mut(lambda d: d["files"][0].__setitem__(2, 5000)), "header_len 5000 exceeds size 4096")
+    _bad(_mut(lambda d: d["files"][0].__setitem__(2, 0)), "files[0].header_len")
+    _bad(_mut(lambda d: d["files"][0].__setitem__(3, -1)), "files[0].header_crc32")
+    _bad(_mut(lambda d: d["files"][0].__setitem__(4, True)), "files[0].rank")
+    _bad(_mut(lambda d: d["files"][1].__setitem__(0, d["files"][0][0])), "listed twice")
+    _bad(_mut(lambda d: d["files"][0].pop()), "files[0] must be")
+    _bad(_mut(lambda d: d.update(files={"a": 1})), "wrong JSON types")
+    _bad(_mut(lambda d: d.pop("files")), "missing field", "files")
+    _bad(_mut(lambda d: d.pop("tensors")), "missing field", "tensors")
+    _bad(_mut(lambda d: d.pop("values")), "missing field", "values")
+    _bad(_mut(lambda d: d.update(world_size=0)), "world_size")
+    _bad(_mut(lambda d: d.update(world_size="2")), "world_size")
+
+
+def test_manifest_bad_tensors():
+    t = lambda d: d["tensors"]  # noqa: E731
+    _bad(_mut(lambda d: t(d)["model.w"].update(dtype="F128")), "'model.w'", "dtype")
+    _bad(_mut(lambda d: t(d)["model.w"].update(dtype=["F32"])), "'model.w'", "dtype")
+    _bad(_mut(lambda d: t(d)["model.w"].pop("dtype")), "'model.w'", "dtype")
+    _bad(_mut(lambda d: t(d).update(x=[1])), "'x'")
+    _bad(_mut(lambda d: t(d)["model.w"].update(shape=[4, -6])), "'model.w' shape", "-6")
+    _bad(_mut(lambda d: t(d)["model.w"].update(shape=[4, 6.0])), "'model.w' shape")
+    _bad(_mut(lambda d: t(d)["model.w"].update(shape="4,6")), "'model.w'", "shape")
+    _bad(_mut(lambda d: t(d)["model.w"].pop("chunks")), "'model.w'", "chunks")
+    _bad(_mut(lambda d: t(d)["model.w"]["chunks"].update(file=[0, 0, 1, 2])),
+         "'model.w'", "file index out of range")
+    _bad(_mut(lambda d: t(d)["model.w"]["chunks"].update(file=[0, 0, -1, 1])),
+         "'model.w'", "file index out of range")
+    _bad(_mut(lambda d: t(d)["model.w"]["chunks"].update(file=[0, 0, 1])),
+         "'model.w'", "3 file indexes for 4 chunks")
+    _bad(_mut(lambda d: t(d)["model.w"]["chunks"].update(file=[0, 0, 1, 1.0])),
+         "'model.w'", "integers")
+    _bad(_mut(lambda d: t(d)["model.w"]["chunks"].pop("file")), "'model.w'")
+    # grids: must rise strictly from 0 to the dim's length
+    _bad(_mut(lambda d: t(d)["model.w"]["chunks"].update(grid=[[1, 2, 4], [0, 3, 6]])),
+         "'model.w'", "grid of dim 0", "from 0 to 4")
+    _bad(_mut(lambda d: t(d)["model.w"]["chunks"].update(grid=[[0, 2, 4], [0, 3, 5]])),
+         "'model.w'", "grid of dim 1", "from 0 to 6")
+    _bad(_mut(lambda d: t(d)["model.w"]["chunks"].update(grid=[[0, 2, 4], [0, 3, 7]])),
+         "'model.w'", "grid of dim 1")
+    _bad(_mut(lambda d: t(d)["model.w"]["chunks"].update(grid=[[0, 3, 2, 4], [0, 6]])),
+         "'model.w'", "grid of dim 0")
+    _bad(_mut(lambda d: t(d)["model.w"]["chunks"].update(grid=[[0, 4]])),
+         "'model.w'", "one breakpoint list per dim")
+    _bad(_mut(lambda d: t(d)["emb"]["chunks"].update(grid=[{"runs": [[0, 1, 10]]}])),
+         "'emb'", "grid of dim 0")
+
+
+def test_manifest_bad_chunk_lists():
+    def irregular(offsets, sizes, file):
+        def fn(d):
+            d["tensors"]["irregular"]["chunks"] = {"offsets": offsets, "sizes": sizes, "file": file}
+        return _mut(fn)
+
+    ok = irregular([[0, 0], [0, 2], [1, 0], [1, 1], [1, 3]],
+                   [[1, 2], [1, 2], [1, 1], [1, 2], [1, 1]], [0, 1, 0, 1, 0])
+    assert mf.parse(json.dumps(ok).encode()).tensors["irregular"].chunks.grid is None
+    # gap: the last cell of row 1 is missing
+    _bad(irregular([[0, 0], [0, 2], [1, 0], [1, 1]], [[1, 2], [1, 2], [1, 1], [1, 2]],
+                   [0, 1, 0, 1]), "'irregular'", "cover 7 elements of 8")
+    # overlap with the right element count
+    _bad(irregular([[0, 0], [0, 2], [1, 0], [1, 1]], [[1, 2], [1, 2], [1, 2], [1, 2]],
+                   [0, 1, 0, 1]), "'irregular'", "overlap")
+    # a chunk outside the tensor, an empty chunk
+    _bad(irregular([[0, 0], [1, 0]], [[1, 4], [2, 4]], [0, 1]), "'irregular'", "outside")
+    _bad(irregular([[0, 0], [1, 0], [1, 0]], [[1, 4], [1, 4], [0, 4]], [0, 1, 1]),
+         "'irregular'", "empty")
+    # malformed tables
+    _bad(irregular([[0, 0], [1, 0]], [[1, 4]], [0, 1]), "'irregular'")
+    _bad(irregular([[0], [1]], [[1], [1]], [0, 1]), "'irregular'")
+    _bad(irregular([0, 1], [1, 1], [0, 1]), "'irregular'")
+    _bad(irregular([[0, 0], [1, 0]], [[1, 4], [1, 4]], [0]), "'irregular'", "2 chunks")
+    _bad(irregular([[0, 0], [1, 0]], [[1, 4], [1, 4]], [0, 2]), "'irregular'", "out of range")
+    _bad(irregular([[0, 0], [1, "0"]], [[1, 4], [1, 4]], [0, 1]), "'irregular'")
+    _bad(irregular([[0, 0], [1, 0]], [[1, 4], [1, 4.0]], [0, 1]), "'irregular'")
+    _bad(irregular([[0, 0], [1, 0.5]], [[1, 4], [1, 4]], [0, 1]), "'irregular'")
+    _bad(irregular([[0, 0], [True, 0]], [[1, 4], [1, 4]], [0, 1]), "'irregular'")
+    _bad(irregular([[0, 0], [1, 0]], [[1, 4], [1, 2**64]], [0, 1]), "'irregular'")
+    _bad(irregular(None, None, [0, 1]), "'irregular'")
+    _bad(irregular({"a": 1}, {"a": 1}, [0, 1]), "'irregular'")
+
+
+def test_manifest_bad_values():
+    _bad(_mut(lambda d: d["values"].update(x=[1, 2])), "value 'x'", "scalar")
+    _bad(_mut(lambda d: d["values"].update(x={"a": 1})), "value 'x'", "scalar")
+    _bad(_mut(lambda d: d["values"].update({"model.w": 1})), "'model.w'", "both a tensor and a value")
+    _bad(_mut(lambda d: d.update(values=[1])), "wrong JSON types")
+    _bad(_mut(lambda d: d.update(tensors=[])), "wrong JSON types")
+
+
+def test_manifest_bad_top_level_fields():
+    _bad(_mut(lambda d: d.update(created="yesterday")), "created")
+    _bad(_mut(lambda d: d.update(created=[1])), "created")
+
+
+def test_manifest_huge_shape():
+    def fn(d):
+        d["tensors"]["irregular"]["shape"] = [2**70, 4]
+    _bad(_mut(fn), "'irregular'")
+
+    def fn2(d):
+        d["tensors"]["model.w"]["shape"] = [2**62, 2**62]
+        d["tensors"]["model.w"]["chunks"] = {"grid": [[0, 2**62], [0, 2**62]], "file": [0]}
+    _bad(_mut(fn2), "'model.w'")
+
+
+def test_manifest_size_cap(monkeypatch):
+    raw = open(GOLDEN, "rb").read()
+    monkeypatch.setattr(mf, "MAX_MANIFEST_BYTES", len(raw) - 1)
+    _bad(raw, "exceeds", str(len(raw) - 1))
+    monkeypatch.setattr(mf, "MAX_MANIFEST_BYTES", len(raw))
+    assert mf.parse(raw).world_size == 2
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_manifest_fuzz_only_manifest_errors(data):
+    """Random corruption of the golden bytes: parse either succeeds or raises
+    ManifestError, never another exception."""
+    raw = bytearray(open(GOLDEN, "rb").read())
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(raw) - 1))
+        raw[i] = data.draw(st.sampled_from(b'0123456789-.,:[]{}"eE tnfalsruxz\\'))
+    try:
+        m = mf.parse(bytes(raw))
+    except ManifestError:
+        return
+    # accepted: every tensor's chunks are inside it and in range of the files
+    for t in m.tensors.values():
+        assert (t.chunks.offsets >= 0).all() and (t.chunks.sizes > 0).all()
+        assert ((t.chunks.offsets + t.chunks.sizes) <= np.asarray(t.shape, np.int64)).all()
+        assert ((t.chunks.file >= 0) & (t.chunks.file < len(m.files))).all()
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+                    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=3), c, max_size=3),
+                    max_leaves=8),
+       st.sampled_from(["files", "tensors", "values", "t", "chunks", "grid", "file", "offsets",
+                        "shape", "dtype", "created", "world_size", "f0", "meta"]))
+def test_manifest_fuzz_wrong_types(junk, where):
+    doc = golden_doc()
+    if where == "t":
+        doc["tensors"]["model.w"] = junk
+    elif where == "chunks":
+        doc["tensors"]["irregular"]["chunks"] = junk
+    elif where in ("grid", "file"):
+        doc["tensors"]["model.w"]["chunks"][where] = junk
+    elif where == "offsets":
+        doc["tensors"]["irregular"]["chunks"]["offsets"] = junk
+    elif where in ("shape", "dtype"):
+        doc["tensors"]["model.w"][where] = junk
+    elif where == "f0":
+        doc["files"][0] = junk
+    else:
+        doc[where] = junk
+    try:
+        data = json.dumps(doc).encode()
+    except ValueError:
+        return
+    try:
+        mf.parse(data)
+    except ManifestError:
+        pass
+
+
+# ----------------------------------------------------------------------------- shard files
+
+def _buf(t: torch.Tensor) -> memoryview:
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _sample_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model.w": torch.randn(7, 5, generator=g),
+        "model.bf": torch.randn(3, 9, generator=g).to(torch.bfloat16),
+        "mask": torch.rand(11, generator=g) > 0.5,
+        "ids": torch.randint(-(2**40), 2**40, (6,), generator=g),
+        "scalar": torch.tensor(3.25, dtype=torch.float64),
+        "empty": torch.zeros(0, 4),
+        "empty_i8": torch.zeros(3, 0, dtype=torch.int8),
+        "big": torch.randn(1000, generator=g),  # 4000 bytes: 4 blocks of 1024
+        "half": torch.randn(513, generator=g).to(torch.float16),  # 1026 bytes: 2 blocks
+        "u8": torch.randint(0, 255, (2, 3, 5), dtype=torch.uint8, generator=g),
+        "i32": torch.randint(-100, 100, (4,), dtype=torch.int32, generator=g),
+        "c64": torch.randn(3, dtype=torch.complex64, generator=g),
+    }
+
+
+def _write(tmp, tensors, random_write, block=1024, name="rank0.safetensors"):
+    st_ = LocalStorage()
+    path = os.path.join(tmp, name)
+    entries = [(k, to_code(t.dtype, k), tuple(t.shape), t.numel() * t.element_size())
+               for k, t in tensors.items()]
+    order = shards.order_entries(entries)
+    entries = [entries[i] for i in order]
+    buffers = [_buf(tensors[e[0]]) for e in entries]
+    w = st_.open_write(path)
+    size, hlen, crc = shards.write_shard(w, entries, buffers, random_write=random_write, block=block)
+    w.commit()
+    return path, entries, size, hlen, crc
+
+
+def _check_shard(path, tensors, entries, size, hlen, crc, block):
+    data = open(path, "rb").read()
+    assert len(data) == size == os.path.getsize(path)
+    assert struct.unpack("<Q", data[:8])[0] == hlen and hlen % 8 == 0
+    assert zlib.crc32(data[:8 + hlen]) == crc
+    loaded = load_file(path)
+    assert set(loaded) == set(tensors)
+    for k, t in tensors.items():
+        assert loaded[k].dtype == t.dtype and loaded[k].shape == t.shape
+        assert torch.equal(loaded[k], t), k
+    stored, blk = shards.parse_header(data[:8 + hlen], path, size)
+    assert blk == block and set(stored) == set(tensors)
+    pos = 8 + hlen
+    for name, dt, shape, nbytes in entries:  # file order, back to back
+        s = stored[name]
+        assert (s.name, s.dtype, s.shape, s.nbytes, s.start) == (name, dt, shape, nbytes, pos)
+        assert s.start % ITEMSIZE[dt] == 0  # aligned, as safetensors requires
+        raw = data[s.start:s.start + s.nbytes]
+        assert raw == bytes(_buf(tensors[name]))
+        nblocks = max(1, -(-nbytes // block))
+        assert len(s.crcs) == nblocks and s.crcs.dtype == np.uint32
+        assert s.crcs.tolist() == [zlib.crc32(raw[i:i + block]) for i in range(0, nbytes, block)] or (
+            nbytes == 0 and s.crcs.tolist() == [0])
+        shards.verify(memoryview(raw), 0, s.crcs, block, name)
+        for b in range(1, nblocks):  # a partial read from any block on verifies too
+            shards.verify(memoryview(raw)[b * block:], b, s.crcs, block, name)
+        pos += nbytes
+    assert pos == size
+    return data, stored
+
+
+@pytest.mark.parametrize("random_write", [True, False])
+def test_shard_roundtrip(tmp_path, random_write):
+    tensors = _sample_tensors()
+    path, entries, size, hlen, crc = _write(str(tmp_path), tensors, random_write)
+    _check_shard(path, tensors, entries, size, hlen, crc, 1024)
+    assert [ITEMSIZE[e[1]] for e in entries] == sorted((ITEMSIZE[e[1]] for e in entries), reverse=True)
+
+
+def test_shard_write_modes_identical(tmp_path):
+    tensors = _sample_tensors()
+    a = _write(str(tmp_path), tensors, True, name="a.safetensors")
+    b = _write(str(tmp_path), tensors, False, name="b.safetensors")
+    assert open(a[0], "rb").read() == open(b[0], "rb").read()
+    assert a[2:] == b[2:]
+
+
+def test_shard_default_block(tmp_path):
+    tensors = {"x": torch.arange(10, dtype=torch.float32)}
+    st_ = LocalStorage()
+    path = os.path.join(str(tmp_path), "x.safetensors")
+    w = st_.open_write(path)
+    size, hlen, _ = shards.write_shard(w, [("x", "F32", (10,), 40)], [_buf(tensors["x"])], True)
+    w.commit()
+    data = open(path, "rb").read()
+    stored, blk = shards.parse_header(data[:8 + hlen], path, size)
+    assert blk == shards.BLOCK and stored["x"].crcs.tolist() == [zlib.crc32(data[-40:])]
+    assert torch.equal(load_file(path)["x"], tensors["x"])
+
+
+dtypes_st = st.sampled_from([torch.float32, torch.bfloat16, torch.bool, torch.int64, torch.float16,
+                             torch.uint8, torch.int8, torch.float64, torch.int32])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(dtypes_st, st.lists(st.integers(0, 40), max_size=3)), min_size=0,
+                max_size=6),
+       st.booleans(), st.sampled_from([8, 64, 1024]), st.integers(0, 2**32 - 1))
+def test_shard_property(specs, random_write, block, seed):
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i, (dt, shape) in enumerate(specs):
+        if dt == torch.bool:
+            t = torch.rand(shape, generator=g) > 0.5
+        elif dt.is_floating_point:
+            t = torch.randn(shape, generator=g).to(dt)
+        else:
+            t = torch.randint(-100 if dt != torch.uint8 else 0, 100, shape, generator=g).to(dt)
+        tensors[f"t{i}.{to_code(dt)}"] = t
+    with tempfile.TemporaryDirectory() as tmp:
+        path, entries, size, hlen, crc = _write(tmp, tensors, random_write, block=block)
+        _check_shard(path, tensors, entries, size, hlen, crc, block)
+
+
+def test_shard_verify_detects_bit_flips(tmp_path):
+    tensors = _sample_tensors()
+    path, entries, size, hlen, crc = _write(str(tmp_path), tensors, True)
+    data, stored = _check_shard(path, tensors, entries, size, hlen, crc, 1024)
+    rng = np.random.default_rng(1)
+    for name, s in stored.items():
+        if s.nbytes == 0:
+            continue
+        for _ in range(5):
+            raw = bytearray(data[s.start:s.start + s.nbytes])
+            i = int(rng.integers(len(raw)))
+            raw[i] ^= 1 << int(rng.integers(8))
+            with pytest.raises(IntegrityError) as e:
+                shards.verify(memoryview(bytes(raw)), 0, s.crcs, 1024, f"{path}:{name}")
+            assert name in str(e.value) and f"block {i // 1024}" in str(e.value)
+    # a buffer longer or shorter (by a block) than recorded is refused too
+    big = stored["big"]
+    raw = data[big.start:big.start + big.nbytes]
+    with pytest.raises(IntegrityError):
+        shards.verify(memoryview(raw + b"\0" * 1024), 0, big.crcs, 1024, "big")
+    with pytest.raises(IntegrityError):
+        shards.verify(memoryview(raw[:1024]), 0, big.crcs[1:], 1024, "big")
+    # a file changed on disk no longer matches the manifest's header checksum
+    assert zlib.crc32(data[:8 + hlen]) == crc
+    flipped = bytearray(data[:8 + hlen])
+    flipped[20] ^= 4
+    assert zlib.crc32(bytes(flipped)) != crc
+
+
+def _reheader(data: bytes, hlen: int, fn) -> tuple[bytes, int]:
+    doc = json.loads(data[8:8 + hlen])
+    fn(doc)
+    raw = json.dumps(doc, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    new = struct.pack("<Q", len(raw)) + raw + data[8 + hlen:]
+    return new, len(raw)
+
+
+def _bad_header(data, hlen, fn, size_delta=0):
+    new, nh = _reheader(data, hlen, fn)
+    with pytest.raises(IntegrityError) as e:
+        shards.parse_header(new[:8 + nh], "rank0.safetensors", len(new) + size_delta)
+    assert "rank0.safetensors" in str(e.value)
+
+
+def test_shard_bad_headers(tmp_path):
+    tensors = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+               "b": torch.arange(4, dtype=torch.int16)}
+    path, entries, size, hlen, crc = _write(str(tmp_path), tensors, False, block=8)
+    data = open(path, "rb").read()
+    ok, _ = shards.parse_header(data[:8 + hlen], path, size)
+    assert ok["a"].nbytes == 24 and ok["b"].nbytes == 8
+
+    def set_off(name, off):
+        return lambda d: d[name].__setitem__("data_offsets", off)
+
+    _bad_header(data, hlen, set_off("b", [24, 24 + 4096]))  # past the end of the file
+    _bad_header(data, hlen, set_off("b", [30, 24]))  # end before start
+    _bad_header(data, hlen, set_off("b", [-8, 0]))
+    _bad_header(data, hlen, set_off("a", [0, 16]))  # 2x3 F32 is 24 bytes, not 16
+    _bad_header(data, hlen, set_off("b", [24, 30]))  # 4 x I16 is 8 bytes, not 6
+    _bad_header(data, hlen, set_off("b", ["24", 32]))
+    _bad_header(data, hlen, set_off("b", [24]))
+    _bad_header(data, hlen, lambda d: d["a"].update(dtype="F128"))
+    _bad_header(data, hlen, lambda d: d["a"].update(shape=[2, -3]))
+    _bad_header(data, hlen, lambda d: d["a"].update(shape="2x3"))
+    _bad_header(data, hlen, lambda d: d["a"].pop("data_offsets"))
+    _bad_header(data, hlen, lambda d: d["__metadata__"].pop("dckpt.block"))
+    _bad_header(data, hlen, lambda d: d["__metadata__"].update({"dckpt.block": "x"}))
+    _bad_header(data, hlen, lambda d: d["__metadata__"].update({"crc32:a": "00"}))
+    _bad_header(data, hlen, lambda d: d["__metadata__"].update({"crc32:a": "zz" * 12}))
+    _bad_header(data, hlen, lambda d: d.update(__metadata__=[1]))
+    _bad_header(data, hlen, lambda d: d.update(a=7))
+    # the file is shorter than the header says
+    with pytest.raises(IntegrityError):
+        shards.parse_header(data[:8 + hlen], path, size - 1)
+    # not JSON, not an object, truncated length prefix
+    for head in (b"\x08\0\0\0\0\0\0\0not json", struct.pack("<Q", 4) + b"[1] ",
+                 struct.pack("<Q", 4) + b"\"x\" ", struct.pack("<Q", 4) + b"3   ", b"\x01\x02"):
+        with pytest.raises(IntegrityError):
+            shards.parse_header(head, "f", 100)
+
+
+def test_order_entries():
+    e = [("a", "U8", (3,), 3), ("b", "F64", (1,), 8), ("c", "BF16", (2,), 4),
+         ("d", "F32", (1,), 4), ("e", "I64", (), 8), ("f", "BOOL", (1,), 1)]
+    assert [e[i][0] for i in shards.order_entries(e)] == ["b", "e", "d", "c", "a", "f"]
+
+
+def test_dtype_codes_roundtrip():
+    for code, size in ITEMSIZE.items():
+        try:
+            dt = to_torch(code)
+        except KeyError:
+            continue  # not offered by this torch
+        assert to_code(dt) == code
+        assert torch.empty((), dtype=dt).element_size() == size
