@@ -210,12 +210,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--world", type=int, default=2, help="gloo ranks")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions")
     p.add_argument("--warmup", type=int, default=1, help="untimed repetitions first")
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--layers", type=int, default=6, help="transformer blocks")
+    p.add_argument("--hidden", type=int, default=768, help="model width")
     p.add_argument("--vocab", type=int, default=8193, help="odd: uneven Shard(0)")
-    p.add_argument("--ffn-mult", type=int, default=4)
+    p.add_argument("--ffn-mult", type=int, default=4, help="MLP width / hidden")
     p.add_argument("--dcp-threads", type=int, default=1, help="FileSystemWriter thread_count")
-    p.add_argument("--dir", default=None, help="scratch dir (default: a new temp dir)")
+    p.add_argument("--dir", default=None, help="parent of the scratch dir (None: the system temp dir)")
     p.add_argument("--no-drop-caches", dest="drop_caches", action="store_false",
                    help="do not try to drop the page cache before loads")
     p.add_argument("--json", default=None, help="write results as JSON here")
@@ -235,6 +235,10 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     res["args"] = vars(args)
+    import platform
+    import torch
+    res["env"] = {"python": platform.python_version(), "torch": torch.__version__,
+                  "machine": platform.platform(), "cpus": os.cpu_count()}
     report(res)
     if args.json:
         with open(args.json, "w") as f:

@@ -100,9 +100,10 @@ def profile(blobs: list[bytes], world: int, top: int) -> str:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024, 4096])
-    p.add_argument("--tensors", type=int, default=500)
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024, 4096],
+                   help="world sizes R")
+    p.add_argument("--tensors", type=int, default=500, help="tensors T per rank")
+    p.add_argument("--reps", type=int, default=3, help="timed coordinator passes per R")
     p.add_argument("--profile", action="store_true",
                    help="cProfile one pass at the largest R (also done when the target is missed)")
     p.add_argument("--top", type=int, default=25, help="profile lines to print")

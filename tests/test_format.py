@@ -70,8 +70,10 @@ def test_intarray_examples():
     assert intarray.encode(np.array([0, 1, 2, 3, 4, 5, 10, 20, 30, 40, 50, 60])) == {
         "runs": [[0, 1, 6], [10, 0, 1], [20, 10, 5]]}
     # int64 wrap-around steps round-trip
-    v = np.array([2**63 - 1, -(2**63), -(2**63) + 1, -(2**63) + 2, 0], np.int64)
-    assert (intarray.decode(intarray.encode(v), "x") == v).all()
+    v = np.array([2**63 - 3, 2**63 - 2, 2**63 - 1, -(2**63), -(2**63) + 1, -(2**63) + 2, 5],
+                 np.int64)
+    assert intarray.encode(v) == {"runs": [[2**63 - 3, 1, 6], [5, 0, 1]]}
+    assert (intarray.decode(json.loads(json.dumps(intarray.encode(v))), "x") == v).all()
     assert intarray.decode({"runs": []}, "x").tolist() == []
     assert intarray.decode({"runs": [[3, -2, 3], [0, 0, 1]]}, "x").tolist() == [3, 1, -1, 0]
 

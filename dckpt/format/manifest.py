@@ -137,7 +137,7 @@ def _parse_file(i: int, f: Any) -> FileEntry:
     if not (isinstance(f, list) and len(f) == 5):
         raise ManifestError(f"manifest: files[{i}] must be [name, size, header_len, crc, rank]")
     name = f[0]
-    if not isinstance(name, str) or not SAFE_NAME.match(name) or ".." in name:
+    if not isinstance(name, str) or not SAFE_NAME.fullmatch(name) or ".." in name:
         raise ManifestError(
             f"manifest: files[{i}] name {name!r} is not a plain file name inside the "
             "checkpoint (absolute paths, '..', separators and URLs are refused)")
@@ -170,12 +170,16 @@ def _parse_chunks(key: str, shape: tuple[int, ...], obj: Any, nfiles: int) -> Ch
             offsets, sizes = grid_cells(grid)
         else:
             grid = None
-            offsets = np.asarray(obj.get("offsets"), dtype=np.int64)
-            sizes = np.asarray(obj.get("sizes"), dtype=np.int64)
-            if offsets.shape != sizes.shape or offsets.ndim != 2 and len(offsets):
-                raise ValueError(f"tensor {key!r}: offsets and sizes must be equal (n, ndim) lists")
-            offsets = offsets.reshape(len(offsets), ndim)
-            sizes = sizes.reshape(len(sizes), ndim)
+            offsets, sizes = obj.get("offsets"), obj.get("sizes")
+            if not (isinstance(offsets, list) and isinstance(sizes, list)
+                    and len(offsets) == len(sizes)
+                    and all(isinstance(r, list) and len(r) == ndim
+                            and all(type(x) is int and 0 <= x < 1 << 63 for x in r)
+                            for r in offsets + sizes)):
+                raise ValueError(f"tensor {key!r}: offsets and sizes must be equal (n, ndim) "
+                                 "lists of non-negative integers")
+            offsets = np.asarray(offsets, dtype=np.int64).reshape(len(offsets), ndim)
+            sizes = np.asarray(sizes, dtype=np.int64).reshape(len(sizes), ndim)
     except (ValueError, TypeError, OverflowError) as e:
         raise ManifestError(f"manifest: {e}") from None
     if len(file) != len(offsets):
@@ -201,7 +205,7 @@ def parse(data: bytes, where: str = "manifest.json") -> Manifest:
         raise ManifestError(f"{where} is not valid JSON ({e}); the checkpoint is corrupt") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ManifestError(f"{where} is not a dckpt manifest (no \"format\": \"dckpt\")")
-    if doc.get("version") != VERSION:
+    if type(doc.get("version")) is not int or doc["version"] != VERSION:
         raise ManifestError(f"{where}: manifest version {doc.get('version')!r} is not supported "
                             f"by this dckpt (reads version {VERSION}); upgrade dckpt")
     try:
@@ -216,11 +220,14 @@ def parse(data: bytes, where: str = "manifest.json") -> Manifest:
             raise ManifestError(f"{where}: a file is listed twice")
         tensors: dict[str, TensorEntry] = {}
         for key, t in tensors_raw.items():
-            if not isinstance(t, dict) or t.get("dtype") not in ITEMSIZE:
+            if not isinstance(t, dict) or not isinstance(t.get("dtype"), str) \
+                    or t["dtype"] not in ITEMSIZE:
                 raise ManifestError(f"{where}: tensor {key!r} has no valid dtype")
             if not isinstance(t.get("shape"), list):
                 raise ManifestError(f"{where}: tensor {key!r} has no shape list")
             shape = tuple(_int(s, f"tensor {key!r} shape") for s in t["shape"])
+            if math.prod(shape) * ITEMSIZE[t["dtype"]] >= 1 << 63:
+                raise ManifestError(f"{where}: tensor {key!r} of shape {list(shape)} is too large")
             tensors[key] = TensorEntry(key, t["dtype"], shape,
                                        _parse_chunks(key, shape, t.get("chunks"), len(files)))
         for key, v in values.items():
@@ -228,10 +235,13 @@ def parse(data: bytes, where: str = "manifest.json") -> Manifest:
                 raise ManifestError(f"{where}: value {key!r} is not a JSON scalar")
             if key in tensors:
                 raise ManifestError(f"{where}: key {key!r} is both a tensor and a value")
+        created = doc.get("created", 0.0)
+        if type(created) not in (int, float):
+            raise ManifestError(f"{where}: created must be a number, got {created!r}")
         return Manifest(
             save_id=str(doc.get("save_id", "")),
             world_size=_int(doc.get("world_size"), "world_size", 1),
-            created=float(doc.get("created", 0.0)),
+            created=float(created),
             files=files,
             tensors=tensors,
             values=values,

@@ -9,6 +9,7 @@ partial read can be verified block by block. Any safetensors reader loads the fi
 from __future__ import annotations
 
 import json
+import math
 import struct
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -99,7 +100,11 @@ def parse_header(head: bytes, file: str, size: int) -> tuple[dict[str, StoredTen
     try:
         (hlen,) = _U64.unpack_from(head, 0)
         doc = json.loads(head[8:8 + hlen])
+        if not isinstance(doc, dict):
+            raise ValueError("the header is not a JSON object")
         meta = doc.pop("__metadata__", {}) or {}
+        if not isinstance(meta, dict):
+            raise ValueError("__metadata__ is not a JSON object")
         block = int(meta.get("dckpt.block", "0"))
         if block <= 0:
             raise ValueError("no dckpt.block in metadata")
@@ -107,13 +112,18 @@ def parse_header(head: bytes, file: str, size: int) -> tuple[dict[str, StoredTen
         data_start = 8 + hlen
         for name, t in doc.items():
             s, e = t["data_offsets"]
-            if not (0 <= s <= e and data_start + e <= size) or t["dtype"] not in ITEMSIZE:
+            shape = t["shape"]
+            if not (isinstance(shape, list) and all(type(x) is int and x >= 0 for x in shape)):
+                raise ValueError(f"tensor {name!r} has a bad shape")
+            if not (type(s) is int and type(e) is int and 0 <= s <= e and data_start + e <= size) \
+                    or t["dtype"] not in ITEMSIZE \
+                    or e - s != math.prod(shape) * ITEMSIZE[t["dtype"]]:
                 raise ValueError(f"tensor {name!r} has bad offsets or dtype")
             hexs = meta.get("crc32:" + name, "")
             crcs = np.array([int(hexs[i:i + 8], 16) for i in range(0, len(hexs), 8)], np.uint32)
             if len(crcs) != max(1, -(-(e - s) // block)):
                 raise ValueError(f"tensor {name!r} has {len(crcs)} checksums")
-            out[name] = StoredTensor(name, t["dtype"], tuple(t["shape"]), data_start + s, e - s, crcs)
+            out[name] = StoredTensor(name, t["dtype"], tuple(shape), data_start + s, e - s, crcs)
         return out, block
     except (ValueError, KeyError, TypeError, struct.error) as e:
         raise IntegrityError(f"shard file {file}: unreadable header ({e})") from None
