@@ -1,0 +1,98 @@
+"""The dckpt command line: ls, inspect, verify, gc."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+import dckpt
+from dckpt.cli import main
+
+
+def _ckpt(root, name="step-1", n=3):
+    path = os.path.join(root, name)
+    dckpt.save({"model": {"w": torch.randn(64, 8), "b": torch.zeros(8, dtype=torch.bfloat16)},
+                "step": n, "name": "demo"}, path)
+    return path
+
+
+def test_ls_lists_committed_only(tmp_path, capsys):
+    _ckpt(tmp_path, "step-1")
+    _ckpt(tmp_path, "step-2")
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "data-0123456789abcdef-00000.safetensors").write_bytes(b"x")
+    assert main(["ls", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "step-1" in out and "step-2" in out and "half" not in out
+    lines = out.strip().splitlines()
+    assert lines[0].split() == ["path", "state", "size", "files", "tensors", "ranks", "saved"]
+    assert len(lines) == 4 and "committed" in lines[2]
+
+
+def test_inspect_table_and_json(tmp_path, capsys):
+    path = _ckpt(tmp_path)
+    assert main(["inspect", path]) == 0
+    out = capsys.readouterr().out
+    assert "model.w" in out and "64x8" in out and "F32" in out and "BF16" in out
+    assert "step" in out and '"demo"' in out
+    assert main(["inspect", "--json", path]) == 0
+    assert '"format":"dckpt"' in capsys.readouterr().out
+
+
+def test_verify_ok_then_corrupt(tmp_path, capsys):
+    path = _ckpt(tmp_path)
+    assert main(["verify", path]) == 0
+    assert capsys.readouterr().out.startswith("OK")
+    f = next(os.path.join(path, x) for x in os.listdir(path) if x.endswith(".safetensors"))
+    b = bytearray(open(f, "rb").read())
+    b[len(b) - 100] ^= 0x40
+    open(f, "wb").write(b)
+    assert main(["verify", path]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED" in out and os.path.basename(f) in out and "checksum" in out
+
+
+def test_verify_not_a_checkpoint(tmp_path, capsys):
+    assert main(["verify", str(tmp_path)]) == 1
+    assert "no committed checkpoint" in capsys.readouterr().out
+
+
+def test_inspect_missing_is_clean_error(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path / "nope")]) == 2
+    assert "no committed checkpoint" in capsys.readouterr().err
+
+
+def test_gc_dry_run_then_remove(tmp_path, capsys):
+    path = _ckpt(tmp_path)
+    stray = os.path.join(path, "data-00000000000000aa-00001.safetensors")
+    half = tmp_path / "half"
+    half.mkdir()
+    orphan = half / "data-00000000000000bb-00000.safetensors"
+    for p in (stray, orphan):
+        open(p, "wb").write(b"\0" * 10)
+    user_file = half / "notes.txt"
+    user_file.write_text("mine")
+    old = time.time() - 7200
+    for p in (stray, orphan, user_file):
+        os.utime(p, (old, old))
+    young = os.path.join(path, "data-00000000000000cc-00000.safetensors")
+    open(young, "wb").write(b"\0")  # a save in progress: too young to touch
+
+    assert main(["gc", "--dry-run", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "would remove 2 leftover" in out and os.path.exists(stray)
+    assert main(["gc", str(tmp_path)]) == 0
+    assert not os.path.exists(stray) and not orphan.exists()
+    assert user_file.exists() and os.path.exists(young)
+    assert main(["verify", path]) == 0
+
+
+def test_console_script_runs(tmp_path):
+    path = _ckpt(tmp_path)
+    r = subprocess.run([sys.executable, "-m", "dckpt", "ls", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "step-1" in r.stdout, r.stderr
+    assert path
