@@ -25,17 +25,22 @@ class CheckpointSummary:
     problem: str = ""
 
 
-def _summary(storage, path: str) -> CheckpointSummary | None:
+def _read(storage, path: str):
+    """(manifest or None, summary or None): None, None when ``path`` has no manifest."""
     from .dist.restore import read_manifest
 
     try:
         m, _ = read_manifest(storage, path)
     except CheckpointError as e:
         if storage.exists(storage.join(path, mf.MANIFEST_NAME)):
-            return CheckpointSummary(path, False, 0, 0, 0, 0, 0.0, str(e))
-        return None
-    return CheckpointSummary(path, True, m.total_bytes, len(m.files), len(m.tensors),
-                             m.world_size, m.created)
+            return None, CheckpointSummary(path, False, 0, 0, 0, 0, 0.0, str(e))
+        return None, None
+    return m, CheckpointSummary(path, True, m.total_bytes, len(m.files), len(m.tensors),
+                                m.world_size, m.created)
+
+
+def _summary(storage, path: str) -> CheckpointSummary | None:
+    return _read(storage, path)[1]
 
 
 def list_checkpoints(root: str, storage_options: dict | None = None) -> list[CheckpointSummary]:
@@ -86,14 +91,11 @@ def find_leftovers(root: str, min_age_s: float = 3600.0,
     dirs = [base] + [storage.join(base, e.name) for e in storage.listdir(base) if e.is_dir]
     out = []
     for d in dirs:
-        keep: set[str] = set()
-        s = _summary(storage, d)
+        m, s = _read(storage, d)
         if s is not None and not s.committed:
             log.warning("skipping %s: unreadable manifest (%s)", d, s.problem)
             continue
-        if s is not None:
-            from .dist.restore import read_manifest
-            keep = {f.name for f in read_manifest(storage, d)[0].files}
+        keep = {f.name for f in m.files} if m is not None else set()
         for e in storage.listdir(d):
             if e.is_dir or e.name in keep:
                 continue
