@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 
 import numpy as np
 import pytest
@@ -17,9 +18,14 @@ from dckpt.format.dtypes import ITEMSIZE
 from dckpt.layout import chunks, localplan, plan, reshard, tiling
 from dckpt.layout.chunks import Box
 
-SETTINGS = settings(max_examples=100, deadline=None,
+# DCKPT_TEST_EXAMPLES=k multiplies every max_examples by k (a deeper hunt).
+def _n(k: int) -> int:
+    return k * int(os.environ.get("DCKPT_TEST_EXAMPLES", "1"))
+
+
+SETTINGS = settings(max_examples=_n(100), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
-FEW = settings(max_examples=50, deadline=None,
+FEW = settings(max_examples=_n(50), deadline=None,
                suppress_health_check=[HealthCheck.too_slow])
 
 DTYPES = ["F32", "BF16", "F16", "I64", "I8", "BOOL", "F64", "U8"]
@@ -337,7 +343,7 @@ def _check_analyse(shape, o, s):
     return t
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=_n(200), deadline=None)
 @given(perturbed_tilings())
 def test_analyse_matches_count_array(case):
     _check_analyse(*case)
@@ -679,6 +685,22 @@ def test_localplan_roundtrip_error_and_nan():
     q = localplan.decode(localplan.encode(p))
     assert q.items == p.items and q.values == p.values and q.error == p.error
     assert q.boxes.tolist() == [0, 0, 3, 0]
+    # identical key tables are parsed once
+    cache: dict = {}
+    r = localplan.decode(localplan.encode(p), cache)
+    r2 = localplan.decode(localplan.encode(p), cache)
+    assert r.items is r2.items and r.keys_json == r2.keys_json and len(cache) == 1
+
+
+@pytest.mark.parametrize("data", [
+    b"", b"\x01", b"\x02\0\0\0\0\0\0\0[]", b"\x02\0\0\0\0\0\0\0[]\x02\0\0\0\0\0\0\0{}\x01",
+    b"\x03\0\0\0\0\0\0\0[1]\x02\0\0\0\0\0\0\0{}",
+    b"\x05\0\0\0\0\0\0\0[[1]]\x02\0\0\0\0\0\0\0{}",
+    b"\x02\0\0\0\0\0\0\0[]\x02\0\0\0\0\0\0\0[]", b"\x02\0\0\0\0\0\0\0[]\x02\0\0\0\0\0\0\0{x",
+])
+def test_localplan_decode_rejects_malformed(data):
+    with pytest.raises(ValueError):
+        localplan.decode(data)
 
 
 # ----------------------------------------------------------------------------- 4. reshard

@@ -43,16 +43,19 @@ def decode(data: bytes, cache: dict[bytes, list] | None = None) -> LocalPlan:
     """Parse :func:`encode`'s output. ``cache`` maps key-table bytes to parsed tables so
     identical tables are parsed once. Raises ValueError on malformed input."""
     mv = memoryview(data)
-    (n,) = _U64.unpack_from(mv, 0)
-    keys_raw = bytes(mv[8:8 + n])
-    pos = 8 + n
-    (m,) = _U64.unpack_from(mv, pos)
-    extra = json.loads(bytes(mv[pos + 8:pos + 8 + m]))
-    pos += 8 + m
-    items = None if cache is None else cache.get(keys_raw)
-    if items is None:
-        items = [(k, d, tuple(s)) for k, d, s in json.loads(keys_raw)]
-        if cache is not None:
-            cache[keys_raw] = items
-    boxes = np.frombuffer(mv[pos:], dtype="<i8")
-    return LocalPlan(items, boxes, extra.get("values") or {}, extra.get("error"), keys_raw)
+    try:
+        (n,) = _U64.unpack_from(mv, 0)
+        keys_raw = bytes(mv[8:8 + n])
+        pos = 8 + n
+        (m,) = _U64.unpack_from(mv, pos)
+        extra = json.loads(bytes(mv[pos + 8:pos + 8 + m]))
+        pos += 8 + m
+        items = None if cache is None else cache.get(keys_raw)
+        if items is None:
+            items = [(k, d, tuple(s)) for k, d, s in json.loads(keys_raw)]
+            if cache is not None:
+                cache[keys_raw] = items
+        boxes = np.frombuffer(mv[pos:], dtype="<i8")
+        return LocalPlan(items, boxes, extra.get("values") or {}, extra.get("error"), keys_raw)
+    except (struct.error, TypeError, AttributeError) as e:
+        raise ValueError(f"malformed local plan ({e})") from None
