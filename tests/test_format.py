@@ -107,29 +107,31 @@ def _grid_chunks(grid, files):
 
 def golden_manifest() -> mf.Manifest:
     # names as docs/FORMAT.md gives them: data-<save_id>-<rank>.safetensors
-    files = (mf.FileEntry("data-0123456789abcdef-0.safetensors", 4096, 512, 0x1234ABCD, 0),
-             mf.FileEntry("data-0123456789abcdef-1.safetensors", 2048, 256, 0xDEADBEEF, 1))
+    # 8 ranks; a file holds at most one chunk of each tensor (a format invariant)
+    files = tuple(mf.FileEntry(f"data-0123456789abcdef-{r:05d}.safetensors", 4096 - 256 * r,
+                               512 - 8 * r, 0x1234ABCD + r, r) for r in range(8))
     irregular_o = np.array([[0, 0], [0, 2], [1, 0], [1, 1], [1, 3]], np.int64)
     irregular_s = np.array([[1, 2], [1, 2], [1, 1], [1, 2], [1, 1]], np.int64)
     tensors = {
         # FSDP x TP style: 2x2 grid, rows split over the two files
         "model.w": mf.TensorEntry("model.w", "F32", (4, 6),
-                                  _grid_chunks(((0, 2, 4), (0, 3, 6)), [0, 0, 1, 1])),
+                                  _grid_chunks(((0, 2, 4), (0, 3, 6)), [0, 1, 2, 3])),
         "model.b": mf.TensorEntry("model.b", "BF16", (6,), _grid_chunks(((0, 6),), [1])),
         # 8 pieces: the breakpoints are one arithmetic run
         "emb": mf.TensorEntry("emb", "I32", (8,),
-                              _grid_chunks((tuple(range(9)),), [0, 0, 0, 0, 1, 1, 1, 1])),
-        # 8 cells of 2, all in file 1: breakpoints and file list both runs
-        "pos": mf.TensorEntry("pos", "I64", (16,), _grid_chunks((tuple(range(0, 17, 2)),), [1] * 8)),
+                              _grid_chunks((tuple(range(9)),), [0, 1, 2, 3, 4, 5, 6, 7])),
+        # 8 cells of 2 in files 7..0: breakpoints and file list both runs
+        "pos": mf.TensorEntry("pos", "I64", (16,), _grid_chunks((tuple(range(0, 17, 2)),),
+                                                                list(range(7, -1, -1)))),
         "step": mf.TensorEntry("step", "I64", (), _grid_chunks((), [1])),
         "irregular": mf.TensorEntry("irregular", "F16", (2, 4), mf.Chunks(
-            irregular_o, irregular_s, np.array([0, 1, 0, 1, 0], np.int64), None)),
+            irregular_o, irregular_s, np.array([0, 1, 2, 3, 4], np.int64), None)),
         "empty": mf.TensorEntry("empty", "F32", (0, 3), mf.Chunks(
             np.zeros((0, 2), np.int64), np.zeros((0, 2), np.int64), np.zeros(0, np.int64), None)),
     }
     values = {"epoch": 3, "name": "run-a", "none": None, "flag": True, "lr": 0.001}
     meta = {"dckpt_version": "0.1.0", "save_seconds": 1.5}
-    return mf.Manifest("0123456789abcdef", 2, 0.0, files, tensors, values, meta)
+    return mf.Manifest("0123456789abcdef", 8, 0.0, files, tensors, values, meta)
 
 
 def test_manifest_golden_bytes():
@@ -149,33 +151,33 @@ def test_manifest_golden_content():
     assert list(doc["tensors"]) == ["model.w", "model.b", "emb", "pos", "step", "irregular",
                                     "empty"]
     assert doc["tensors"]["pos"]["chunks"] == {"grid": [{"runs": [[0, 2, 9]]}],
-                                               "file": {"runs": [[1, 0, 8]]}}
+                                               "file": {"runs": [[7, -1, 8]]}}
     assert doc["tensors"]["emb"]["chunks"]["grid"] == [{"runs": [[0, 1, 9]]}]
     assert doc["tensors"]["model.w"]["chunks"] == {"grid": [[0, 2, 4], [0, 3, 6]],
-                                                   "file": [0, 0, 1, 1]}
+                                                   "file": {"runs": [[0, 1, 4]]}}
     assert doc["tensors"]["step"] == {"dtype": "I64", "shape": [],
                                       "chunks": {"grid": [], "file": [1]}}
 
     m = mf.parse(raw)
-    assert m.save_id == "0123456789abcdef" and m.world_size == 2 and m.created == 0.0
+    assert m.save_id == "0123456789abcdef" and m.world_size == 8 and m.created == 0.0
     assert m.files == golden_manifest().files
-    assert m.total_bytes == 4096 + 2048
+    assert m.total_bytes == sum(4096 - 256 * r for r in range(8))
     assert m.values == {"epoch": 3, "name": "run-a", "none": None, "flag": True, "lr": 0.001}
     assert type(m.values["flag"]) is bool and type(m.values["epoch"]) is int
     assert m.meta == {"dckpt_version": "0.1.0", "save_seconds": 1.5}
-    assert m.files[1].name == "data-0123456789abcdef-1.safetensors" and m.files[1].rank == 1
+    assert m.files[1].name == "data-0123456789abcdef-00001.safetensors" and m.files[1].rank == 1
     assert (m.files[0].size, m.files[0].header_len, m.files[0].header_crc32) == (4096, 512, 0x1234ABCD)
     w = m.tensors["model.w"]
     assert (w.dtype, w.shape, w.nbytes, len(w.chunks)) == ("F32", (4, 6), 96, 4)
     assert w.chunks.grid == ((0, 2, 4), (0, 3, 6))
     assert w.chunks.offsets.tolist() == [[0, 0], [0, 3], [2, 0], [2, 3]]
     assert w.chunks.sizes.tolist() == [[2, 3]] * 4
-    assert w.chunks.file.tolist() == [0, 0, 1, 1]
+    assert w.chunks.file.tolist() == [0, 1, 2, 3]
     e = m.tensors["emb"]
-    assert e.chunks.offsets.ravel().tolist() == list(range(8)) and e.chunks.file.tolist() == [0] * 4 + [1] * 4
+    assert e.chunks.offsets.ravel().tolist() == list(range(8)) and e.chunks.file.tolist() == list(range(8))
     p = m.tensors["pos"]
     assert p.chunks.offsets.ravel().tolist() == list(range(0, 16, 2))
-    assert p.chunks.sizes.ravel().tolist() == [2] * 8 and p.chunks.file.tolist() == [1] * 8
+    assert p.chunks.sizes.ravel().tolist() == [2] * 8 and p.chunks.file.tolist() == list(range(7, -1, -1))
     s = m.tensors["step"]
     assert s.shape == () and s.nbytes == 8 and s.chunks.offsets.shape == (1, 0)
     assert s.chunks.file.tolist() == [1]
@@ -276,8 +278,14 @@ def test_manifest_bad_tensors():
     _bad(_mut(lambda d: t(d)["model.w"].update(shape=[4, 6.0])), "'model.w' shape")
     _bad(_mut(lambda d: t(d)["model.w"].update(shape="4,6")), "'model.w'", "shape")
     _bad(_mut(lambda d: t(d)["model.w"].pop("chunks")), "'model.w'", "chunks")
-    _bad(_mut(lambda d: t(d)["model.w"]["chunks"].update(file=[0, 0, 1, 2])),
+    _bad(_mut(lambda d: t(d)["model.w"]["chunks"].update(file=[0, 1, 2, 8])),
          "'model.w'", "file index out of range")
+    # a file holds one chunk of a tensor at most: more chunks than files is refused
+    _bad(_mut(lambda d: t(d)["emb"]["chunks"].update(grid=[{"runs": [[0, 1, 10]]}],
+                                                     file={"runs": [[0, 1, 9]]})),
+         "'emb'", "at most 8")
+    _bad(_mut(lambda d: t(d)["emb"].update(shape=[9]) or t(d)["emb"]["chunks"].update(
+        grid=[{"runs": [[0, 1, 10]]}])), "'emb'", "more cells than there are files")
     _bad(_mut(lambda d: t(d)["model.w"]["chunks"].update(file=[0, 0, -1, 1])),
          "'model.w'", "file index out of range")
     _bad(_mut(lambda d: t(d)["model.w"]["chunks"].update(file=[0, 0, 1])),
@@ -324,7 +332,7 @@ def test_manifest_bad_chunk_lists():
     _bad(irregular([[0], [1]], [[1], [1]], [0, 1]), "'irregular'")
     _bad(irregular([0, 1], [1, 1], [0, 1]), "'irregular'")
     _bad(irregular([[0, 0], [1, 0]], [[1, 4], [1, 4]], [0]), "'irregular'", "2 chunks")
-    _bad(irregular([[0, 0], [1, 0]], [[1, 4], [1, 4]], [0, 2]), "'irregular'", "out of range")
+    _bad(irregular([[0, 0], [1, 0]], [[1, 4], [1, 4]], [0, 8]), "'irregular'", "out of range")
     _bad(irregular([[0, 0], [1, "0"]], [[1, 4], [1, 4]], [0, 1]), "'irregular'")
     _bad(irregular([[0, 0], [1, 0]], [[1, 4], [1, 4.0]], [0, 1]), "'irregular'")
     _bad(irregular([[0, 0], [1, 0.5]], [[1, 4], [1, 4]], [0, 1]), "'irregular'")
@@ -363,7 +371,7 @@ def test_manifest_size_cap(monkeypatch):
     monkeypatch.setattr(mf, "MAX_MANIFEST_BYTES", len(raw) - 1)
     _bad(raw, "exceeds", str(len(raw) - 1))
     monkeypatch.setattr(mf, "MAX_MANIFEST_BYTES", len(raw))
-    assert mf.parse(raw).world_size == 2
+    assert mf.parse(raw).world_size == 8
 
 
 @settings(max_examples=_n(150), deadline=None)

@@ -30,9 +30,12 @@ def encode(values: np.ndarray) -> list[int] | dict[str, list[list[int]]]:
     return {"runs": np.stack([v[starts], steps, counts], axis=1).tolist()}
 
 
-def decode(obj: Any, what: str) -> np.ndarray:
-    """Decode what :func:`encode` wrote. Raises ValueError naming ``what`` on bad input."""
+def decode(obj: Any, what: str, limit: int = 1 << 31) -> np.ndarray:
+    """Decode what :func:`encode` wrote, refusing more than ``limit`` values (a hostile
+    manifest must not make a reader allocate). Raises ValueError naming ``what``."""
     if isinstance(obj, list):
+        if len(obj) > limit:
+            raise ValueError(f"{what}: more than {limit} values")
         if not all(type(x) is int and _LO <= x <= _HI for x in obj):
             raise ValueError(f"{what}: expected a list of 64-bit integers")
         return np.asarray(obj, dtype=np.int64).reshape(-1)
@@ -46,8 +49,8 @@ def decode(obj: Any, what: str) -> np.ndarray:
             return np.zeros(0, dtype=np.int64)
         r = np.asarray(runs, dtype=np.int64)
         counts = r[:, 2]
-        if (counts < 1).any() or (counts > 1 << 31).any() or counts.sum() > 1 << 31:
-            raise ValueError(f"{what}: run counts must be in [1, 2**31]")
+        if (counts < 1).any() or (counts > limit).any() or counts.sum() > limit:
+            raise ValueError(f"{what}: run counts must be >= 1 and add up to at most {limit}")
         firsts = np.repeat(r[:, 0], counts)
         steps = np.repeat(r[:, 1], counts)
         pos = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)

@@ -153,26 +153,29 @@ def _parse_chunks(key: str, shape: tuple[int, ...], obj: Any, nfiles: int) -> Ch
     if not isinstance(obj, dict):
         raise ManifestError(f"manifest: tensor {key!r}: chunks must be an object")
     ndim = len(shape)
+    # A file holds at most one chunk of a tensor (safetensors names are unique), so no
+    # tensor has more chunks than there are files: a cheap cap against hostile sizes.
     try:
-        file = intarray.decode(obj.get("file"), f"tensor {key!r} chunk files")
+        file = intarray.decode(obj.get("file"), f"tensor {key!r} chunk files", nfiles)
         if "grid" in obj:
             g = obj["grid"]
             if not isinstance(g, list) or len(g) != ndim:
                 raise ValueError(f"tensor {key!r}: grid needs one breakpoint list per dim")
-            grid = tuple(tuple(intarray.decode(b, f"tensor {key!r} grid").tolist()) for b in g)
+            grid = tuple(tuple(intarray.decode(b, f"tensor {key!r} grid", nfiles + 1).tolist())
+                         for b in g)
             for d, b in enumerate(grid):
                 if len(b) < 2 or b[0] != 0 or b[-1] != shape[d] or any(
                         x >= y for x, y in zip(b, b[1:])):
                     raise ValueError(f"tensor {key!r}: grid of dim {d} must rise strictly "
                                      f"from 0 to {shape[d]}")
-            if math.prod(len(b) - 1 for b in grid) > 1 << 31:
-                raise ValueError(f"tensor {key!r}: grid too large")
+            if math.prod(len(b) - 1 for b in grid) > max(nfiles, 1):
+                raise ValueError(f"tensor {key!r}: grid has more cells than there are files")
             offsets, sizes = grid_cells(grid)
         else:
             grid = None
             offsets, sizes = obj.get("offsets"), obj.get("sizes")
             if not (isinstance(offsets, list) and isinstance(sizes, list)
-                    and len(offsets) == len(sizes)
+                    and len(offsets) == len(sizes) <= nfiles
                     and all(isinstance(r, list) and len(r) == ndim
                             and all(type(x) is int and 0 <= x < 1 << 63 for x in r)
                             for r in offsets + sizes)):
