@@ -285,7 +285,9 @@ def test_manifest_bad_tensors():
                                                      file={"runs": [[0, 1, 9]]})),
          "'emb'", "at most 8")
     _bad(_mut(lambda d: t(d)["emb"].update(shape=[9]) or t(d)["emb"]["chunks"].update(
-        grid=[{"runs": [[0, 1, 10]]}])), "'emb'", "more cells than there are files")
+        grid=[{"runs": [[0, 1, 10]]}])), "'emb'", "at most 9")
+    _bad(_mut(lambda d: t(d)["model.w"]["chunks"].update(grid=[[0, 1, 2, 3, 4], [0, 2, 4, 6]])),
+         "'model.w'", "more cells than there are files")
     _bad(_mut(lambda d: t(d)["model.w"]["chunks"].update(file=[0, 0, -1, 1])),
          "'model.w'", "file index out of range")
     _bad(_mut(lambda d: t(d)["model.w"]["chunks"].update(file=[0, 0, 1])),
