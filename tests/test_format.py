@@ -306,7 +306,7 @@ def test_manifest_bad_tensors():
          "'model.w'", "grid of dim 0")
     _bad(_mut(lambda d: t(d)["model.w"]["chunks"].update(grid=[[0, 4]])),
          "'model.w'", "one breakpoint list per dim")
-    _bad(_mut(lambda d: t(d)["emb"]["chunks"].update(grid=[{"runs": [[0, 1, 10]]}])),
+    _bad(_mut(lambda d: t(d)["emb"]["chunks"].update(grid=[{"runs": [[0, 1, 8]]}])),
          "'emb'", "grid of dim 0")
 
 
