@@ -233,3 +233,47 @@ def test_failed_header_crc_detected_via_zlib(tmp_path):
     name, size, hlen, crc, rank = m["files"][0]
     head = open(os.path.join(path, name), "rb").read(8 + hlen)
     assert zlib.crc32(head) == crc and os.path.getsize(os.path.join(path, name)) == size
+
+
+class Cursor:
+    """A user object: a resumable data position."""
+
+    def __init__(self, epoch=0, index=0):
+        self.epoch, self.index, self.loaded = epoch, index, 0
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "index": self.index, "order": torch.arange(5) * self.epoch}
+
+    def load_state_dict(self, sd):
+        self.epoch, self.index = sd["epoch"], sd["index"]
+        assert torch.equal(sd["order"], torch.arange(5) * sd["epoch"])
+        self.loaded += 1
+
+
+def test_stateful_objects_round_trip(tmp_path):
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for _ in range(5):
+        opt.step()
+        sched.step()
+    sd = {"sched": sched, "data": {"cursor": Cursor(3, 41)}, "step": 5}
+    dckpt.save(sd, str(tmp_path / "s"))
+
+    p2 = torch.nn.Parameter(torch.ones(2))
+    opt2 = torch.optim.SGD([p2], lr=0.1)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=2, gamma=0.5)
+    cur = Cursor()
+    target = {"sched": sched2, "data": {"cursor": cur}, "step": 0}
+    dckpt.load(target, str(tmp_path / "s"))
+    assert target["sched"] is sched2 and target["data"]["cursor"] is cur
+    assert sched2.state_dict() == sched.state_dict() and sched2.get_last_lr() == sched.get_last_lr()
+    assert (cur.epoch, cur.index, cur.loaded) == (3, 41, 1)
+    assert target["step"] == 5
+
+
+def test_modules_and_optimizers_point_to_training_state(tmp_path):
+    m = torch.nn.Linear(2, 2)
+    for bad in (m, torch.optim.SGD(m.parameters(), lr=0.1)):
+        with pytest.raises(UnsupportedValueError, match="TrainingState"):
+            dckpt.save({"x": bad}, str(tmp_path / "m"))

@@ -1,11 +1,17 @@
 """Flatten a nested state_dict into dotted keys, and fill one back in place.
 
 Containers: dict (str keys), list, tuple. Leaves: torch.Tensor, DTensor, and JSON scalars
-(None, bool, int, float, str). Anything else raises UnsupportedValueError naming its key.
-Keys join path parts with "."; two paths that would give the same key are refused.
+(None, bool, int, float, str). A *Stateful* object (one with ``state_dict()`` and
+``load_state_dict()``: an LR scheduler, a sampler, a :class:`dckpt.TrainingState`) is
+stored as its ``state_dict()`` under its key and restored through ``load_state_dict``.
+Modules and optimizers are refused: their state_dict depends on the parallelism, so
+they go through :class:`dckpt.TrainingState`. Anything else raises
+UnsupportedValueError naming its key. Keys join path parts with "."; two paths that
+would give the same key are refused.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -19,15 +25,40 @@ def _join(prefix: str, part: str) -> str:
     return f"{prefix}.{part}" if prefix else part
 
 
-def flatten(state: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Return ({key: tensor or DTensor}, {key: JSON value}), in traversal order. Pure
-    Python walk, O(leaves); raises UnsupportedValueError before any I/O."""
-    tensors: dict[str, torch.Tensor] = {}
-    values: dict[str, Any] = {}
+def is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None))
+
+
+@dataclass
+class Flat:
+    """A flattened state: tensors and JSON values by key, in traversal order, and the
+    Stateful objects met on the way with the state_dict each gave (``load`` fills that
+    very dict, then hands it to the object's ``load_state_dict``)."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    values: dict[str, Any] = field(default_factory=dict)
+    stateful: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+
+
+def flatten(state: Any) -> Flat:
+    """Flatten ``state``. Calls ``state_dict()`` of every Stateful object once; otherwise
+    a pure Python walk, O(leaves). Raises UnsupportedValueError before any I/O."""
+    flat = Flat()
+    tensors, values = flat.tensors, flat.values
 
     def walk(obj: Any, key: str) -> None:
         if isinstance(obj, torch.Tensor):
             leaf(key, obj, tensors)
+        elif isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+            raise UnsupportedValueError(
+                f"value at key {key or '<root>'!r} is a {type(obj).__name__}: wrap the model "
+                "and optimizer in dckpt.TrainingState(model, optimizer), which saves them in "
+                "their parallelism's native sharded layout")
+        elif is_stateful(obj) and key:
+            sd = obj.state_dict()
+            flat.stateful[key] = (obj, sd)
+            walk(sd, key)
         elif isinstance(obj, dict):
             for k, v in obj.items():
                 if not isinstance(k, str):
@@ -55,17 +86,25 @@ def flatten(state: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         into[key] = obj
 
     walk(state, "")
-    return tensors, values
+    return flat
 
 
-def fill(state: Any, get: Callable[[str, Any], Any]) -> Any:
+def fill(state: Any, get: Callable[[str, Any], Any],
+         stateful: dict[str, tuple[Any, Any]] | None = None) -> Any:
     """Rebuild ``state`` with every leaf replaced by ``get(key, old_leaf)``. Dicts and
     lists are updated in place (and returned); tuples are rebuilt, keeping their type.
-    ``get`` copies tensors in place and returns them, so tensor identity is kept."""
+    ``get`` copies tensors in place and returns them, so tensor identity is kept. A
+    Stateful object at key k gets ``load_state_dict`` of ``stateful[k]``'s state_dict,
+    filled the same way (inner objects first)."""
+    stateful = stateful or {}
 
     def walk(obj: Any, key: str) -> Any:
         if isinstance(obj, torch.Tensor):
             return get(key, obj)
+        if key in stateful and stateful[key][0] is obj:
+            sd = walk(stateful[key][1], key)
+            obj.load_state_dict(sd)
+            return obj
         if isinstance(obj, dict):
             for k in list(obj):
                 obj[k] = walk(obj[k], _join(key, k))
