@@ -1,6 +1,7 @@
 """dckpt: distributed, sharded, atomic and verified checkpoints for PyTorch.
 
-Public API: :func:`save`, :func:`load`, :class:`CheckpointInfo` and the errors.
+Public API: :func:`save`, :func:`load`, :class:`CheckpointInfo`, :class:`TrainingState`
+and the errors.
 """
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ __version__ = "0.1.0"
 
 from .dist.commit import CheckpointInfo, save
 from .dist.restore import load
+from .state.training import TrainingState
 from .errors import (
     AlreadyExistsError,
     CheckpointError,
@@ -20,7 +22,7 @@ from .errors import (
 )
 
 __all__ = [
-    "save", "load", "CheckpointInfo",
+    "save", "load", "CheckpointInfo", "TrainingState",
     "CheckpointError", "NotCommittedError", "AlreadyExistsError", "IntegrityError",
     "ManifestError", "StateMismatchError", "UnsupportedValueError", "RankFailure",
 ]

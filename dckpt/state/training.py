@@ -1,0 +1,56 @@
+"""TrainingState: a model and its optimizer as one Stateful, FQN-keyed, sharded state."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class TrainingState:
+    """Wraps ``model`` (plain, DDP, FSDP2 ``fully_shard``, FSDP1) and optionally its
+    ``optimizer`` so that ``dckpt.save``/``dckpt.load`` store them by fully qualified
+    parameter name in each parallelism's native layout (DTensor shards for FSDP2,
+    plain tensors for DDP and plain modules).
+
+    It relies on torch's ``torch.distributed.checkpoint.state_dict`` helpers, so a
+    checkpoint saved from one parallelism or world size loads into another: DDP ->
+    FSDP2, FSDP2 at 2 ranks -> FSDP2 at 3 ranks, FSDP2 -> a single process. The
+    optimizer state is flattened (``optim.state.<fqn>.exp_avg``,
+    ``optim.param_groups.<fqn>.lr``), so it does not depend on parameter order.
+
+    ``state_dict()`` may run collectives (FSDP1) and, on an optimizer that has not
+    stepped yet, initialises its state with a zero-learning-rate step (torch's helper),
+    so a fresh optimizer can be loaded into.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 *, strict: bool = True) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"TrainingState needs an nn.Module, got {type(model).__name__}")
+        self.model, self.optimizer, self.strict = model, optimizer, strict
+
+    def _options(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(flatten_optimizer_state_dict=True, strict=self.strict)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"model": {fqn: tensor}, "optim": {flat key: value}}`` (no "optim" without
+        an optimizer). Tensors are the live parameters and optimizer states (no copy)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        if self.optimizer is None:
+            return {"model": get_model_state_dict(self.model, options=self._options())}
+        msd, osd = get_state_dict(self.model, self.optimizer, options=self._options())
+        return {"model": msd, "optim": osd}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Apply a state_dict shaped like :meth:`state_dict`'s (dckpt fills that very
+        dict in place first, so this mostly restores non-tensor optimizer settings)."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        if self.optimizer is None:
+            set_model_state_dict(self.model, state_dict["model"], options=self._options())
+            return
+        set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
+                       optim_state_dict=state_dict["optim"], options=self._options())
