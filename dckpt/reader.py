@@ -9,10 +9,12 @@ import torch
 from .errors import IntegrityError
 from .format import manifest as mf
 from .format import shards
-from .format.dtypes import to_torch
+from .format.dtypes import ITEMSIZE, to_torch
 from .layout.chunks import Box
-from .layout.reshard import ReadItem
+from .layout.reshard import ReadItem, byte_span, split_item, strides
 from .layout.reshard import plan_reads as _plan
+
+DEFAULT_READ_BUDGET = 256 << 20
 from .state.tensors import LocalPiece
 
 
@@ -64,55 +66,75 @@ class ChunkReader:
                                  f"chunk {item.chunk} of {key!r} as the manifest says")
         return st
 
-    def read_chunk(self, key: str, st: shards.StoredTensor, item: ReadItem,
-                   out: memoryview) -> None:
-        """Read a whole stored chunk into ``out`` and verify every block."""
-        f = self.m.files[item.file]
-        n = self.storage.readinto(self._path(f), st.start, out)
-        if n != st.nbytes:
-            raise IntegrityError(f"shard file {f.name}: short read of {key!r} "
-                                 f"({n} of {st.nbytes} bytes; truncated)")
-        _, block = self.header(item.file)
-        shards.verify(out, 0, st.crcs, block, f"shard file {f.name}, tensor {key!r}")
-
     def copy_one(self, piece: LocalPiece, entry: mf.TensorEntry, item: ReadItem) -> int:
-        """Read one chunk, verify it, and copy the overlap into ``piece.local``: straight
-        into the destination when the chunk is exactly it and it is contiguous on the
-        CPU, else through a temporary. Returns bytes read. Blocking I/O."""
+        """Read the bytes of one region of a stored chunk, verify them, and put them in
+        ``piece.local``. Reads only the region's byte span widened to whole checksum
+        blocks. When the region is contiguous in both the file and the destination,
+        the span's middle is read straight into the destination and only the widening
+        goes through scratch buffers; otherwise the span goes through one temporary
+        (bounded by the read budget) and is copied. Returns bytes read. Blocking I/O;
+        raises IntegrityError naming the file and tensor."""
         dest = piece.local
         st = self.stored(piece.key, entry, item)
         if st.nbytes == 0:
             return 0
-        if item.whole_chunk and item.whole_target and dest.device.type == "cpu" \
-                and dest.is_contiguous():
-            raw = dest.detach().reshape(-1).view(torch.uint8).numpy()
-            self.read_chunk(piece.key, st, item, memoryview(raw))
+        f = self.m.files[item.file]
+        path, what = self._path(f), f"shard file {f.name}, tensor {piece.key!r}"
+        _, block = self.header(item.file)
+        isz = ITEMSIZE[st.dtype]
+        a, b = byte_span(st.shape, item.src, isz)
+        lo, hi = a // block * block, min(-(-b // block) * block, st.nbytes)
+        view = dest[item.dst]
+        if (dest.device.type == "cpu" and view.is_contiguous()
+                and b - a == view.numel() * isz):
+            head, tail = bytearray(a - lo), bytearray(hi - b)
+            mid = memoryview(view.detach().reshape(-1).view(torch.uint8).numpy())
+            for buf, off in ((head, lo), (mid, a), (tail, b)):
+                self._read_exact(path, st.start + off, buf, what)
+            shards.verify_segments([head, mid, tail], lo // block, st.crcs, block, what)
         else:
-            tmp = torch.empty(st.shape, dtype=to_torch(st.dtype))
-            self.read_chunk(piece.key, st, item, memoryview(tmp.reshape(-1).view(torch.uint8).numpy()))
+            tmp = torch.empty((hi - lo) // isz, dtype=to_torch(st.dtype))
+            raw = memoryview(tmp.view(torch.uint8).numpy())
+            self._read_exact(path, st.start + lo, raw, what)
+            shards.verify(raw, lo // block, st.crcs, block, what)
+            src = torch.as_strided(tmp, [s.stop - s.start for s in item.src],
+                                   strides(st.shape), (a - lo) // isz)
             with torch.no_grad():
-                dest[item.dst].copy_(tmp[item.src])
-        return st.nbytes
+                view.copy_(src)
+        return hi - lo
 
-    def fill_all(self, pairs: list[tuple[LocalPiece, mf.TensorEntry]], workers: int = 4) -> int:
-        """Fill every piece from its overlapping chunks; returns bytes read.
+    def _read_exact(self, path: str, start: int, buf, what: str) -> None:
+        if len(buf) and self.storage.readinto(path, start, memoryview(buf)) != len(buf):
+            raise IntegrityError(f"{what}: short read (truncated file)")
 
-        Coverage is checked before any read. File headers are read first, then chunks
+    def fill_all(self, pairs: list[tuple[LocalPiece, mf.TensorEntry]], workers: int = 4,
+                 budget: int = DEFAULT_READ_BUDGET) -> int:
+        """Fill every piece from the chunks overlapping it; returns bytes read.
+
+        Coverage is checked before any read. File headers are read first; then regions
         are read, verified and copied by ``workers`` threads (reads, CRCs and copies
-        release the GIL), in file order. Raises IntegrityError naming file and tensor."""
+        release the GIL) in file order. Regions are cut so that no temporary exceeds
+        ``budget / workers`` bytes (plus checksum-block widening): extra memory stays
+        bounded whatever the tensor sizes. Raises IntegrityError naming file and tensor."""
+        workers = max(1, workers)
+        per_item = max(1 << 20, budget // workers)
         tasks = []
         for piece, entry in pairs:
             reads = plan_reads(piece, entry)
-            covered = sum(Box(tuple(s.start for s in r.dst),
-                              tuple(s.stop - s.start for s in r.dst)).numel for r in reads)
+            covered = sum(Box(tuple(r.start for r in i.dst),
+                              tuple(r.stop - r.start for r in i.dst)).numel for i in reads)
             if piece.local is not None and covered != piece.box.numel:
                 raise IntegrityError(f"tensor {piece.key!r}: the checkpoint's chunks cover "
                                      f"{covered} of the {piece.box.numel} elements this rank needs")
-            tasks += [(piece, entry, r) for r in reads]
-        for fi in sorted({r.file for _, _, r in tasks}):
+            isz = ITEMSIZE[entry.dtype]
+            for item in reads:
+                tasks += [(piece, entry, i) for i in
+                          split_item(item, entry.chunks.sizes[item.chunk].tolist(), isz, per_item)]
+        for fi in sorted({t[2].file for t in tasks}):
             self.header(fi)  # sequential and cached: the workers only read it
-        tasks.sort(key=lambda t: (t[2].file, self.stored(t[0].key, t[1], t[2]).start))
-        if workers <= 1 or len(tasks) <= 1:
+        tasks.sort(key=lambda t: (t[2].file, self.stored(t[0].key, t[1], t[2]).start,
+                                  [r.start for r in t[2].src]))
+        if workers == 1 or len(tasks) <= 1:
             return sum(self.copy_one(*t) for t in tasks)
         with ThreadPoolExecutor(workers, thread_name_prefix="dckpt-read") as pool:
             return sum(pool.map(lambda t: self.copy_one(*t), tasks))

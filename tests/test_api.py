@@ -277,3 +277,27 @@ def test_modules_and_optimizers_point_to_training_state(tmp_path):
     for bad in (m, torch.optim.SGD(m.parameters(), lr=0.1)):
         with pytest.raises(UnsupportedValueError, match="TrainingState"):
             dckpt.save({"x": bad}, str(tmp_path / "m"))
+
+
+def test_read_budget_bounds_temporaries(tmp_path, monkeypatch):
+    from dckpt.reader import ChunkReader
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(1500, 700, generator=g)  # 4.2 MB, one chunk
+    v = torch.randn(300_000, generator=g)
+    dckpt.save({"w": w, "v": v}, str(tmp_path / "b"))
+    seen: list[int] = []
+    orig = ChunkReader.copy_one
+
+    def spy(self, piece, entry, item):
+        n = orig(self, piece, entry, item)
+        seen.append(n)
+        return n
+
+    monkeypatch.setattr(ChunkReader, "copy_one", spy)
+    # A transposed (non-contiguous) target goes through temporaries: each is cut to
+    # budget/workers (1 MiB here) plus checksum-block widening.
+    target = {"w": torch.zeros(700, 1500).t(), "v": torch.zeros(300_000)}
+    dckpt.load(target, str(tmp_path / "b"), read_budget=4 << 20)
+    assert torch.equal(target["w"], w) and torch.equal(target["v"], v)
+    assert len(seen) > 4 and max(seen) <= (1 << 20) + 2 * (1 << 20), seen

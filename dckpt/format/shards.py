@@ -139,3 +139,29 @@ def verify(buf: memoryview, first_block: int, crcs: np.ndarray, block: int,
         bad = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), len(want))
         raise IntegrityError(f"{what}: checksum mismatch in block {first_block + bad} "
                              "(flipped bits or a rewritten file)")
+
+
+def verify_segments(segments: list, first_block: int, crcs: np.ndarray, block: int,
+                    what: str) -> None:
+    """Like :func:`verify` for bytes split over several buffers (a head and tail read
+    into scratch space around a middle read straight into its destination): CRCs run
+    across the segment boundaries."""
+    views = [memoryview(s).cast("B") for s in segments if len(s)]
+    b, crc, filled = first_block, 0, 0
+    for v in views:
+        pos = 0
+        while pos < len(v):
+            n = min(block - filled, len(v) - pos)
+            crc = zlib.crc32(v[pos:pos + n], crc)
+            pos, filled = pos + n, filled + n
+            if filled == block:
+                _check_block(crc, b, crcs, what)
+                b, crc, filled = b + 1, 0, 0
+    if filled:
+        _check_block(crc, b, crcs, what)
+
+
+def _check_block(crc: int, b: int, crcs: np.ndarray, what: str) -> None:
+    if b >= len(crcs) or crc != int(crcs[b]):
+        raise IntegrityError(f"{what}: checksum mismatch in block {b} "
+                             "(flipped bits or a rewritten file)")
