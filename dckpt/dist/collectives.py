@@ -1,0 +1,146 @@
+"""Byte collectives and error agreement over a process group, or none.
+
+Every payload is raw bytes carried in uint8 CPU tensors (no pickle). When the training
+group is not gloo (NCCL), dckpt makes a gloo group over the same ranks once and reuses
+it, so checkpoint traffic stays on the CPU.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ERROR_TYPES, CheckpointError, RankFailure
+
+log = logging.getLogger(__name__)
+_GLOO_GROUPS: dict[Any, Any] = {}
+
+
+class Comm:
+    """The ranks taking part in one collective call. With no initialised process group
+    it is a single rank and every collective is a no-op."""
+
+    def __init__(self, group: Any = None) -> None:
+        self.active = dist.is_available() and dist.is_initialized()
+        if not self.active:
+            self.group, self.rank, self.size = None, 0, 1
+            return
+        self.group = _cpu_group(group)
+        self.rank = dist.get_rank(self.group)
+        self.size = dist.get_world_size(self.group)
+        self.global_rank = dist.get_rank()
+
+    def _global(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
+
+    # -- primitives: each is a blocking collective on every rank of the group ----------
+    def _sizes(self, n: int) -> list[int]:
+        t = torch.tensor([n], dtype=torch.int64)
+        out = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        dist.all_gather(out, t, group=self.group)
+        return [int(x.item()) for x in out]
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data``, on every rank."""
+        if self.size == 1:
+            return [data]
+        sizes = self._sizes(len(data))
+        m = max(sizes) or 1
+        buf = torch.zeros(m, dtype=torch.uint8)
+        if data:
+            buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = [torch.empty(m, dtype=torch.uint8) for _ in range(self.size)]
+        dist.all_gather(out, buf, group=self.group)
+        return [o[:s].numpy().tobytes() for o, s in zip(out, sizes)]
+
+    def gather_bytes(self, data: bytes) -> list[bytes] | None:
+        """Every rank's ``data`` on rank 0 (None elsewhere)."""
+        if self.size == 1:
+            return [data]
+        sizes = self._sizes(len(data))
+        m = max(sizes) or 1
+        buf = torch.zeros(m, dtype=torch.uint8)
+        if data:
+            buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = [torch.empty(m, dtype=torch.uint8) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(buf, out, dst=self._global(0), group=self.group)
+        if self.rank != 0:
+            return None
+        return [o[:s].numpy().tobytes() for o, s in zip(out, sizes)]
+
+    def broadcast_bytes(self, data: bytes | None) -> bytes:
+        """Rank 0's ``data`` on every rank."""
+        if self.size == 1:
+            return data or b""
+        n = torch.tensor([len(data) if self.rank == 0 else 0], dtype=torch.int64)
+        dist.broadcast(n, src=self._global(0), group=self.group)
+        size = int(n.item())
+        if size == 0:
+            return b""
+        if self.rank == 0:
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        else:
+            buf = torch.empty(size, dtype=torch.uint8)
+        dist.broadcast(buf, src=self._global(0), group=self.group)
+        return data if self.rank == 0 else buf.numpy().tobytes()
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier(group=self.group)
+
+
+def _cpu_group(group: Any) -> Any:
+    g = group if group is not None else dist.group.WORLD
+    if dist.get_backend(g) == "gloo":
+        return g
+    if g not in _GLOO_GROUPS:  # collective, once per group: every rank reaches it together
+        ranks = dist.get_process_group_ranks(g)
+        _GLOO_GROUPS[g] = dist.new_group(ranks=ranks, backend="gloo")
+    return _GLOO_GROUPS[g]
+
+
+# ----------------------------------------------------------------------------- errors
+
+def error_payload(exc: BaseException | None) -> dict | None:
+    """A JSON-able description of a local failure."""
+    if exc is None:
+        return None
+    if isinstance(exc, CheckpointError):
+        return {"type": type(exc).__name__, "message": str(exc)}
+    tb = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    return {"type": "RankFailure", "message": tb}
+
+
+def raise_gathered(errors: dict[int, dict], what: str, local: BaseException | None = None):
+    """Raise one error describing every failing rank, typed like the lowest rank's."""
+    first = errors[min(errors)]
+    cls = ERROR_TYPES.get(first["type"], RankFailure)
+    failures = {r: f"{e['type']}: {e['message']}" for r, e in sorted(errors.items())}
+    if len(errors) == 1:
+        msg = f"{what} failed on rank {min(errors)}: {first['message']}"
+    else:
+        msg = f"{what} failed on ranks {', '.join(map(str, sorted(errors)))}: " + "; ".join(
+            f"rank {r}: {m}" for r, m in failures.items())
+    raise cls(msg, failures) from local
+
+
+def agree(comm: Comm, exc: BaseException | None, what: str) -> None:
+    """Collective: every rank says whether it failed; if any did, every rank raises the
+    same error (see :func:`raise_gathered`). One all-gather of a few bytes."""
+    mine = error_payload(exc)
+    if comm.size == 1:
+        if exc is not None:
+            if isinstance(exc, CheckpointError):
+                raise exc
+            raise_gathered({0: mine}, what, exc)
+        return
+    blobs = comm.all_gather_bytes(json.dumps(mine).encode() if mine else b"")
+    errors = {r: json.loads(b) for r, b in enumerate(blobs) if b}
+    if errors:
+        if exc is not None:
+            log.debug("rank %d: %s failed", comm.rank, what, exc_info=exc)
+        raise_gathered(errors, what, exc)

@@ -1,0 +1,234 @@
+"""The save protocol: plan -> write -> vote -> manifest -> everyone returns or raises.
+
+Call order (all collective over the group; rank 0 coordinates):
+  1. every rank flattens its state and sends its local plan to rank 0 (gather);
+  2. rank 0 checks the path, validates the plans, assigns writers and broadcasts the
+     save id and each rank's write mask, or the error (no file written yet);
+  3. every rank writes and fsyncs one new shard file (unique name per save) and sends
+     its size and header checksum, or its error (gather);
+  4. rank 0 writes manifest.json atomically only if every rank succeeded, removes files
+     no manifest references, and broadcasts the outcome; every rank returns the same
+     CheckpointInfo or raises the same error.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import struct
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import _faults
+from ..errors import AlreadyExistsError
+from ..format import manifest as mf
+from ..format import shards
+from ..layout import localplan, plan as gplan
+from ..state.flatten import flatten
+from ..state.tensors import as_bytes, describe
+from ..storage.fsspec_storage import make_storage
+from .collectives import Comm, error_payload, raise_gathered
+
+log = logging.getLogger(__name__)
+DATA_FILE = re.compile(r"^data-([0-9a-f]{16})-(\d{5,})\.safetensors$")
+TEMP_MANIFEST = re.compile(r"^\.manifest\.json\.tmp-[0-9a-f]+$")
+_U64 = struct.Struct("<Q")
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What a committed save produced (identical on every rank)."""
+
+    path: str
+    bytes_written: int
+    num_files: int
+    seconds: float
+    world_size: int
+    save_id: str
+
+
+def _pack(doc: dict, tail: bytes = b"") -> bytes:
+    head = json.dumps(doc).encode()
+    return _U64.pack(len(head)) + head + tail
+
+
+def _unpack(data: bytes) -> tuple[dict, bytes]:
+    (n,) = _U64.unpack_from(data, 0)
+    return json.loads(data[8:8 + n]), data[8 + n:]
+
+
+def _raise_if_error(doc: dict, what: str) -> None:
+    if doc.get("errors"):
+        raise_gathered({int(r): e for r, e in doc["errors"].items()}, what)
+
+
+def save(state_dict: Any, path: str, *, process_group: Any = None,
+         storage_options: dict | None = None, overwrite: bool = False) -> CheckpointInfo:
+    """Save ``state_dict`` to ``path`` atomically. Collective: call on every rank.
+
+    Cost: each rank writes only its own shards (plus its share of replicated tensors),
+    once, with fsync; four small collectives. Raises on every rank alike:
+    UnsupportedValueError (a leaf dckpt cannot store; nothing written),
+    StateMismatchError (ranks disagree about a tensor), AlreadyExistsError (a
+    checkpoint is there and ``overwrite`` is False), RankFailure (I/O error on a rank).
+    On any error no manifest is written: the path keeps what it had before."""
+    t0 = time.perf_counter()
+    comm = Comm(process_group)
+    storage, root = make_storage(path, storage_options)
+
+    # 1. local plan
+    pieces: list = []
+    try:
+        flat = flatten(state_dict)
+        values = flat.values
+        pieces = [describe(k, t) for k, t in flat.tensors.items()]
+        boxes = np.fromiter((x for p in pieces for x in (*p.box.offsets, *p.box.sizes)),
+                            np.int64)
+        local = localplan.LocalPlan([(p.key, p.dtype, p.shape) for p in pieces], boxes, values)
+        _faults.fault("plan", comm.rank)
+    except Exception as e:  # reported to every rank through the coordinator
+        local = localplan.LocalPlan(error=error_payload(e))
+        log.debug("rank %d: local plan failed", comm.rank, exc_info=True)
+    blobs = comm.gather_bytes(localplan.encode(local))
+
+    # 2. coordinator: validate and assign writers
+    coord = _Coordinator(storage, root, overwrite, comm.size) if comm.rank == 0 else None
+    reply = coord.plan(blobs) if coord else None
+    doc, tail = _unpack(comm.broadcast_bytes(reply))
+    _raise_if_error(doc, f"save to {path}")
+    save_id = doc["save_id"]
+    mask = gplan.decode_writes(tail, comm.rank)
+
+    # 3. write this rank's shard file
+    vote: dict[str, Any]
+    try:
+        vote = _write(storage, root, save_id, comm.rank, [p for p, w in zip(pieces, mask) if w])
+        _faults.fault("vote", comm.rank)
+    except Exception as e:
+        vote = {"error": error_payload(e)}
+        log.debug("rank %d: write failed", comm.rank, exc_info=True)
+    votes = comm.gather_bytes(json.dumps(vote).encode())
+
+    # 4. commit
+    outcome = coord.commit([json.loads(v) for v in votes], t0) if coord else None
+    result, _ = _unpack(comm.broadcast_bytes(outcome))
+    _raise_if_error(result, f"save to {path}")
+    info = CheckpointInfo(path=root, seconds=result["seconds"], world_size=comm.size,
+                          save_id=save_id, bytes_written=result["bytes"], num_files=result["files"])
+    if comm.rank == 0:
+        log.info("saved %s: %.1f MiB in %d files from %d ranks in %.2f s", root,
+                 info.bytes_written / 2**20, info.num_files, comm.size, info.seconds)
+    return info
+
+
+class _Coordinator:
+    """Rank 0's side of one save: validates plans, then commits or rolls back."""
+
+    def __init__(self, storage, root: str, overwrite: bool, world: int) -> None:
+        self.storage, self.root, self.overwrite, self.world = storage, root, overwrite, world
+        self.save_id = ""
+        self.gp: gplan.GlobalPlan | None = None
+
+    def plan(self, blobs: list[bytes]) -> bytes:
+        """Decode and validate every rank's plan; reply with the save id and write masks."""
+        cache: dict = {}
+        try:
+            plans = [localplan.decode(b, cache) for b in blobs]
+            errors = {r: p.error for r, p in enumerate(plans) if p.error}
+            if errors:
+                return _pack({"errors": errors})
+            st = self.storage
+            if st.exists(st.join(self.root, mf.MANIFEST_NAME)) and not self.overwrite:
+                raise AlreadyExistsError(
+                    f"{self.root} already holds a committed checkpoint; pass overwrite=True "
+                    "to replace it (the old one stays intact until the new one commits)")
+            self.gp = gplan.plan_global(plans)
+            st.makedirs(self.root)
+            self.save_id = uuid.uuid4().hex[:16]
+            return _pack({"save_id": self.save_id}, gplan.encode_writes(self.gp))
+        except Exception as e:
+            return _pack({"errors": {0: error_payload(e)}})
+
+    def commit(self, votes: list[dict], t0: float) -> bytes:
+        """Write the manifest if every rank wrote its file; else remove this save's files."""
+        st, root, gp = self.storage, self.root, self.gp
+        errors = {r: v["error"] for r, v in enumerate(votes) if v.get("error")}
+        committed = False
+        try:
+            if errors:
+                _remove_files(st, root, lambda n: n.startswith(f"data-{self.save_id}-"))
+                return _pack({"errors": errors})
+            files = [mf.FileEntry(v["file"], v["size"], v["hlen"], v["crc"], r)
+                     for r, v in enumerate(votes) if v.get("file")]
+            m = gplan.to_manifest(gp, files, self.save_id, self.world, {
+                "dckpt_version": _version(), "save_seconds": round(time.perf_counter() - t0, 3)})
+            data = mf.to_json(m)
+            _faults.fault("commit", 0)
+            st.put_atomic(st.join(root, mf.MANIFEST_NAME), data)  # THE commit point
+            committed = True
+            _faults.fault("committed", 0)
+            keep = {f.name for f in m.files}
+            _remove_files(st, root, lambda n: n not in keep)
+            return _pack({"bytes": m.total_bytes, "files": len(files),
+                          "seconds": time.perf_counter() - t0})
+        except Exception as e:
+            if not committed and not self._manifest_is_ours():
+                _remove_files(st, root, lambda n: n.startswith(f"data-{self.save_id}-"))
+            return _pack({"errors": {0: error_payload(e)}})
+
+
+    def _manifest_is_ours(self) -> bool:
+        """After a failed commit: did the manifest land anyway (e.g. the directory fsync
+        failed after the rename)? Then this save's files must stay."""
+        try:
+            data = self.storage.read(self.storage.join(self.root, mf.MANIFEST_NAME))
+        except OSError:
+            return False
+        return f'"save_id":"{self.save_id}"'.encode() in data
+
+
+def _write(storage, root: str, save_id: str, rank: int, pieces: list) -> dict:
+    if not pieces:
+        return {"file": None}
+    buffers = [as_bytes(p.local) for p in pieces]
+    entries = [(p.key, p.dtype, p.box.sizes, len(b)) for p, b in zip(pieces, buffers)]
+    order = shards.order_entries(entries)
+    name = f"data-{save_id}-{rank:05d}.safetensors"
+    writer = storage.open_write(storage.join(root, name))
+    try:
+        writer = _faults.wrap_writer(writer, rank)
+        size, hlen, crc = shards.write_shard(writer, [entries[i] for i in order],
+                                             [buffers[i] for i in order], storage.random_write)
+        writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+    return {"file": name, "size": size, "hlen": hlen, "crc": crc}
+
+
+def _remove_files(storage, root: str, select) -> int:
+    """Remove dckpt data files and temp manifests in ``root`` for which ``select(name)``.
+    Failures are logged, never raised: leftovers only cost space (``dckpt gc``)."""
+    removed = 0
+    try:
+        entries = storage.listdir(root)
+    except OSError as e:
+        log.warning("could not list %s to clean leftovers: %s", root, e)
+        return 0
+    for e in entries:
+        if (DATA_FILE.match(e.name) or TEMP_MANIFEST.match(e.name)) and select(e.name):
+            try:
+                storage.remove(storage.join(root, e.name))
+                removed += 1
+            except OSError as err:
+                log.warning("could not remove leftover %s: %s", e.name, err)
+    return removed
+
+
+def _version() -> str:
+    from .. import __version__
+    return __version__

@@ -1,0 +1,58 @@
+"""A torchrun job that saves generations of a sharded state, for crash tests.
+
+    torchrun --nproc-per-node=2 save_job.py PATH RUNDIR --gens N [--fault-gen G --fault SPEC]
+
+Generation g's state is a pure function of g (every element encodes g), so a loaded
+checkpoint shows whether it is one whole generation or a mix. Each rank writes its pid
+to RUNDIR/pid.RANK; rank 0 prints "saved g" after each committed save.
+"""
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import dckpt
+
+
+def state(gen: int, mesh) -> dict:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    rows = 1 << 12
+    full = torch.arange(rows * 1024, dtype=torch.float32).reshape(rows, 1024) + gen * 1e7
+    return {
+        "w": distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None),
+        "m": distribute_tensor(full[:, :512] * 2, mesh, [Shard(1)], src_data_rank=None),
+        "r": distribute_tensor(torch.full((256, 256), float(gen)), mesh, [Replicate()], src_data_rank=None),
+        "b": torch.full((1 << 16,), float(gen)),
+        "gen": gen,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("path")
+    ap.add_argument("rundir")
+    ap.add_argument("--gens", type=int, default=1000)
+    ap.add_argument("--fault-gen", type=int, default=-1)
+    ap.add_argument("--fault", default="")
+    a = ap.parse_args()
+    dist.init_process_group("gloo")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    rank = dist.get_rank()
+    with open(os.path.join(a.rundir, f"pid.{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    for gen in range(1, a.gens + 1):
+        if gen == a.fault_gen:
+            os.environ["DCKPT_FAULT"] = a.fault
+        dckpt.save(state(gen, mesh), a.path, overwrite=True)
+        if rank == 0:
+            print(f"saved {gen}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""Real crashes: torchrun jobs whose ranks are SIGKILLed in the middle of saves.
+
+After every kill the checkpoint path must hold one whole generation (never a mix of
+two), pass full verification, and the leftovers must be removable by ``dckpt gc``.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import dckpt
+from dckpt.catalog import collect_garbage
+from dckpt.verify import verify_checkpoint
+
+JOB = os.path.join(os.path.dirname(__file__), "jobs", "save_job.py")
+pytestmark = pytest.mark.slow
+
+
+class Job:
+    def __init__(self, path: str, rundir: str, *args: str) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env.pop("DCKPT_FAULT", None)
+        self.rundir = rundir
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+             "--max-restarts=0", JOB, path, rundir, *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            start_new_session=True)
+        self.lines: queue.Queue = queue.Queue()
+        self.output: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.output.append(line)
+            self.lines.put(line)
+
+    def wait_for(self, text: str, timeout: float = 120) -> None:
+        end = time.time() + timeout
+        while time.time() < end:
+            try:
+                if text in self.lines.get(timeout=1):
+                    return
+            except queue.Empty:
+                if self.proc.poll() is not None and self.lines.empty():
+                    break
+        raise AssertionError(f"job never printed {text!r}:\n{''.join(self.output)[-3000:]}")
+
+    def pid(self, rank: int) -> int:
+        return int(open(os.path.join(self.rundir, f"pid.{rank}")).read())
+
+    def finish(self, timeout: float = 120) -> int:
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            raise AssertionError("job did not exit after a rank was killed")
+        # Workers live in their own sessions: make sure none outlives the agent, or it
+        # would go on saving while the test inspects the checkpoint.
+        for rank in (0, 1):
+            try:
+                pid = self.pid(rank)
+            except (OSError, ValueError):
+                continue
+            end = time.time() + 30
+            while _alive(pid) and time.time() < end:
+                time.sleep(0.1)
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+                raise AssertionError(f"rank {rank} outlived its torchrun agent")
+        return rc
+
+
+    def last_saved(self) -> int:
+        gens = [int(x.split()[1]) for x in self.output if x.startswith("saved ")]
+        return max(gens, default=0)
+
+
+def expected(gen: int) -> dict:
+    rows = 1 << 12
+    full = torch.arange(rows * 1024, dtype=torch.float32).reshape(rows, 1024) + gen * 1e7
+    return {"w": full, "m": full[:, :512] * 2, "r": torch.full((256, 256), float(gen)),
+            "b": torch.full((1 << 16,), float(gen)), "gen": gen}
+
+
+def loaded_generation(path: str) -> int:
+    """Load the checkpoint into plain tensors in this one process; check it is exactly
+    one generation and verifies."""
+    t = {"w": torch.zeros(4096, 1024), "m": torch.zeros(4096, 512), "r": torch.zeros(256, 256),
+         "b": torch.zeros(1 << 16), "gen": -1}
+    dckpt.load(t, path)
+    want = expected(t["gen"])
+    for k in ("w", "m", "r", "b"):
+        assert torch.equal(t[k], want[k]), f"{k} is not generation {t['gen']}: a mix"
+    rep = verify_checkpoint(path)
+    assert rep.ok, rep.problems
+    return t["gen"]
+
+
+@pytest.mark.parametrize("victim, seed", [(1, 0), (0, 1), (1, 2), ("all", 3)])
+def test_sigkill_at_random_moment(tmp_path, victim, seed):
+    path, run = str(tmp_path / "ckpt"), str(tmp_path)
+    job = Job(path, run)
+    job.wait_for("saved 1")
+    time.sleep(random.Random(seed).uniform(0.0, 0.4))
+    if victim == "all":  # the whole node goes: agent and workers at once
+        for pid in (job.pid(0), job.pid(1), job.proc.pid):
+            os.kill(pid, signal.SIGKILL)
+    else:
+        os.kill(job.pid(victim), signal.SIGKILL)
+    assert job.finish() != 0
+    gen = loaded_generation(path)
+    assert job.last_saved() <= gen <= job.last_saved() + 1, (gen, job.last_saved())
+    collect_garbage(str(tmp_path), min_age_s=0)
+    assert sorted(f for f in os.listdir(path) if f.endswith(".safetensors")) == sorted(
+        f.name for f in dckpt.dist.restore.read_manifest(
+            dckpt.storage.local.LocalStorage(), path)[0].files)
+    assert loaded_generation(path) == gen
+
+
+@pytest.mark.parametrize("fault, committed", [
+    ("plan:0:kill", False), ("write:1:kill", False), ("vote:0:kill", False),
+    ("commit:0:kill", False), ("committed:0:kill", True)])
+def test_kill_at_each_phase_of_an_overwrite(tmp_path, fault, committed):
+    path, run = str(tmp_path / "ckpt"), str(tmp_path)
+    job = Job(path, run, "--gens", "2", "--fault-gen", "2", "--fault", fault)
+    assert job.finish() != 0, "".join(job.output)
+    assert job.last_saved() == 1
+    assert loaded_generation(path) == (2 if committed else 1)
+    if fault.startswith("write"):  # a half-written file of the failed save is left
+        assert len([f for f in os.listdir(path) if f.endswith(".safetensors")]) > 2
+    collect_garbage(str(tmp_path), min_age_s=0)
+    assert len([f for f in os.listdir(path) if f.endswith(".safetensors")]) == 2
+    assert loaded_generation(path) == (2 if committed else 1)
+
+
+def test_kill_during_first_save_leaves_no_checkpoint(tmp_path):
+    path, run = str(tmp_path / "ckpt"), str(tmp_path)
+    job = Job(path, run, "--gens", "1", "--fault-gen", "1", "--fault", "commit:0:kill")
+    assert job.finish() != 0
+    with pytest.raises(dckpt.NotCommittedError):
+        loaded_generation(path)
+    assert collect_garbage(str(tmp_path), min_age_s=0, dry_run=True)
+    collect_garbage(str(tmp_path), min_age_s=0)
+    assert [f for f in os.listdir(path) if f.endswith(".safetensors")] == []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
