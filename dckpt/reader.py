@@ -1,7 +1,6 @@
 """Reading verified chunks out of shard files into destination tensors."""
 from __future__ import annotations
 
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -9,6 +8,7 @@ import torch
 from .errors import IntegrityError
 from .format import manifest as mf
 from .format import shards
+from .format.checksum import crc32
 from .format.dtypes import ITEMSIZE, to_torch
 from .layout.chunks import Box
 from .layout.reshard import ReadItem, byte_span, split_item, strides
@@ -51,7 +51,7 @@ class ChunkReader:
         if size != f.size:
             raise IntegrityError(f"shard file {path} has {size} bytes, the manifest recorded "
                                  f"{f.size} (truncated or replaced)")
-        if len(head) != 8 + f.header_len or zlib.crc32(head) != f.header_crc32:
+        if len(head) != 8 + f.header_len or crc32(head) != f.header_crc32:
             raise IntegrityError(f"shard file {path}: header checksum mismatch (corrupt or "
                                  "replaced file)")
         self.headers[fi] = shards.parse_header(head, path, size)
@@ -103,6 +103,24 @@ class ChunkReader:
                 view.copy_(src)
         return hi - lo
 
+    def _prefetch(self, tasks) -> None:
+        """Hint the storage about every byte range about to be read, merged per file."""
+        hint = getattr(self.storage, "prefetch", None)
+        if hint is None:
+            return
+        ranges: dict[int, list[tuple[int, int]]] = {}
+        for piece, entry, item in tasks:
+            st = self.stored(piece.key, entry, item)
+            a, b = byte_span(st.shape, item.src, ITEMSIZE[st.dtype])
+            rs = ranges.setdefault(item.file, [])
+            lo, hi = st.start + a, st.start + b
+            if rs and lo <= rs[-1][1] + (1 << 20):
+                rs[-1] = (rs[-1][0], max(rs[-1][1], hi))
+            else:
+                rs.append((lo, hi))
+        for fi, rs in ranges.items():
+            hint(self._path(self.m.files[fi]), rs)
+
     def _read_exact(self, path: str, start: int, buf, what: str) -> None:
         if len(buf) and self.storage.readinto(path, start, memoryview(buf)) != len(buf):
             raise IntegrityError(f"{what}: short read (truncated file)")
@@ -134,6 +152,7 @@ class ChunkReader:
             self.header(fi)  # sequential and cached: the workers only read it
         tasks.sort(key=lambda t: (t[2].file, self.stored(t[0].key, t[1], t[2]).start,
                                   [r.start for r in t[2].src]))
+        self._prefetch(tasks)
         if workers == 1 or len(tasks) <= 1:
             return sum(self.copy_one(*t) for t in tasks)
         with ThreadPoolExecutor(workers, thread_name_prefix="dckpt-read") as pool:

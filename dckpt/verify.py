@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import logging
-import zlib
 from dataclasses import dataclass, field
 
 from .errors import CheckpointError
 from .format import shards
+from .format.checksum import crc32
 from .reader import ChunkReader
 from .storage.fsspec_storage import make_storage
 
@@ -80,7 +80,7 @@ def _check_tensor(storage, path: str, st: shards.StoredTensor, block: int) -> No
         if len(data) != n:
             raise CheckpointError(f"shard file {path}: tensor {st.name!r} is truncated")
         first = pos // block
-        got = [zlib.crc32(memoryview(data)[i:i + block]) for i in range(0, n, block)]
+        got = [crc32(memoryview(data)[i:i + block]) for i in range(0, n, block)]
         want = st.crcs[first:first + len(got)].tolist()
         if got != want:
             bad = first + next(i for i, (g, w) in enumerate(zip(got, want)) if g != w)

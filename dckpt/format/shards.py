@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 import math
 import struct
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import IntegrityError
+from .checksum import crc32
 from .dtypes import ITEMSIZE
 
 BLOCK = 1 << 20
@@ -38,8 +38,8 @@ class StoredTensor:
 
 
 def block_crcs(buf: memoryview, block: int = BLOCK) -> list[int]:
-    """CRC32 of each ``block`` bytes of ``buf``. Releases the GIL (zlib)."""
-    return [zlib.crc32(buf[i:i + block]) for i in range(0, len(buf), block)] or [0]
+    """CRC32 of each ``block`` bytes of ``buf``. Releases the GIL."""
+    return [crc32(buf[i:i + block]) for i in range(0, len(buf), block)] or [0]
 
 
 def _header(entries, crcs: list[list[int]], block: int) -> bytes:
@@ -91,7 +91,7 @@ def write_shard(writer, entries: list[tuple[str, str, tuple[int, ...], int]],
             writer.write(b)
             pos += len(b)
     assert len(head) == data_start, "header length changed between layout and write"
-    return pos, hlen, zlib.crc32(head)
+    return pos, hlen, crc32(head)
 
 
 def parse_header(head: bytes, file: str, size: int) -> tuple[dict[str, StoredTensor], int]:
@@ -152,7 +152,7 @@ def verify_segments(segments: list, first_block: int, crcs: np.ndarray, block: i
         pos = 0
         while pos < len(v):
             n = min(block - filled, len(v) - pos)
-            crc = zlib.crc32(v[pos:pos + n], crc)
+            crc = crc32(v[pos:pos + n], crc)
             pos, filled = pos + n, filled + n
             if filled == block:
                 _check_block(crc, b, crcs, what)
