@@ -651,3 +651,11 @@ def test_dtype_codes_roundtrip():
             continue  # not offered by this torch
         assert to_code(dt) == code
         assert torch.empty((), dtype=dt).element_size() == size
+
+
+def test_grid_breakpoints_that_would_overflow_are_refused():
+    big = int(1.9 * 2**62)
+    doc = golden_doc()
+    doc["tensors"]["emb"]["chunks"]["grid"] = [[0, big, -big, 8]]
+    doc["tensors"]["emb"]["chunks"]["file"] = [0, 1, 2]
+    _bad(doc, "'emb'", "grid of dim 0")

@@ -90,12 +90,13 @@ def grid_cells(grid: tuple[tuple[int, ...], ...]) -> tuple[np.ndarray, np.ndarra
     """Offsets and sizes (n, ndim) of the cells of a grid, C order. O(cells)."""
     if not grid:
         return np.zeros((1, 0), np.int64), np.zeros((1, 0), np.int64)
-    starts = [np.asarray(b[:-1], np.int64) for b in grid]
-    lens = [np.diff(np.asarray(b, np.int64)) for b in grid]
-    mesh_o = np.meshgrid(*starts, indexing="ij")
-    mesh_s = np.meshgrid(*lens, indexing="ij")
-    return (np.stack([m.ravel() for m in mesh_o], axis=1),
-            np.stack([m.ravel() for m in mesh_s], axis=1))
+    bps = [np.asarray(b, np.int64) for b in grid]
+    if len(bps) == 1:  # the common case (FSDP): no index arithmetic
+        return bps[0][:-1, None].copy(), np.diff(bps[0])[:, None]
+    idx = np.indices([len(b) - 1 for b in bps]).reshape(len(bps), -1)
+    offsets = np.stack([b[:-1][i] for b, i in zip(bps, idx)], axis=1)
+    sizes = np.stack([np.diff(b)[i] for b, i in zip(bps, idx)], axis=1)
+    return offsets, sizes
 
 
 # ----------------------------------------------------------------------------- writing
@@ -161,13 +162,14 @@ def _parse_chunks(key: str, shape: tuple[int, ...], obj: Any, nfiles: int) -> Ch
             g = obj["grid"]
             if not isinstance(g, list) or len(g) != ndim:
                 raise ValueError(f"tensor {key!r}: grid needs one breakpoint list per dim")
-            grid = tuple(tuple(intarray.decode(b, f"tensor {key!r} grid", nfiles + 1).tolist())
-                         for b in g)
-            for d, b in enumerate(grid):
-                if len(b) < 2 or b[0] != 0 or b[-1] != shape[d] or any(
-                        x >= y for x, y in zip(b, b[1:])):
+            arrays = [intarray.decode(b, f"tensor {key!r} grid", nfiles + 1) for b in g]
+            for d, b in enumerate(arrays):
+                # values inside [0, shape] first, so the differences cannot overflow
+                if len(b) < 2 or b[0] != 0 or b[-1] != shape[d] or (b < 0).any() \
+                        or (b > shape[d]).any() or (np.diff(b) <= 0).any():
                     raise ValueError(f"tensor {key!r}: grid of dim {d} must rise strictly "
                                      f"from 0 to {shape[d]}")
+            grid = tuple(tuple(b.tolist()) for b in arrays)
             if math.prod(len(b) - 1 for b in grid) > max(nfiles, 1):
                 raise ValueError(f"tensor {key!r}: grid has more cells than there are files")
             offsets, sizes = grid_cells(grid)
