@@ -827,3 +827,34 @@ def test_empty_tensor_survives_manifest():
     assert back.tensors["e"].shape == (0, 3) and len(back.tensors["e"].chunks) == 0
     assert back.tensors["e1"].shape == (0,) and len(back.tensors["e1"].chunks) == 0
     assert len(back.tensors["z"].chunks) == 1
+
+
+@settings(max_examples=_n(150), deadline=None)
+@given(shape=st.lists(st.integers(1, 9), min_size=1, max_size=3), data=st.data(),
+       itemsize=st.sampled_from([1, 2, 4, 8]), budget=st.integers(1, 200))
+def test_split_item_tiles_the_region_within_budget(shape, data, itemsize, budget):
+    """split_item's pieces cover the region exactly once, map src to dst consistently,
+    and each byte span fits the budget (or is a single element)."""
+    lo = [data.draw(st.integers(0, s - 1)) for s in shape]
+    hi = [data.draw(st.integers(a + 1, s)) for a, s in zip(lo, shape)]
+    shift = [data.draw(st.integers(0, 5)) for _ in shape]
+    src = tuple(slice(a, b) for a, b in zip(lo, hi))
+    dst = tuple(slice(a + k, b + k) for a, b, k in zip(lo, hi, shift))
+    item = reshard.ReadItem(0, 0, src, dst, False, False)
+    pieces = reshard.split_item(item, shape, itemsize, budget)
+    count = np.zeros(shape, np.int64)
+    for p in pieces:
+        count[p.src] += 1
+        assert all(d.start - s.start == k and d.stop - s.stop == k
+                   for s, d, k in zip(p.src, p.dst, shift))
+        a, b = reshard.byte_span(shape, p.src, itemsize)
+        assert b - a <= max(budget, itemsize), (p, b - a)
+    want = np.zeros(shape, np.int64)
+    want[src] = 1
+    assert (count == want).all()
+
+
+def test_byte_span():
+    assert reshard.byte_span((4, 5), (slice(1, 3), slice(0, 5)), 4) == (20, 60)
+    assert reshard.byte_span((4, 5), (slice(1, 3), slice(2, 4)), 2) == (14, 28)
+    assert reshard.byte_span((), (), 8) == (0, 8)
