@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from .. import _faults
-from ..errors import NotCommittedError, StateMismatchError
+from ..errors import CheckpointError, NotCommittedError, StateMismatchError
 from ..format import manifest as mf
 from ..state.flatten import flatten, fill
 from ..state.tensors import describe
@@ -25,19 +25,24 @@ from .collectives import Comm, agree, error_payload, raise_gathered
 log = logging.getLogger(__name__)
 
 
-def read_manifest(storage, root: str) -> tuple[mf.Manifest, bytes]:
-    """Read and validate ``root/manifest.json``. Blocking I/O. Raises
-    NotCommittedError (none there) or ManifestError (garbage, unsafe, newer version)."""
+def read_manifest_bytes(storage, root: str) -> bytes:
+    """The raw bytes of ``root/manifest.json``. Blocking I/O. Raises NotCommittedError."""
     where = storage.join(root, mf.MANIFEST_NAME)
     try:
-        data = storage.read(where)
+        return storage.read(where)
     except FileNotFoundError:
         raise NotCommittedError(
             f"{root} holds no committed checkpoint (no {mf.MANIFEST_NAME}): the save that "
             "wrote it did not finish, or the path is wrong") from None
     except IsADirectoryError:
         raise NotCommittedError(f"{where} is a directory, not a manifest") from None
-    return mf.parse(data, where), data
+
+
+def read_manifest(storage, root: str) -> tuple[mf.Manifest, bytes]:
+    """Read and validate ``root/manifest.json``. Blocking I/O. Raises
+    NotCommittedError (none there) or ManifestError (garbage, unsafe, newer version)."""
+    data = read_manifest_bytes(storage, root)
+    return mf.parse(data, storage.join(root, mf.MANIFEST_NAME)), data
 
 
 def load(state_dict: dict, path: str, *, process_group: Any = None,
@@ -59,20 +64,23 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
     comm = Comm(process_group)
     storage, root = make_storage(path, storage_options)
 
+    # Rank 0 reads the bytes; every rank parses them at once (parsing is deterministic,
+    # so a bad manifest fails identically everywhere without another collective).
     reply = None
-    manifest = None
     if comm.rank == 0:
         try:
-            manifest, data = read_manifest(storage, root)
-            reply = b"\x00" + data
+            reply = b"\x00" + read_manifest_bytes(storage, root)
         except Exception as e:
             reply = b"\x01" + json.dumps(error_payload(e)).encode()
     payload = comm.broadcast_bytes(reply)
     if payload[:1] == b"\x01":
         raise_gathered({0: json.loads(payload[1:])}, f"load from {path}")
-    if manifest is None:
-        manifest = mf.parse(payload[1:])
+    try:
+        manifest = mf.parse(payload[1:], storage.join(root, mf.MANIFEST_NAME))
+    except CheckpointError as e:
+        raise type(e)(f"load from {path} failed: {e}") from None
 
+    t_manifest = time.perf_counter()
     # Phase 1: match the target against the manifest before touching any tensor.
     err: BaseException | None = None
     pieces, unexpected = [], []
@@ -95,6 +103,7 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
             f"checkpoint {root} has {len(unexpected)} key(s) the state_dict lacks: "
             f"{_preview(unexpected)} (pass strict=False to ignore them)")
 
+    t_match = time.perf_counter()
     # Phase 2: read, verify, copy.
     nbytes = 0
     try:
@@ -104,10 +113,13 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
              flat.stateful)
     except Exception as e:
         err = e
+    t_read = time.perf_counter()
     agree(comm, err, f"load from {path}")
+    t_end = time.perf_counter()
+    log.debug("rank %d load phases: manifest %.3f s, match %.3f s, read %.3f s, agree %.3f s",
+              comm.rank, t_manifest - t0, t_match - t_manifest, t_read - t_match, t_end - t_read)
     if comm.rank == 0:
-        log.info("loaded %s: %.1f MiB on rank 0 in %.2f s", root, nbytes / 2**20,
-                 time.perf_counter() - t0)
+        log.info("loaded %s: %.1f MiB on rank 0 in %.2f s", root, nbytes / 2**20, t_end - t0)
     return state_dict
 
 

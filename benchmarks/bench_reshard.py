@@ -1,0 +1,320 @@
+"""Resharding restore N=2 -> M ranks: dckpt vs torch.distributed.checkpoint (DCP), time and memory.
+
+2 gloo ranks save the bench_save_load.py state (fp32 weights + 2 Adam moments, DTensors
+Shard(0), 568 MiB) once with dckpt.save, once with dcp.save(FileSystemWriter(sync_files=
+True)); values hash the global index, so any world can check its slices. For each M in
+--worlds, M fresh gloo ranks build the zeroed target (Shard(0), M-rank mesh) and each rep
+(order alternating, after --warmup checked ones) restore it with dckpt.load and
+dcp.load(FileSystemReader), page cache dropped first when permitted. Per load: wall time
+between barriers (max over ranks); peak extra memory: max RSS sampled from /proc/self/statm
+every --sample-ms by a thread minus RSS just before (target touched, gc + malloc_trim done),
+max over ranks; bytes read (/proc/self/io rchar, all ranks) / state size. Floor: every
+rank reads state/M bytes of the dckpt shard files cold with raw os.preadv. Medians shown.
+
+    python benchmarks/bench_reshard.py [--worlds 1,3,4] [--reps 3] [--dir D] [--json OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Callable
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_save_load import _max_over_ranks, drop_caches, model_specs, timed  # noqa: E402
+
+GROUPS = ("weights", "exp_avg", "exp_avg_sq")
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def values(k: int, shape: tuple[int, ...], row0: int, rows: int):
+    """Rows [row0, row0+rows) of tensor number ``k``: exact fp32 in [0, 1) from a hash of
+    the global flat index, so any world's slices can be checked without the source."""
+    import torch
+    inner = int(torch.Size(shape[1:]).numel())
+    i = torch.arange(row0 * inner, (row0 + rows) * inner, dtype=torch.int64)
+    return ((i * 2654435761 + k * 40503) % (1 << 24)).to(torch.float32).div_(1 << 24).reshape(
+        rows, *shape[1:])
+
+
+def _pieces(specs, rank: int, world: int):
+    """(group, name, global shape, tensor number, first row, rows) of this rank's shards."""
+    from dckpt.layout.chunks import chunk_range
+    for g, group in enumerate(GROUPS):
+        for j, (name, shape) in enumerate(specs):
+            yield (group, name, shape, g * len(specs) + j, *chunk_range(shape[0], world, rank))
+
+
+def make_state(specs, mesh, rank: int, world: int, zero: bool) -> dict[str, Any]:
+    """{group: {name: DTensor Shard(0)}, "step": int}: zeros (touched) or the known values."""
+    import torch
+    from torch.distributed.tensor import DTensor, Shard
+    state: dict[str, Any] = {"step": 0 if zero else 1000, **{g: {} for g in GROUPS}}
+    for group, name, shape, k, r0, n in _pieces(specs, rank, world):
+        local = torch.zeros(n, *shape[1:]) if zero else values(k, shape, r0, n)
+        stride = tuple(int(torch.Size(shape[i + 1:]).numel()) for i in range(len(shape)))
+        state[group][name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                                shape=torch.Size(shape), stride=stride)
+    return state
+
+
+def check(state: dict, specs, rank: int, world: int) -> bool:
+    """Every local shard equals its expected slice and the int came back, on all ranks."""
+    import torch
+    ok = state["step"] == 1000 and all(torch.equal(state[g][name].to_local(), values(k, shape, r0, n))
+                                       for g, name, shape, k, r0, n in _pieces(specs, rank, world))
+    return _max_over_ranks(0.0 if ok else 1.0) == 0.0
+
+
+def _rss() -> tuple[int, int]:
+    """(RSS, anon RSS = resident - file-backed/shared) of this process in bytes."""
+    with open("/proc/self/statm", "rb") as f:
+        v = f.read().split()
+    return int(v[1]) * PAGE, (int(v[1]) - int(v[2])) * PAGE
+
+
+def _io() -> list[int]:
+    """[rchar, read_bytes] of this process: bytes read by syscalls, bytes fetched from disk."""
+    with open("/proc/self/io") as f:
+        d = dict(line.split(": ") for line in f.read().splitlines())
+    return [int(d["rchar"]), int(d["read_bytes"])]
+
+
+def measured(fn: Callable[[], Any], period: float) -> dict[str, float]:
+    """Barrier, ``fn`` on every rank, barrier. Returns the slowest rank's seconds ("s"), the
+    max over ranks of the peak extra RSS / anon RSS in MiB ("mib", "anon_mib", sampled by a
+    thread every ``period`` s), and bytes read by syscalls / from disk, all ranks ("rchar",
+    "disk")."""
+    import torch
+    import torch.distributed as dist
+    gc.collect()
+    try:  # hand freed heap back to the OS so every load starts from the same RSS
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    base, stop = _rss(), threading.Event()
+    peak = list(base)
+
+    def sample() -> None:
+        while True:
+            peak[:] = map(max, peak, _rss())
+            if stop.wait(period):
+                return
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    io0 = _io()
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dt = time.perf_counter() - t0
+    stop.set()
+    sampler.join()
+    peak[:] = map(max, peak, _rss())
+    io = torch.tensor([b - a for a, b in zip(io0, _io())], dtype=torch.float64)
+    dist.barrier()
+    dist.all_reduce(io)
+    return {"s": _max_over_ranks(dt), "mib": _max_over_ranks((peak[0] - base[0]) / 2**20),
+            "anon_mib": _max_over_ranks((peak[1] - base[1]) / 2**20),
+            "rchar": float(io[0]), "disk": float(io[1])}
+
+
+def raw_share(files: list[str], rank: int, world: int, threads: int, block: int = 16 << 20) -> None:
+    """os.preadv this rank's 1/world share of the concatenated files, cut into
+    ``threads`` contiguous parts read concurrently."""
+    import numpy as np
+    sizes = [os.path.getsize(f) for f in files]
+    step = -(-sum(sizes) // world)
+    lo, hi = min(rank * step, sum(sizes)), min((rank + 1) * step, sum(sizes))
+
+    def part(lo: int, hi: int) -> None:
+        buf, pos = memoryview(np.empty(block, np.uint8)).cast("B"), 0
+        for f, n in zip(files, sizes):
+            a, b = max(lo, pos), min(hi, pos + n)
+            if a < b:
+                fd = os.open(f, os.O_RDONLY)
+                while a < b:
+                    a += os.preadv(fd, [buf[:min(block, b - a)]], a - pos)
+                os.close(fd)
+            pos += n
+    sub = -(-(hi - lo) // threads)
+    ts = [threading.Thread(target=part, args=(lo + k * sub, min(hi, lo + (k + 1) * sub)))
+          for k in range(threads)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+
+
+def _init(rank: int, world: int, init: str, a: dict):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    return init_device_mesh("cpu", (world,)), model_specs(a["layers"], a["hidden"], a["vocab"], a["ffn_mult"])
+
+
+def save_worker(rank: int, world: int, init: str, a: dict, out: str) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    import dckpt
+    mesh, specs = _init(rank, world, init, a)
+    src = make_state(specs, mesh, rank, world, zero=False)
+    res = {"dckpt": timed(lambda: dckpt.save(src, os.path.join(a["dir"], "dckpt"))),
+           "dcp": timed(lambda: dcp.save(src, storage_writer=dcp.FileSystemWriter(
+               os.path.join(a["dir"], "dcp"), sync_files=True)))}
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(res, f)
+    dist.destroy_process_group()
+
+
+def load_worker(rank: int, world: int, init: str, a: dict, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    import dckpt
+    mesh, specs = _init(rank, world, init, a)
+    dst = make_state(specs, mesh, rank, world, zero=True)
+    locs = [t.to_local() for g in GROUPS for t in dst[g].values()]
+    per_rank = _max_over_ranks(sum(x.numel() * x.element_size() for x in locs))
+    paths = {lib: os.path.join(a["dir"], lib) for lib in ("dckpt", "dcp")}
+    files = sorted(os.path.join(paths["dckpt"], f) for f in os.listdir(paths["dckpt"])
+                   if f != "manifest.json")
+    loaders = {"dckpt": lambda: dckpt.load(dst, paths["dckpt"]),
+               "dcp": lambda: dcp.load(dst, storage_reader=dcp.FileSystemReader(paths["dcp"]))}
+    period, drop = a["sample_ms"] / 1000, a["drop_caches"]
+    rows, checked, dropped = [], {}, drop
+
+    def cold() -> None:
+        nonlocal dropped
+        if drop:
+            dropped = drop_caches(rank) and dropped
+        with torch.no_grad():
+            for x in locs:
+                x.zero_()
+        dst["step"] = 0
+    for i in range(a["warmup"] + a["reps"]):
+        row: dict[str, Any] = {"rep": i - a["warmup"], "load1": os.getloadavg()[0]}
+        row["order"] = libs = ["dckpt", "dcp"] if i % 2 == 0 else ["dcp", "dckpt"]
+        cold()
+        row["raw_read"] = measured(lambda: raw_share(files, rank, world, a["raw_threads"]), period)["s"]
+        for lib in libs:
+            cold()
+            row.update({f"{lib}_{k}": v for k, v in measured(loaders[lib], period).items()})
+            if lib not in checked:
+                checked[lib] = check(dst, specs, rank, world)
+        if i >= a["warmup"]:
+            rows.append(row)
+        if rank == 0:
+            print(f"  M={world} rep {row['rep']:>2} ({'/'.join(libs)}): " + "  ".join(
+                f"{k} {v:.3f}" for k, v in row.items() if k[-2:] in ("_s", "ib", "ad"))
+                + f"  [loadavg {row['load1']:.1f}]", flush=True)
+    if a["profile"]:  # one more dckpt load, untimed, rank 0 under cProfile
+        import cProfile
+        cold()
+        prof = cProfile.Profile()
+        dist.barrier()
+        prof.runcall(loaders["dckpt"]) if rank == 0 else loaders["dckpt"]()
+        if rank == 0:
+            prof.dump_stats(out + ".prof")
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"rows": rows, "checked": checked, "per_rank_bytes": per_rank, "dropped": dropped}, f)
+    dist.destroy_process_group()
+
+
+def spawn(fn, world: int, scratch: str, a: dict, tag: str) -> dict:
+    import torch.multiprocessing as tmp
+    out = os.path.join(scratch, f"{tag}.json")
+    tmp.spawn(fn, args=(world, os.path.join(scratch, f"rdv-{tag}"), a, out), nprocs=world, join=True)
+    with open(out) as f:
+        return json.load(f)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--worlds", default="1,3,4", help="target world sizes M, comma separated")
+    p.add_argument("--save-world", type=int, default=2, help="ranks that save (N)")
+    p.add_argument("--reps", type=int, default=3, help="timed repetitions per M")
+    p.add_argument("--warmup", type=int, default=1, help="untimed repetitions first (checked)")
+    for name, v in (("layers", 6), ("hidden", 768), ("vocab", 8193), ("ffn-mult", 4)):
+        p.add_argument(f"--{name}", type=int, default=v, help="model shape (as bench_save_load)")
+    p.add_argument("--sample-ms", type=float, default=5.0, help="RSS sampling period")
+    p.add_argument("--raw-threads", type=int, default=4, help="reader threads per rank, raw read")
+    p.add_argument("--dir", default=None, help="parent of the scratch dir (None: the system temp dir)")
+    p.add_argument("--no-drop-caches", dest="drop_caches", action="store_false",
+                   help="do not try to drop the page cache before loads")
+    p.add_argument("--profile", action="store_true",
+                   help="cProfile one extra dckpt load of rank 0 per M and print the top")
+    p.add_argument("--json", default=None, help="write results as JSON here")
+    args = p.parse_args(argv)
+    worlds = [int(w) for w in args.worlds.split(",") if w]
+    os.environ["OMP_NUM_THREADS"] = "1"
+    scratch = tempfile.mkdtemp(prefix="dckpt-reshard-", dir=args.dir)
+    a = {**vars(args), "dir": scratch}
+    print(f"scratch dir {scratch}; saved by {args.save_world} ranks, restored into M = {worlds}; "
+          f"{args.reps} reps (+{args.warmup} warmup)", flush=True)
+    res: dict[str, Any] = {"args": vars(args), "worlds": {}}
+    try:
+        res["save"] = spawn(save_worker, args.save_world, scratch, a, "save")
+        ck = os.path.join(scratch, "dckpt")
+        res["total_bytes"] = sum(os.path.getsize(os.path.join(ck, f)) for f in os.listdir(ck)
+                                 if f != "manifest.json")
+        print(f"save: dckpt {res['save']['dckpt']:.3f}s, DCP {res['save']['dcp']:.3f}s", flush=True)
+        for m in worlds:
+            res["worlds"][str(m)] = spawn(load_worker, m, scratch, a, f"load-{m}")
+            if args.profile:
+                import pstats
+                print(f"\ncProfile of rank 0's dckpt.load, M={m}:")
+                pstats.Stats(os.path.join(scratch, f"load-{m}.json.prof")).sort_stats("cumulative").print_stats(14)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    import platform, torch  # noqa: E401
+    res["env"] = {"python": platform.python_version(), "torch": torch.__version__,
+                  "machine": platform.platform(), "cpus": os.cpu_count()}
+    report(res)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+def report(res: dict) -> None:
+    total = res["total_bytes"]
+    print(f"\nstate: {total / 2**20:.1f} MiB saved by {res['args']['save_world']} ranks; "
+          f"medians of {res['args']['reps']} reps; times in s, memory in MiB")
+    print(f"{'M':>2}{'MiB/rank':>9}{'dckpt':>7}{'DCP':>7}{'ratio':>6}{'raw':>7}{'GB/s':>6}"
+          f"{'dckpt MiB':>10}{'DCP MiB':>8}{'(anon':>7}{'/':>6})  read x dckpt/DCP  ok  cold  loadavg")
+    for m, w in res["worlds"].items():
+        rows = w["rows"]
+        med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if isinstance(rows[0][k], float)}
+        w["median"], w["ratio"] = med, med["dckpt_s"] / med["dcp_s"]
+        w["targets_met"] = {"time<=0.8xDCP": w["ratio"] <= 0.8, "mem<=DCP": med["dckpt_mib"] <= med["dcp_mib"]}
+        ok = "ok" if all(w["checked"].values()) and len(w["checked"]) == 2 else "BAD"
+        load = [r["load1"] for r in rows]
+        print(f"{m:>2}{w['per_rank_bytes'] / 2**20:9.1f}{med['dckpt_s']:7.3f}{med['dcp_s']:7.3f}"
+              f"{w['ratio']:6.2f}{med['raw_read']:7.3f}{total / 1e9 / med['raw_read']:6.2f}"
+              f"{med['dckpt_mib']:10.1f}{med['dcp_mib']:8.1f}{med['dckpt_anon_mib']:7.1f}"
+              f"{med['dcp_anon_mib']:6.1f})  {med['dckpt_rchar'] / total:7.2f}{med['dcp_rchar'] / total:5.2f}"
+              f"    {ok:4}{'yes' if w['dropped'] else 'NO':6}{min(load):.1f}..{max(load):.1f}")
+    print("dckpt/DCP/ratio: load wall time, max over ranks (target ratio <= 0.80); raw: every rank reads"
+          "\nstate/M bytes of the shard files cold with os.preadv (physical floor), GB/s all ranks;"
+          "\nMiB: peak extra RSS during the load, max over ranks (target dckpt <= DCP), anon excludes"
+          "\nfile-backed pages; read x: bytes read by syscalls, all ranks, / state size")
+    for m, w in res["worlds"].items():
+        print(f"M={m}: targets {w['targets_met']}; raw floor / load time: dckpt "
+              f"{100 * w['median']['raw_read'] / w['median']['dckpt_s']:.0f}%, DCP "
+              f"{100 * w['median']['raw_read'] / w['median']['dcp_s']:.0f}%")
+
+
+if __name__ == "__main__":
+    main()
