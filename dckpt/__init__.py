@@ -1,6 +1,7 @@
 """dckpt: distributed, sharded, atomic and verified checkpoints for PyTorch.
 
-Public API: :func:`save`, :func:`load`, :class:`CheckpointInfo`, :class:`TrainingState`
+Public API: :func:`save`, :func:`load`, :func:`async_save` (:class:`SaveHandle`),
+:class:`CheckpointInfo`, :class:`TrainingState`
 and the errors.
 """
 from __future__ import annotations
@@ -9,6 +10,7 @@ __version__ = "0.1.0"
 
 from .dist.commit import CheckpointInfo, save
 from .dist.restore import load
+from .engine.async_save import SaveHandle, async_save
 from .state.training import TrainingState
 from .errors import (
     AlreadyExistsError,
@@ -22,7 +24,7 @@ from .errors import (
 )
 
 __all__ = [
-    "save", "load", "CheckpointInfo", "TrainingState",
+    "save", "load", "async_save", "SaveHandle", "CheckpointInfo", "TrainingState",
     "CheckpointError", "NotCommittedError", "AlreadyExistsError", "IntegrityError",
     "ManifestError", "StateMismatchError", "UnsupportedValueError", "RankFailure",
 ]

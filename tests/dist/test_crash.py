@@ -164,3 +164,19 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_kill_during_async_persist(tmp_path):
+    """The snapshot is taken and training goes on; the rank dies while the background
+    persist is in flight: the previous checkpoint stays, the new one never appears."""
+    path, run = str(tmp_path / "ckpt"), str(tmp_path)
+    job = Job(path, run, "--async-save", "--gens", "2", "--fault-gen", "2",
+              "--fault", "vote:0:sleep=60")
+    job.wait_for("staged 2")
+    time.sleep(0.5)
+    os.kill(job.pid(0), signal.SIGKILL)
+    assert job.finish() != 0
+    assert job.last_saved() == 1
+    assert loaded_generation(path) == 1
+    collect_garbage(str(tmp_path), min_age_s=0)
+    assert len([f for f in os.listdir(path) if f.endswith(".safetensors")]) == 2

@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--gens", type=int, default=1000)
     ap.add_argument("--fault-gen", type=int, default=-1)
     ap.add_argument("--fault", default="")
+    ap.add_argument("--async-save", action="store_true", help="dckpt.async_save, then wait")
     a = ap.parse_args()
     dist.init_process_group("gloo")
     from torch.distributed.device_mesh import init_device_mesh
@@ -48,7 +49,13 @@ def main() -> None:
     for gen in range(1, a.gens + 1):
         if gen == a.fault_gen:
             os.environ["DCKPT_FAULT"] = a.fault
-        dckpt.save(state(gen, mesh), a.path, overwrite=True)
+        if a.async_save:
+            h = dckpt.async_save(state(gen, mesh), a.path, overwrite=True)
+            if rank == 0:
+                print(f"staged {gen}", flush=True)
+            h.result()
+        else:
+            dckpt.save(state(gen, mesh), a.path, overwrite=True)
         if rank == 0:
             print(f"saved {gen}", flush=True)
     dist.destroy_process_group()
