@@ -81,18 +81,19 @@ def _rss() -> tuple[int, int]:
     return int(v[1]) * PAGE, (int(v[1]) - int(v[2])) * PAGE
 
 
-def _io() -> list[int]:
-    """[rchar, read_bytes] of this process: bytes read by syscalls, bytes fetched from disk."""
+def _io() -> list[float]:
+    """[rchar, read_bytes, CPU s] of this process: bytes read by syscalls, bytes fetched
+    from disk, user + system time of all its threads."""
     with open("/proc/self/io") as f:
         d = dict(line.split(": ") for line in f.read().splitlines())
-    return [int(d["rchar"]), int(d["read_bytes"])]
+    return [int(d["rchar"]), int(d["read_bytes"]), sum(os.times()[:2])]
 
 
 def measured(fn: Callable[[], Any], period: float) -> dict[str, float]:
     """Barrier, ``fn`` on every rank, barrier. Returns the slowest rank's seconds ("s"), the
     max over ranks of the peak extra RSS / anon RSS in MiB ("mib", "anon_mib", sampled by a
-    thread every ``period`` s), and bytes read by syscalls / from disk, all ranks ("rchar",
-    "disk")."""
+    thread every ``period`` s), and, summed over ranks, bytes read by syscalls / from disk
+    ("rchar", "disk") and CPU seconds ("cpu")."""
     import torch
     import torch.distributed as dist
     gc.collect()
@@ -123,7 +124,7 @@ def measured(fn: Callable[[], Any], period: float) -> dict[str, float]:
     dist.all_reduce(io)
     return {"s": _max_over_ranks(dt), "mib": _max_over_ranks((peak[0] - base[0]) / 2**20),
             "anon_mib": _max_over_ranks((peak[1] - base[1]) / 2**20),
-            "rchar": float(io[0]), "disk": float(io[1])}
+            "rchar": float(io[0]), "disk": float(io[1]), "cpu": float(io[2])}
 
 
 def raw_share(files: list[str], rank: int, world: int, threads: int, block: int = 16 << 20) -> None:
@@ -292,8 +293,8 @@ def report(res: dict) -> None:
     total = res["total_bytes"]
     print(f"\nstate: {total / 2**20:.1f} MiB saved by {res['args']['save_world']} ranks; "
           f"medians of {res['args']['reps']} reps; times in s, memory in MiB")
-    print(f"{'M':>2}{'MiB/rank':>9}{'dckpt':>7}{'DCP':>7}{'ratio':>6}{'raw':>7}{'GB/s':>6}"
-          f"{'dckpt MiB':>10}{'DCP MiB':>8}{'(anon':>7}{'/':>6})  read x dckpt/DCP  ok  cold  loadavg")
+    print(f"{'M':>2}{'MiB/rank':>9}{'dckpt s':>8}{'DCP s':>7}{'ratio':>6}{'raw s':>7}{'GB/s':>6}"
+          f"{'dckpt MiB':>10}{'DCP MiB':>8}  (anon dckpt/DCP)  correct  cold  loadavg")
     for m, w in res["worlds"].items():
         rows = w["rows"]
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if isinstance(rows[0][k], float)}
@@ -301,19 +302,22 @@ def report(res: dict) -> None:
         w["targets_met"] = {"time<=0.8xDCP": w["ratio"] <= 0.8, "mem<=DCP": med["dckpt_mib"] <= med["dcp_mib"]}
         ok = "ok" if all(w["checked"].values()) and len(w["checked"]) == 2 else "BAD"
         load = [r["load1"] for r in rows]
-        print(f"{m:>2}{w['per_rank_bytes'] / 2**20:9.1f}{med['dckpt_s']:7.3f}{med['dcp_s']:7.3f}"
+        print(f"{m:>2}{w['per_rank_bytes'] / 2**20:9.1f}{med['dckpt_s']:8.3f}{med['dcp_s']:7.3f}"
               f"{w['ratio']:6.2f}{med['raw_read']:7.3f}{total / 1e9 / med['raw_read']:6.2f}"
-              f"{med['dckpt_mib']:10.1f}{med['dcp_mib']:8.1f}{med['dckpt_anon_mib']:7.1f}"
-              f"{med['dcp_anon_mib']:6.1f})  {med['dckpt_rchar'] / total:7.2f}{med['dcp_rchar'] / total:5.2f}"
-              f"    {ok:4}{'yes' if w['dropped'] else 'NO':6}{min(load):.1f}..{max(load):.1f}")
-    print("dckpt/DCP/ratio: load wall time, max over ranks (target ratio <= 0.80); raw: every rank reads"
-          "\nstate/M bytes of the shard files cold with os.preadv (physical floor), GB/s all ranks;"
-          "\nMiB: peak extra RSS during the load, max over ranks (target dckpt <= DCP), anon excludes"
-          "\nfile-backed pages; read x: bytes read by syscalls, all ranks, / state size")
+              f"{med['dckpt_mib']:10.1f}{med['dcp_mib']:8.1f}  ({med['dckpt_anon_mib']:5.1f} /"
+              f"{med['dcp_anon_mib']:5.1f})    {ok:9}{'yes' if w['dropped'] else 'NO':6}"
+              f"{min(load):.1f}..{max(load):.1f}")
+    print("s: load wall time, max over ranks (target ratio <= 0.80); raw: every rank reads state/M"
+          "\nbytes of the shard files cold with os.preadv (physical floor), GB/s of all ranks; MiB:"
+          "\npeak extra RSS during the load, max over ranks (target dckpt <= DCP); anon: without"
+          "\nfile-backed pages. Per M: the floor as % of each load time; bytes read by syscalls"
+          "\n(from disk) over all ranks / state size; CPU seconds (user+sys) of all ranks")
     for m, w in res["worlds"].items():
-        print(f"M={m}: targets {w['targets_met']}; raw floor / load time: dckpt "
-              f"{100 * w['median']['raw_read'] / w['median']['dckpt_s']:.0f}%, DCP "
-              f"{100 * w['median']['raw_read'] / w['median']['dcp_s']:.0f}%")
+        md = w["median"]
+        print(f"M={m}: {w['targets_met']}; floor/time dckpt {100 * md['raw_read'] / md['dckpt_s']:.0f}%"
+              f" DCP {100 * md['raw_read'] / md['dcp_s']:.0f}%; read x dckpt {md['dckpt_rchar'] / total:.2f}"
+              f" ({md['dckpt_disk'] / total:.2f}) DCP {md['dcp_rchar'] / total:.2f} ({md['dcp_disk'] / total:.2f});"
+              f" CPU s dckpt {md['dckpt_cpu']:.2f} DCP {md['dcp_cpu']:.2f}")
 
 
 if __name__ == "__main__":
