@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 from .dist.commit import CheckpointInfo, save
 from .dist.restore import load
 from .engine.async_save import SaveHandle, async_save
+from .manager import CheckpointManager
 from .state.training import TrainingState
 from .errors import (
     AlreadyExistsError,
@@ -25,6 +26,7 @@ from .errors import (
 
 __all__ = [
     "save", "load", "async_save", "SaveHandle", "CheckpointInfo", "TrainingState",
+    "CheckpointManager",
     "CheckpointError", "NotCommittedError", "AlreadyExistsError", "IntegrityError",
     "ManifestError", "StateMismatchError", "UnsupportedValueError", "RankFailure",
 ]

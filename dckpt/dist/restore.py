@@ -47,7 +47,7 @@ def read_manifest(storage, root: str) -> tuple[mf.Manifest, bytes]:
 
 def load(state_dict: dict, path: str, *, process_group: Any = None,
          storage_options: dict | None = None, strict: bool = True,
-         read_budget: int = DEFAULT_READ_BUDGET) -> dict:
+         read_budget: int = DEFAULT_READ_BUDGET, ignore_prefixes: tuple[str, ...] = ()) -> dict:
     """Fill ``state_dict`` in place from the checkpoint at ``path`` and return it.
     Collective: call on every rank.
 
@@ -57,7 +57,8 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
     what it holds (widened to 1 MiB checksum blocks), plus one header per file it
     touches; three small collectives. Extra memory stays under about ``read_budget``
     bytes (default 256 MiB) whatever the checkpoint or tensor size: a region that is
-    contiguous on both sides is read straight into its destination. Raises on every rank alike:
+    contiguous on both sides is read straight into its destination. Checkpoint keys that
+    start with one of ``ignore_prefixes`` are never reported as unexpected. Raises on every rank alike:
     NotCommittedError, ManifestError / IntegrityError (naming the file), StateMismatchError
     (missing/unexpected keys, dtype or shape differences)."""
     t0 = time.perf_counter()
@@ -97,7 +98,8 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
     errors = {r: v["error"] for r, v in enumerate(views) if v["error"]}
     if errors:
         raise_gathered(errors, f"load from {path}", err)
-    unexpected = sorted(set.intersection(*(set(v["unexpected"]) for v in views)))
+    unexpected = sorted(k for k in set.intersection(*(set(v["unexpected"]) for v in views))
+                        if not k.startswith(ignore_prefixes))
     if unexpected:
         raise StateMismatchError(
             f"checkpoint {root} has {len(unexpected)} key(s) the state_dict lacks: "
