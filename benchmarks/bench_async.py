@@ -107,6 +107,8 @@ def worker(rank: int, world: int, init: str, a: dict, out: str) -> None:
         row["order"] = list(order)
         for lib in order:
             row.update(one_save(lib, os.path.join(a["dir"], f"{lib}-{i}")))
+        if i == 0:  # the first call's floor: copy into fresh, untouched buffers (taken last)
+            row["memcpy_fresh"] = timed(lambda: [torch.empty_like(x).copy_(x) for x in locs])
         rows.append(row)
         if rank == 0:
             print(f"  call {i} ({'/'.join(order)}): " + "  ".join(
@@ -157,14 +159,15 @@ def worker(rank: int, world: int, init: str, a: dict, out: str) -> None:
     train_bytes = sum(t.numel() * t.element_size() for d in (full["model"], *full["optim"].values())
                       for t in d.values() if isinstance(t, torch.Tensor))
 
-    def loop(mode: str, rep: int) -> dict[str, float]:
+    def loop(mode: str, every: int, rep: int) -> dict[str, float]:
         dist.barrier()
         times, ckpt_steps, waits, pending = [], set(), [], None
+        cpu0, main0 = time.process_time(), time.thread_time()
         t_start = time.perf_counter()
         for s in range(1, a["steps"] + 1):
             t0 = time.perf_counter()
             step()
-            if mode != "none" and s % a["every"] == 0 and s < a["steps"]:
+            if mode != "none" and s % every == 0 and s < a["steps"]:
                 tw = time.perf_counter()
                 if pending is not None and mode != "dckpt":
                     pending()  # one save in flight (dckpt.async_save waits by itself)
@@ -177,27 +180,30 @@ def worker(rank: int, world: int, init: str, a: dict, out: str) -> None:
         if pending is not None:
             pending()
         drain = time.perf_counter() - t0
+        bg_cpu = (time.process_time() - cpu0) - (time.thread_time() - main0)  # other threads
         other = [t for i, t in enumerate(times) if i not in ckpt_steps]
         ck = [t for i, t in enumerate(times) if i in ckpt_steps] or [float("nan")]
         r = _max3([wall / len(times), statistics.mean(other), statistics.mean(ck),
-                   statistics.mean(waits) if waits else float("nan"), drain])
+                   statistics.mean(waits) if waits else float("nan"), drain, bg_cpu])
         dist.barrier()
         if rank == 0:
             for d in os.listdir(a["dir"]):
                 if d.startswith("loop-"):
                     shutil.rmtree(os.path.join(a["dir"], d), ignore_errors=True)
-        return dict(zip(("step", "step_other", "step_ckpt", "save_call", "drain"), r))
+        return {**dict(zip(("step", "step_other", "step_ckpt", "save_call", "drain", "bg_cpu"), r)),
+                "saves": len(waits)}
 
     loops: list[dict[str, Any]] = []
-    modes = ("none", "dckpt", "dcp", "dcp_cached")
+    modes = [("none", 0)] + [(lib, n) for n in a["every"] for lib in LIBS]
     for rep in range(a["loop_reps"]):
-        for mode in (modes if rep % 2 == 0 else modes[::-1]):
-            res = {"mode": mode, "rep": rep, "load1": os.getloadavg()[0], **loop(mode, rep)}
+        for mode, every in (modes if rep % 2 == 0 else modes[::-1]):
+            res = {"mode": mode, "every": every, "rep": rep, "load1": os.getloadavg()[0],
+                   **loop(mode, every, rep)}
             loops.append(res)
             if rank == 0:
-                print(f"  loop {rep} {mode:10}: " + "  ".join(
+                print(f"  loop {rep} {mode:10} /{every:<3}: " + "  ".join(
                     f"{k} {v * 1e3:.1f}ms" for k, v in res.items() if isinstance(v, float) and k != "load1")
-                    + f"  [load {res['load1']:.1f}]", flush=True)
+                    + f"  saves {res['saves']}  [load {res['load1']:.1f}]", flush=True)
     if rank == 0:
         with open(out, "w") as fh:
             json.dump({"rows": rows, "loops": loops, "total_bytes": total, "checked": checked,
@@ -216,8 +222,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--ffn-mult", type=int, default=4, help="MLP width / hidden")
     p.add_argument("--mlp-hidden", type=int, default=768, help="training loop MLP width")
     p.add_argument("--batch", type=int, default=192, help="training loop batch rows")
-    p.add_argument("--steps", type=int, default=60, help="training steps per loop")
-    p.add_argument("--every", type=int, default=10, help="checkpoint every N steps")
+    p.add_argument("--steps", type=int, default=90, help="training steps per loop")
+    p.add_argument("--every", type=int, nargs="+", default=[10, 30], help="checkpoint every N steps")
     p.add_argument("--loop-reps", type=int, default=2, help="loops per mode (order alternates)")
     p.add_argument("--dir", default=None, help="parent of the scratch dir (None: system temp)")
     p.add_argument("--json", default=None, help="write results as JSON here")
@@ -260,13 +266,20 @@ def report(res: dict) -> None:
           f"load average {min(load):.1f}..{max(load):.1f} ({res['env']['cpus']} cores)")
     print(f"correct (checkpoint == state at the call, source mutated right after it returned): "
           f"{res['checked']}\n")
-    print(f"{'':24}{'first blk s':>12}{'blocking s':>11}{'x memcpy':>9}{'total s':>9}{'GB/s':>6}")
+    mf = first["memcpy_fresh"]
+    print(f"{'':24}{'first call':>20}{'later calls (median)':>36}")
+    print(f"{'':24}{'blocking s':>11}{'x fresh':>8}{'total s':>9}{'blocking s':>11}{'x memcpy':>9}"
+          f"{'total s':>9}{'GB/s':>7}")
     for lib in LIBS:
-        b, t = med[f"{lib}_block"], med[f"{lib}_total"]
-        print(f"{NAMES[lib]:24}{first[f'{lib}_block']:12.3f}{b:11.3f}{b / mc:9.2f}{t:9.3f}{gb / t:6.2f}")
-    print(f"{'  dckpt staging copy':24}{first['dckpt_staging']:12.3f}{med['dckpt_staging']:11.3f}"
-          f"{med['dckpt_staging'] / mc:9.2f}")
-    print(f"{'memcpy floor (copy_)':24}{'':12}{mc:11.3f}{1.0:9.2f}{'':9}{gb / mc:6.2f}")
+        b, t, fb = med[f"{lib}_block"], med[f"{lib}_total"], first[f"{lib}_block"]
+        print(f"{NAMES[lib]:24}{fb:11.3f}{fb / mf:8.2f}{first[f'{lib}_total']:9.3f}{b:11.3f}"
+              f"{b / mc:9.2f}{t:9.3f}{gb / t:7.2f}")
+    st = med["dckpt_staging"]
+    print(f"{'  dckpt staging_seconds':24}{first['dckpt_staging']:11.3f}{first['dckpt_staging'] / mf:8.2f}"
+          f"{'':9}{st:11.3f}{st / mc:9.2f}")
+    print(f"{'memcpy floor (copy_)':24}{mf:11.3f}{1.0:8.2f}{'':9}{mc:11.3f}{1.0:9.2f}{'':9}{gb / mc:7.2f}")
+    print("(first call's floor: copy into fresh buffers, page faults included; later: into "
+          "touched buffers)")
     ratios = {f"block_vs_{lib}": med["dckpt_block"] / med[f"{lib}_block"] for lib in LIBS[1:]}
     ratios |= {f"total_vs_{lib}": med["dckpt_total"] / med[f"{lib}_total"] for lib in LIBS[1:]}
     ratios["block_vs_memcpy"] = med["dckpt_block"] / mc
@@ -277,24 +290,30 @@ def report(res: dict) -> None:
     print(f"dckpt total / DCP: {ratios['total_vs_dcp']:.2f} (reused stager: "
           f"{ratios['total_vs_dcp_cached']:.2f}; target <= 1)")
     loops, a = res["loops"], res["args"]
-    print(f"\ntraining loop: MLP {a['mlp_hidden']}x{4 * a['mlp_hidden']} + AdamW, batch {a['batch']}, "
-          f"{a['steps']} steps, save every {a['every']} ({(a['steps'] - 1) // a['every']} saves) of "
-          f"model + optimizer ({res['train_bytes'] / 2**20:.0f} MiB, replicated) + the "
-          f"{total / 2**20:.0f} MiB state; means over {a['loop_reps']} loops")
-    agg = {m: {k: statistics.mean(r[k] for r in loops if r["mode"] == m)
-               for k in ("step", "step_other", "step_ckpt", "save_call", "drain")}
-           for m in ("none", "dckpt", "dcp", "dcp_cached")}
-    base = agg["none"]["step"]
+    print(f"\ntraining loop: MLP {a['mlp_hidden']}x{4 * a['mlp_hidden']} + AdamW (grads all-reduced), "
+          f"batch {a['batch']}, {a['steps']} steps; saves of model + optimizer "
+          f"({res['train_bytes'] / 2**20:.0f} MiB, replicated) + the {total / 2**20:.0f} MiB state; "
+          f"means over {a['loop_reps']} loops; max over ranks")
+    keys = ("step", "step_other", "step_ckpt", "save_call", "drain", "bg_cpu")
+    agg: dict[str, dict[str, float]] = {}
+    for m, n in [("none", 0)] + [(lib, n) for n in a["every"] for lib in LIBS]:
+        rs = [r for r in loops if r["mode"] == m and r["every"] == n]
+        agg[f"{m}/{n}"] = {k: statistics.mean(r[k] for r in rs) for k in (*keys, "saves")}
+    base = agg["none/0"]
     res["loop_summary"] = agg
-    print(f"{'':24}{'step ms':>8}{'overhead':>9}{'other ms':>9}{'ckpt ms':>8}{'call ms':>8}{'drain s':>8}")
-    for m, name in (("none", "no checkpoint"), *((lib, NAMES[lib]) for lib in LIBS)):
-        r = agg[m]
-        print(f"{name:24}{r['step'] * 1e3:8.1f}{100 * (r['step'] / base - 1):8.1f}%"
-              f"{r['step_other'] * 1e3:9.1f}{r['step_ckpt'] * 1e3:8.1f}{r['save_call'] * 1e3:8.1f}"
-              f"{r['drain']:8.2f}")
-    print("(step: loop wall / steps; other/ckpt: mean step without/with a save call; call: the "
-          "save call incl. waiting for the previous save; drain: wait for the last save after the loop)")
-
+    print(f"{'':30}{'step ms':>8}{'overhead':>9}{'other ms':>9}{'ckpt ms':>8}{'call ms':>8}"
+          f"{'drain s':>8}{'bg cpu/save':>12}")
+    for key, r in agg.items():
+        m, n = key.split("/")
+        name = "no checkpoint" if m == "none" else f"{NAMES[m]} /{n}"
+        cpu = (r["bg_cpu"] - base["bg_cpu"]) / r["saves"] if r["saves"] else 0.0
+        r["overhead_pct"], r["bg_cpu_per_save"] = 100 * (r["step"] / base["step"] - 1), cpu
+        print(f"{name:30}{r['step'] * 1e3:8.1f}{r['overhead_pct']:8.1f}%{r['step_other'] * 1e3:9.1f}"
+              f"{r['step_ckpt'] * 1e3:8.1f}{r['save_call'] * 1e3:8.1f}{r['drain']:8.2f}{cpu:11.2f}s")
+    print("(/N: a save every N steps; step: loop wall / steps; other/ckpt: mean step without/with "
+          "a save call; call: the save call incl. waiting for the previous save; drain: wait for "
+          "the last save after the loop; bg cpu/save: CPU seconds of the process's other threads "
+          "per save, beyond those of the loop without checkpoints)")
 
 if __name__ == "__main__":
     main()

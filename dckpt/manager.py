@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import signal
 import time
 from typing import Any
 
@@ -38,13 +39,19 @@ class CheckpointManager:
     states: at the same world size each rank gets its own back; when the world size
     changed, rank r gets the state saved by rank r mod N (N saved ranks), and ranks
     r >= N are then reseeded from it and r, so no two ranks share a stream.
+
+    ``save_on_sigterm`` (preemption): a SIGTERM handler notes the signal; the next
+    :meth:`save` call on every rank agrees on it (one small all-gather per call while
+    enabled), finishes the save in flight, writes a final synchronous checkpoint of
+    that step, and exits the process with status 0 (``SystemExit``).
     """
 
     def __init__(self, root: str, *, every_steps: int | str | None = None,
                  every_seconds: float | None = None, keep_last: int | None = None,
                  keep_every: int | None = None, async_save: bool = False,
                  process_group: Any = None, storage_options: dict | None = None,
-                 capture_rng: bool = True, mtbf_hours: float | None = None) -> None:
+                 capture_rng: bool = True, mtbf_hours: float | None = None,
+                 save_on_sigterm: bool = False) -> None:
         self.policy = SavePolicy(every_steps, every_seconds, mtbf_hours)
         self.retention = RetentionPolicy(keep_last, keep_every)
         self.async_save, self.capture_rng = async_save, capture_rng
@@ -59,6 +66,10 @@ class CheckpointManager:
         self.step_seconds: float | None = None
         self._inflight: tuple[int, SaveHandle] | None = None
         self._error: BaseException | None = None
+        self.save_on_sigterm = save_on_sigterm
+        self._sigterm = False
+        if save_on_sigterm:
+            signal.signal(signal.SIGTERM, self._on_sigterm)  # main thread only, as Python requires
         if self.comm.rank == 0:
             self.storage.makedirs(self.root)
 
@@ -99,11 +110,25 @@ class CheckpointManager:
         # Clocks and measured times differ per rank: rank 0 decides for everyone.
         return self.comm.broadcast_bytes(b"1" if due else b"0") == b"1"
 
+    def _on_sigterm(self, signum, frame) -> None:
+        self._sigterm = True
+
+    def _preempted(self) -> bool:
+        votes = self.comm.all_gather_bytes(b"1" if self._sigterm else b"0")
+        return b"1" in votes
+
     def save(self, step: int, state: Any, *, force: bool = False) -> bool:
         """Save ``state`` as ``step`` when the policy says so (or ``force``); returns
         whether a save started. Synchronous mode returns after the commit; async mode
         after the snapshot. Waits for a previous async save first. A failed async
         save is logged here and raised by :meth:`wait`."""
+        if self.save_on_sigterm and self._preempted():
+            log.warning("preempted (SIGTERM): writing a final checkpoint of step %d", step)
+            self._finish_inflight(raise_error=False)
+            self.save_on_sigterm = self.async_save = False  # one final, synchronous save
+            if self._last_step != step:
+                self.save(step, state, force=True)
+            raise SystemExit(0)
         if not self._decide(step, force):
             return False
         self._finish_inflight(raise_error=False)

@@ -1,0 +1,132 @@
+"""launch/train.py under real torchrun: restarts, resharding resumes, preemption, and a
+killed-and-resumed run that ends bitwise identical to an uninterrupted one."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+TRAIN = os.path.join(os.path.dirname(__file__), "..", "..", "launch", "train.py")
+pytestmark = pytest.mark.slow
+
+
+class Run:
+    def __init__(self, nproc: int, *args: str, restarts: int = 0, env: dict | None = None):
+        e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             f"--nproc-per-node={nproc}", f"--max-restarts={restarts}", TRAIN, *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e,
+            start_new_session=True)
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: [self.lines.append(x) for x in self.proc.stdout],
+                         daemon=True).start()
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout: float = 180) -> None:
+        end = time.time() + timeout
+        while time.time() < end:
+            if re.search(pattern, self.text):
+                return
+            if self.proc.poll() is not None:
+                time.sleep(0.5)
+                if re.search(pattern, self.text):
+                    return
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"never saw {pattern!r}:\n{self.text[-4000:]}")
+
+    def finish(self, timeout: float = 150) -> int:
+        workers = self.worker_pids()
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            # Workers live in sessions of their own: never leave one behind.
+            for pid in workers + self.worker_pids():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def worker_pids(self) -> list[int]:
+        """The agent's children (the ranks) from /proc."""
+        out = []
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    with open(f"/proc/{d}/stat") as f:
+                        if int(f.read().rsplit(")", 1)[1].split()[1]) == self.proc.pid:
+                            out.append(int(d))
+                except (OSError, IndexError, ValueError):
+                    pass
+        return out
+
+    def sha(self) -> str:
+        m = re.search(r"params sha256 ([0-9a-f]{64})", self.text)
+        assert m, self.text[-3000:]
+        return m.group(1)
+
+
+COMMON = ["--every", "4", "--log-every", "1", "--dropout", "0.2"]
+
+
+def test_killed_and_restarted_run_is_bitwise_identical(tmp_path):
+    ref = Run(2, "--steps", "12", "--ckpt-root", str(tmp_path / "a"), *COMMON)
+    assert ref.finish() == 0, ref.text[-3000:]
+    run = Run(2, "--steps", "12", "--ckpt-root", str(tmp_path / "b"), "--step-sleep", "0.3",
+              *COMMON, restarts=1)
+    run.wait_for(r"saved \S+step-00000008")
+    os.kill(run.worker_pids()[-1], signal.SIGKILL)  # torchrun restarts the workers
+    assert run.finish() == 0, run.text[-3000:]
+    assert "resumed from step 8" in run.text
+    assert run.sha() == ref.sha()
+
+
+def test_worker_killed_mid_save_resumes_from_previous_checkpoint(tmp_path):
+    # Every save stalls 4 s on rank 1 after writing its shard, before its vote: a window
+    # to kill that rank mid-save.
+    run = Run(2, "--steps", "10", "--ckpt-root", str(tmp_path), *COMMON, restarts=1,
+              env={"DCKPT_FAULT": "vote:1:sleep=4"})
+    run.wait_for(r"saved \S+step-00000004")
+    run.wait_for(r"step 7 loss")
+    time.sleep(1.5)  # inside the save of step 8
+    os.kill(max(run.worker_pids()), signal.SIGKILL)  # local rank 1 was started last
+    assert run.finish() == 0, run.text[-3000:]
+    assert "resumed from step 4" in run.text
+    assert not os.path.exists(tmp_path / "step-00000008" / "manifest.json") or \
+        "saved" in run.text.split("resumed from step 4")[1]
+
+
+def test_restart_with_other_world_size_reshards(tmp_path):
+    a = Run(2, "--steps", "8", "--ckpt-root", str(tmp_path), *COMMON)
+    assert a.finish() == 0, a.text[-3000:]
+    b = Run(3, "--steps", "12", "--ckpt-root", str(tmp_path), *COMMON)
+    assert b.finish() == 0, b.text[-3000:]
+    assert "world 3" in b.text and "resumed from step 8" in b.text
+    c = Run(1, "--steps", "14", "--ckpt-root", str(tmp_path), *COMMON)
+    assert c.finish() == 0 and "resumed from step 12" in c.text, c.text[-3000:]
+
+
+def test_sigterm_writes_a_final_checkpoint(tmp_path):
+    run = Run(2, "--steps", "1000", "--ckpt-root", str(tmp_path), "--every", "100",
+              "--log-every", "1", "--step-sleep", "0.1", "--save-on-sigterm")
+    run.wait_for(r"step 5 loss")
+    os.kill(run.proc.pid, signal.SIGTERM)  # the agent forwards it to every worker
+    run.finish()
+    m = re.search(r"final checkpoint of step (\d+)", run.text)
+    assert m, run.text[-3000:]
+    step = int(m.group(1))
+    assert os.path.exists(tmp_path / f"step-{step:08d}" / "manifest.json")
+    again = Run(2, "--steps", str(step + 2), "--ckpt-root", str(tmp_path), "--every", "100")
+    assert again.finish() == 0 and f"resumed from step {step}" in again.text, again.text[-3000:]
