@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -74,10 +75,24 @@ def params_sha256(model: nn.Module) -> str:
     return h.hexdigest()
 
 
+def init_distributed(backend: str) -> None:
+    """init_process_group, with keys prefixed by torchrun's restart count: after a
+    restart the agent's store still holds the previous round's addresses, and a gloo
+    rank that read one would connect to a dead process ("connectFullMesh failed")."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend)
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timedelta(minutes=5))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"train/restart-{restart}", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
+    init_distributed("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"[rank {rank}] %(asctime)s %(name)s: %(message)s")
