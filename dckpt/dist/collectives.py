@@ -44,16 +44,20 @@ class Comm:
         dist.all_gather(out, t, group=self.group)
         return [int(x.item()) for x in out]
 
+    def _padded(self, data: bytes) -> tuple[list[int], torch.Tensor]:
+        """Every rank's payload size, and ``data`` padded to the largest (collective)."""
+        sizes = self._sizes(len(data))
+        buf = torch.zeros(max(sizes) or 1, dtype=torch.uint8)
+        if data:
+            buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return sizes, buf
+
     def all_gather_bytes(self, data: bytes) -> list[bytes]:
         """Every rank's ``data``, on every rank."""
         if self.size == 1:
             return [data]
-        sizes = self._sizes(len(data))
-        m = max(sizes) or 1
-        buf = torch.zeros(m, dtype=torch.uint8)
-        if data:
-            buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        out = [torch.empty(m, dtype=torch.uint8) for _ in range(self.size)]
+        sizes, buf = self._padded(data)
+        out = [torch.empty(len(buf), dtype=torch.uint8) for _ in range(self.size)]
         dist.all_gather(out, buf, group=self.group)
         return [o[:s].numpy().tobytes() for o, s in zip(out, sizes)]
 
@@ -61,12 +65,9 @@ class Comm:
         """Every rank's ``data`` on rank 0 (None elsewhere)."""
         if self.size == 1:
             return [data]
-        sizes = self._sizes(len(data))
-        m = max(sizes) or 1
-        buf = torch.zeros(m, dtype=torch.uint8)
-        if data:
-            buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        out = [torch.empty(m, dtype=torch.uint8) for _ in range(self.size)] if self.rank == 0 else None
+        sizes, buf = self._padded(data)
+        out = ([torch.empty(len(buf), dtype=torch.uint8) for _ in range(self.size)]
+               if self.rank == 0 else None)
         dist.gather(buf, out, dst=self._global(0), group=self.group)
         if self.rank != 0:
             return None
