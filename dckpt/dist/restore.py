@@ -54,7 +54,7 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
     Tensors (plain or DTensor) are copied into in place; JSON leaves are replaced in their
     containers (tuples are rebuilt). ``strict`` also reports checkpoint keys that no rank
     asked for. Cost: each rank reads only the byte ranges of the saved chunks that overlap
-    what it holds (widened to 1 MiB checksum blocks), plus one header per file it
+    what it holds (widened to 256 KiB checksum blocks), plus one header per file it
     touches; three small collectives. Extra memory stays under about ``read_budget``
     bytes (default 256 MiB) whatever the checkpoint or tensor size: a region that is
     contiguous on both sides is read straight into its destination. Checkpoint keys that

@@ -20,7 +20,7 @@ from ..errors import IntegrityError
 from .checksum import crc32
 from .dtypes import ITEMSIZE
 
-BLOCK = 1 << 20
+BLOCK = 256 << 10  # bytes per checksum: a partial read widens a region by < 2 blocks
 MAX_HEADER = 100 << 20  # as safetensors: refuse absurd headers before allocating
 _U64 = struct.Struct("<Q")
 
