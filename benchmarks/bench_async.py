@@ -16,9 +16,10 @@ small transformer as DTensors Shard(0) over a 1-D CPU mesh. Measured in one run:
 4. A training loop: an MLP with AdamW (gradients all-reduced) runs ``--steps`` steps
    with no checkpoint, dckpt async saves, or DCP async saves every ``--every`` steps of
    the full state (model + optimizer + the sharded state above); a new save first waits
-   for the previous one. Mean step time (max over ranks) and overhead vs no checkpoint.
+   for the previous one. Mean step time (max over ranks) and overhead vs the
+   no-checkpoint loops run just before and after (each rep; medians over reps).
 
-    python benchmarks/bench_async.py [--reps 6] [--loop-reps 2] [--json OUT]
+    python benchmarks/bench_async.py [--reps 6] [--loop-reps 3] [--json OUT]
 """
 from __future__ import annotations
 
@@ -194,9 +195,10 @@ def worker(rank: int, world: int, init: str, a: dict, out: str) -> None:
                 "saves": len(waits)}
 
     loops: list[dict[str, Any]] = []
-    modes = [("none", 0)] + [(lib, n) for n in a["every"] for lib in LIBS]
-    for rep in range(a["loop_reps"]):
-        for mode, every in (modes if rep % 2 == 0 else modes[::-1]):
+    modes = [(lib, n) for n in a["every"] for lib in LIBS]
+    for rep in range(a["loop_reps"]):  # the baseline brackets each rep; the order rotates
+        k = rep % len(modes)
+        for mode, every in [("none", 0), *modes[k:], *modes[:k], ("none", 0)]:
             res = {"mode": mode, "every": every, "rep": rep, "load1": os.getloadavg()[0],
                    **loop(mode, every, rep)}
             loops.append(res)
@@ -222,9 +224,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--ffn-mult", type=int, default=4, help="MLP width / hidden")
     p.add_argument("--mlp-hidden", type=int, default=768, help="training loop MLP width")
     p.add_argument("--batch", type=int, default=192, help="training loop batch rows")
-    p.add_argument("--steps", type=int, default=90, help="training steps per loop")
-    p.add_argument("--every", type=int, nargs="+", default=[10, 30], help="checkpoint every N steps")
-    p.add_argument("--loop-reps", type=int, default=2, help="loops per mode (order alternates)")
+    p.add_argument("--steps", type=int, default=60, help="training steps per loop")
+    p.add_argument("--every", type=int, nargs="+", default=[10, 20], help="checkpoint every N steps")
+    p.add_argument("--loop-reps", type=int, default=3, help="loops per mode (order rotates)")
     p.add_argument("--dir", default=None, help="parent of the scratch dir (None: system temp)")
     p.add_argument("--json", default=None, help="write results as JSON here")
     args = p.parse_args(argv)
@@ -293,24 +295,28 @@ def report(res: dict) -> None:
     print(f"\ntraining loop: MLP {a['mlp_hidden']}x{4 * a['mlp_hidden']} + AdamW (grads all-reduced), "
           f"batch {a['batch']}, {a['steps']} steps; saves of model + optimizer "
           f"({res['train_bytes'] / 2**20:.0f} MiB, replicated) + the {total / 2**20:.0f} MiB state; "
-          f"means over {a['loop_reps']} loops; max over ranks")
-    keys = ("step", "step_other", "step_ckpt", "save_call", "drain", "bg_cpu")
+          f"medians over {a['loop_reps']} reps; max over ranks")
+    keys = ("step", "step_other", "step_ckpt", "save_call", "drain", "overhead_pct", "bg_cpu_per_save")
+    for r in loops:  # vs the mean of the two no-checkpoint loops around it (its rep)
+        base = [b for b in loops if b["rep"] == r["rep"] and b["mode"] == "none"]
+        r["overhead_pct"] = 100 * (r["step"] / statistics.mean(b["step"] for b in base) - 1)
+        extra = r["bg_cpu"] - statistics.mean(b["bg_cpu"] for b in base)
+        r["bg_cpu_per_save"] = extra / r["saves"] if r["saves"] else 0.0
     agg: dict[str, dict[str, float]] = {}
     for m, n in [("none", 0)] + [(lib, n) for n in a["every"] for lib in LIBS]:
         rs = [r for r in loops if r["mode"] == m and r["every"] == n]
-        agg[f"{m}/{n}"] = {k: statistics.mean(r[k] for r in rs) for k in (*keys, "saves")}
-    base = agg["none/0"]
+        agg[f"{m}/{n}"] = {k: statistics.median(r[k] for r in rs) for k in (*keys, "saves")}
     res["loop_summary"] = agg
-    print(f"{'':30}{'step ms':>8}{'overhead':>9}{'other ms':>9}{'ckpt ms':>8}{'call ms':>8}"
+    print(f"{'':38}{'step ms':>8}{'overhead':>9}{'other ms':>9}{'ckpt ms':>8}{'call ms':>8}"
           f"{'drain s':>8}{'bg cpu/save':>12}")
     for key, r in agg.items():
         m, n = key.split("/")
-        name = "no checkpoint" if m == "none" else f"{NAMES[m]} /{n}"
-        cpu = (r["bg_cpu"] - base["bg_cpu"]) / r["saves"] if r["saves"] else 0.0
-        r["overhead_pct"], r["bg_cpu_per_save"] = 100 * (r["step"] / base["step"] - 1), cpu
-        print(f"{name:30}{r['step'] * 1e3:8.1f}{r['overhead_pct']:8.1f}%{r['step_other'] * 1e3:9.1f}"
-              f"{r['step_ckpt'] * 1e3:8.1f}{r['save_call'] * 1e3:8.1f}{r['drain']:8.2f}{cpu:11.2f}s")
-    print("(/N: a save every N steps; step: loop wall / steps; other/ckpt: mean step without/with "
+        name = "no checkpoint" if m == "none" else f"{NAMES[m]} /{n}: {r['saves']:.0f} saves"
+        print(f"{name:38}{r['step'] * 1e3:8.1f}{r['overhead_pct']:8.1f}%{r['step_other'] * 1e3:9.1f}"
+              f"{r['step_ckpt'] * 1e3:8.1f}{r['save_call'] * 1e3:8.1f}{r['drain']:8.2f}"
+              f"{r['bg_cpu_per_save']:11.2f}s")
+    print("(/N: a save every N steps; step: loop wall / steps; overhead: vs the no-checkpoint loops "
+          "run just before and after, per rep; other/ckpt: mean step without/with "
           "a save call; call: the save call incl. waiting for the previous save; drain: wait for "
           "the last save after the loop; bg cpu/save: CPU seconds of the process's other threads "
           "per save, beyond those of the loop without checkpoints)")
