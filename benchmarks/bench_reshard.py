@@ -8,8 +8,9 @@ True)); values hash the global index, so any world can check its slices. For eac
 dcp.load(FileSystemReader), page cache dropped first when permitted. Per load: wall time
 between barriers (max over ranks); peak extra memory: max RSS sampled from /proc/self/statm
 every --sample-ms by a thread minus RSS just before (target touched, gc + malloc_trim done),
-max over ranks; bytes read (/proc/self/io rchar, all ranks) / state size. Floor: every
-rank reads state/M bytes of the dckpt shard files cold with raw os.preadv. Medians shown.
+max over ranks; bytes read and CPU time (/proc/self/io, os.times; all ranks). Floor: every
+rank reads exactly the bytes it needs from the dckpt shard files (cold, raw os.preadv,
+--raw-threads threads), all ranks at once. Tables show medians.
 
     python benchmarks/bench_reshard.py [--worlds 1,3,4] [--reps 3] [--dir D] [--json OUT]
 """
@@ -19,9 +20,11 @@ import argparse
 import ctypes
 import gc
 import json
+import math
 import os
 import shutil
 import statistics
+import struct
 import sys
 import tempfile
 import threading
@@ -74,11 +77,10 @@ def check(state: dict, specs, rank: int, world: int) -> bool:
     return _max_over_ranks(0.0 if ok else 1.0) == 0.0
 
 
-def _rss() -> tuple[int, int]:
-    """(RSS, anon RSS = resident - file-backed/shared) of this process in bytes."""
+def _rss() -> int:
+    """Resident set size of this process, bytes."""
     with open("/proc/self/statm", "rb") as f:
-        v = f.read().split()
-    return int(v[1]) * PAGE, (int(v[1]) - int(v[2])) * PAGE
+        return int(f.read().split()[1]) * PAGE
 
 
 def _io() -> list[float]:
@@ -91,22 +93,19 @@ def _io() -> list[float]:
 
 def measured(fn: Callable[[], Any], period: float) -> dict[str, float]:
     """Barrier, ``fn`` on every rank, barrier. Returns the slowest rank's seconds ("s"), the
-    max over ranks of the peak extra RSS / anon RSS in MiB ("mib", "anon_mib", sampled by a
-    thread every ``period`` s), and, summed over ranks, bytes read by syscalls / from disk
-    ("rchar", "disk") and CPU seconds ("cpu")."""
+    max over ranks of the peak extra RSS in MiB ("mib", sampled by a thread every
+    ``period`` s), and, summed over ranks, bytes read by syscalls / from disk ("rchar",
+    "disk") and CPU seconds ("cpu")."""
     import torch
     import torch.distributed as dist
     gc.collect()
-    try:  # hand freed heap back to the OS so every load starts from the same RSS
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    getattr(ctypes.CDLL(None), "malloc_trim", lambda _: 0)(0)  # same starting RSS every load
     base, stop = _rss(), threading.Event()
-    peak = list(base)
+    peak = [base]
 
     def sample() -> None:
         while True:
-            peak[:] = map(max, peak, _rss())
+            peak[0] = max(peak[0], _rss())
             if stop.wait(period):
                 return
     sampler = threading.Thread(target=sample, daemon=True)
@@ -118,36 +117,60 @@ def measured(fn: Callable[[], Any], period: float) -> dict[str, float]:
     dt = time.perf_counter() - t0
     stop.set()
     sampler.join()
-    peak[:] = map(max, peak, _rss())
+    peak[0] = max(peak[0], _rss())
     io = torch.tensor([b - a for a, b in zip(io0, _io())], dtype=torch.float64)
     dist.barrier()
     dist.all_reduce(io)
-    return {"s": _max_over_ranks(dt), "mib": _max_over_ranks((peak[0] - base[0]) / 2**20),
-            "anon_mib": _max_over_ranks((peak[1] - base[1]) / 2**20),
-            "rchar": float(io[0]), "disk": float(io[1]), "cpu": float(io[2])}
+    return {"s": _max_over_ranks(dt), "mib": _max_over_ranks((peak[0] - base) / 2**20), "rchar": float(io[0]), "disk": float(io[1]), "cpu": float(io[2])}
 
 
-def raw_share(files: list[str], rank: int, world: int, threads: int, block: int = 16 << 20) -> None:
-    """os.preadv this rank's 1/world share of the concatenated files, cut into
-    ``threads`` contiguous parts read concurrently."""
+def needed_ranges(ck: str, specs, rank: int, world: int) -> list[tuple[str, int, int]]:
+    """(path, start, end) of exactly the bytes this rank's shards need, from the manifest's
+    Shard(0) row grid and the standard safetensors headers; adjacent ranges merged."""
+    with open(os.path.join(ck, "manifest.json")) as f:
+        man = json.load(f)
+    paths, heads = [os.path.join(ck, f[0]) for f in man["files"]], []
+    for p in paths:
+        with open(p, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            heads.append((8 + n, json.loads(f.read(n))))
+    out: list[tuple[str, int, int]] = []
+    for group, name, shape, _, r0, n in _pieces(specs, rank, world):
+        key, row = f"{group}.{name}", 4 * math.prod(shape[1:])
+        grid, fids = man["tensors"][key]["chunks"]["grid"][0], man["tensors"][key]["chunks"]["file"]
+        for c, fi in enumerate(fids):  # one chunk per dim-0 cell (dims > 0 are not split)
+            lo, hi = max(r0, grid[c]), min(r0 + n, grid[c + 1])
+            base = heads[fi][0] + heads[fi][1][key]["data_offsets"][0] - grid[c] * row
+            out += [(paths[fi], base + lo * row, base + hi * row)] if lo < hi else []
+    merged: list[tuple[str, int, int]] = []
+    for f, lo, hi in sorted(out):
+        if merged and merged[-1][0] == f and merged[-1][2] == lo:
+            lo = merged.pop()[1]
+        merged.append((f, lo, hi))
+    return merged
+
+
+def raw_read(ranges: list[tuple[str, int, int]], threads: int, block: int = 16 << 20) -> None:
+    """os.preadv the ranges in order, cut into ``threads`` runs of equal bytes read at once."""
     import numpy as np
-    sizes = [os.path.getsize(f) for f in files]
-    step = -(-sum(sizes) // world)
-    lo, hi = min(rank * step, sum(sizes)), min((rank + 1) * step, sum(sizes))
+    per, runs, acc = -(-sum(h - lo for _, lo, h in ranges) // threads), [[]], 0
+    for f, lo, hi in ranges:
+        while lo < hi:
+            n = min(hi - lo, per - acc)
+            runs[-1].append((f, lo, lo + n))
+            lo, acc = lo + n, acc + n
+            if acc == per:
+                runs.append([])
+                acc = 0
 
-    def part(lo: int, hi: int) -> None:
-        buf, pos = memoryview(np.empty(block, np.uint8)).cast("B"), 0
-        for f, n in zip(files, sizes):
-            a, b = max(lo, pos), min(hi, pos + n)
-            if a < b:
-                fd = os.open(f, os.O_RDONLY)
-                while a < b:
-                    a += os.preadv(fd, [buf[:min(block, b - a)]], a - pos)
-                os.close(fd)
-            pos += n
-    sub = -(-(hi - lo) // threads)
-    ts = [threading.Thread(target=part, args=(lo + k * sub, min(hi, lo + (k + 1) * sub)))
-          for k in range(threads)]
+    def run(rs: list[tuple[str, int, int]]) -> None:
+        buf = memoryview(np.empty(block, np.uint8)).cast("B")
+        for f, lo, hi in rs:
+            fd = os.open(f, os.O_RDONLY)
+            while lo < hi:
+                lo += os.preadv(fd, [buf[:min(block, hi - lo)]], lo)
+            os.close(fd)
+    ts = [threading.Thread(target=run, args=(r,)) for r in runs if r]
     [t.start() for t in ts]
     [t.join() for t in ts]
 
@@ -185,10 +208,11 @@ def load_worker(rank: int, world: int, init: str, a: dict, out: str) -> None:
     mesh, specs = _init(rank, world, init, a)
     dst = make_state(specs, mesh, rank, world, zero=True)
     locs = [t.to_local() for g in GROUPS for t in dst[g].values()]
-    per_rank = _max_over_ranks(sum(x.numel() * x.element_size() for x in locs))
+    mine = sum(x.numel() * x.element_size() for x in locs)
+    per_rank = _max_over_ranks(mine)
     paths = {lib: os.path.join(a["dir"], lib) for lib in ("dckpt", "dcp")}
-    files = sorted(os.path.join(paths["dckpt"], f) for f in os.listdir(paths["dckpt"])
-                   if f != "manifest.json")
+    need = needed_ranges(paths["dckpt"], specs, rank, world)
+    assert sum(h - lo for _, lo, h in need) == mine
     loaders = {"dckpt": lambda: dckpt.load(dst, paths["dckpt"]),
                "dcp": lambda: dcp.load(dst, storage_reader=dcp.FileSystemReader(paths["dcp"]))}
     period, drop = a["sample_ms"] / 1000, a["drop_caches"]
@@ -198,15 +222,13 @@ def load_worker(rank: int, world: int, init: str, a: dict, out: str) -> None:
         nonlocal dropped
         if drop:
             dropped = drop_caches(rank) and dropped
-        with torch.no_grad():
-            for x in locs:
-                x.zero_()
+        torch._foreach_zero_(locs)
         dst["step"] = 0
     for i in range(a["warmup"] + a["reps"]):
         row: dict[str, Any] = {"rep": i - a["warmup"], "load1": os.getloadavg()[0]}
         row["order"] = libs = ["dckpt", "dcp"] if i % 2 == 0 else ["dcp", "dckpt"]
         cold()
-        row["raw_read"] = measured(lambda: raw_share(files, rank, world, a["raw_threads"]), period)["s"]
+        row["raw_read"] = measured(lambda: raw_read(need, a["raw_threads"]), period)["s"]
         for lib in libs:
             cold()
             row.update({f"{lib}_{k}": v for k, v in measured(loaders[lib], period).items()})
@@ -218,14 +240,6 @@ def load_worker(rank: int, world: int, init: str, a: dict, out: str) -> None:
             print(f"  M={world} rep {row['rep']:>2} ({'/'.join(libs)}): " + "  ".join(
                 f"{k} {v:.3f}" for k, v in row.items() if k[-2:] in ("_s", "ib", "ad"))
                 + f"  [loadavg {row['load1']:.1f}]", flush=True)
-    if a["profile"]:  # one more dckpt load, untimed, rank 0 under cProfile
-        import cProfile
-        cold()
-        prof = cProfile.Profile()
-        dist.barrier()
-        prof.runcall(loaders["dckpt"]) if rank == 0 else loaders["dckpt"]()
-        if rank == 0:
-            prof.dump_stats(out + ".prof")
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"rows": rows, "checked": checked, "per_rank_bytes": per_rank, "dropped": dropped}, f)
@@ -244,18 +258,15 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--worlds", default="1,3,4", help="target world sizes M, comma separated")
-    p.add_argument("--save-world", type=int, default=2, help="ranks that save (N)")
-    p.add_argument("--reps", type=int, default=3, help="timed repetitions per M")
-    p.add_argument("--warmup", type=int, default=1, help="untimed repetitions first (checked)")
-    for name, v in (("layers", 6), ("hidden", 768), ("vocab", 8193), ("ffn-mult", 4)):
-        p.add_argument(f"--{name}", type=int, default=v, help="model shape (as bench_save_load)")
+    for name, v, h in (("save-world", 2, "ranks that save (N)"), ("reps", 3, "timed repetitions per M"),
+                       ("warmup", 1, "untimed repetitions first (checked)"),
+                       ("raw-threads", 4, "reader threads per rank, raw read"), ("layers", 6, "model shape"),
+                       ("hidden", 768, "model shape"), ("vocab", 8193, "model shape"), ("ffn-mult", 4, "model shape")):
+        p.add_argument(f"--{name}", type=int, default=v, help=h)
     p.add_argument("--sample-ms", type=float, default=5.0, help="RSS sampling period")
-    p.add_argument("--raw-threads", type=int, default=4, help="reader threads per rank, raw read")
     p.add_argument("--dir", default=None, help="parent of the scratch dir (None: the system temp dir)")
     p.add_argument("--no-drop-caches", dest="drop_caches", action="store_false",
                    help="do not try to drop the page cache before loads")
-    p.add_argument("--profile", action="store_true",
-                   help="cProfile one extra dckpt load of rank 0 per M and print the top")
     p.add_argument("--json", default=None, help="write results as JSON here")
     args = p.parse_args(argv)
     worlds = [int(w) for w in args.worlds.split(",") if w]
@@ -273,10 +284,6 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"save: dckpt {res['save']['dckpt']:.3f}s, DCP {res['save']['dcp']:.3f}s", flush=True)
         for m in worlds:
             res["worlds"][str(m)] = spawn(load_worker, m, scratch, a, f"load-{m}")
-            if args.profile:
-                import pstats
-                print(f"\ncProfile of rank 0's dckpt.load, M={m}:")
-                pstats.Stats(os.path.join(scratch, f"load-{m}.json.prof")).sort_stats("cumulative").print_stats(14)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     import platform, torch  # noqa: E401
@@ -291,33 +298,31 @@ def main(argv: list[str] | None = None) -> dict:
 
 def report(res: dict) -> None:
     total = res["total_bytes"]
-    print(f"\nstate: {total / 2**20:.1f} MiB saved by {res['args']['save_world']} ranks; "
-          f"medians of {res['args']['reps']} reps; times in s, memory in MiB")
-    print(f"{'M':>2}{'MiB/rank':>9}{'dckpt s':>8}{'DCP s':>7}{'ratio':>6}{'raw s':>7}{'GB/s':>6}"
-          f"{'dckpt MiB':>10}{'DCP MiB':>8}  (anon dckpt/DCP)  correct  cold  loadavg")
+    print(f"\nstate: {total / 2**20:.1f} MiB saved by {res['args']['save_world']} ranks; medians of "
+          f"{res['args']['reps']} reps\n{'M':>2}{'MiB/rank':>9}{'dckpt s':>8}{'DCP s':>7}{'ratio':>6}"
+          f"{'floor s':>8}{'GB/s':>6}{'dckpt MiB':>10}{'DCP MiB':>8}  correct  cold  loadavg")
     for m, w in res["worlds"].items():
         rows = w["rows"]
-        med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if isinstance(rows[0][k], float)}
-        w["median"], w["ratio"] = med, med["dckpt_s"] / med["dcp_s"]
-        w["targets_met"] = {"time<=0.8xDCP": w["ratio"] <= 0.8, "mem<=DCP": med["dckpt_mib"] <= med["dcp_mib"]}
+        md = {k: statistics.median(r[k] for r in rows) for k in rows[0] if isinstance(rows[0][k], float)}
+        w["median"], w["ratio"] = md, md["dckpt_s"] / md["dcp_s"]
+        w["targets_met"] = {"time<=0.8xDCP": w["ratio"] <= 0.8, "mem<=DCP": md["dckpt_mib"] <= md["dcp_mib"]}
         ok = "ok" if all(w["checked"].values()) and len(w["checked"]) == 2 else "BAD"
         load = [r["load1"] for r in rows]
-        print(f"{m:>2}{w['per_rank_bytes'] / 2**20:9.1f}{med['dckpt_s']:8.3f}{med['dcp_s']:7.3f}"
-              f"{w['ratio']:6.2f}{med['raw_read']:7.3f}{total / 1e9 / med['raw_read']:6.2f}"
-              f"{med['dckpt_mib']:10.1f}{med['dcp_mib']:8.1f}  ({med['dckpt_anon_mib']:5.1f} /"
-              f"{med['dcp_anon_mib']:5.1f})    {ok:9}{'yes' if w['dropped'] else 'NO':6}"
+        print(f"{m:>2}{w['per_rank_bytes'] / 2**20:9.1f}{md['dckpt_s']:8.3f}{md['dcp_s']:7.3f}"
+              f"{w['ratio']:6.2f}{md['raw_read']:8.3f}{total / 1e9 / md['raw_read']:6.2f}"
+              f"{md['dckpt_mib']:10.1f}{md['dcp_mib']:8.1f}  {ok:9}{'yes' if w['dropped'] else 'NO':6}"
               f"{min(load):.1f}..{max(load):.1f}")
-    print("s: load wall time, max over ranks (target ratio <= 0.80); raw: every rank reads state/M"
-          "\nbytes of the shard files cold with os.preadv (physical floor), GB/s of all ranks; MiB:"
-          "\npeak extra RSS during the load, max over ranks (target dckpt <= DCP); anon: without"
-          "\nfile-backed pages. Per M: the floor as % of each load time; bytes read by syscalls"
-          "\n(from disk) over all ranks / state size; CPU seconds (user+sys) of all ranks")
+    print("s: load wall time, max over ranks (target ratio <= 0.80). floor: every rank reads exactly"
+          "\nthe bytes it needs from the dckpt shard files, cold, raw os.preadv (GB/s: all ranks)."
+          "\nMiB: peak extra RSS during the load, max over ranks (target dckpt <= DCP). Below: floor"
+          "\nas % of load time; read x: bytes read by syscalls (from disk), all ranks, / state size;"
+          "\nCPU s: user + system, all ranks")
     for m, w in res["worlds"].items():
         md = w["median"]
         print(f"M={m}: {w['targets_met']}; floor/time dckpt {100 * md['raw_read'] / md['dckpt_s']:.0f}%"
-              f" DCP {100 * md['raw_read'] / md['dcp_s']:.0f}%; read x dckpt {md['dckpt_rchar'] / total:.2f}"
-              f" ({md['dckpt_disk'] / total:.2f}) DCP {md['dcp_rchar'] / total:.2f} ({md['dcp_disk'] / total:.2f});"
-              f" CPU s dckpt {md['dckpt_cpu']:.2f} DCP {md['dcp_cpu']:.2f}")
+              f" DCP {100 * md['raw_read'] / md['dcp_s']:.0f}%; read x dckpt "
+              f"{md['dckpt_rchar'] / total:.2f} ({md['dckpt_disk'] / total:.2f}) DCP {md['dcp_rchar'] / total:.2f}"
+              f" ({md['dcp_disk'] / total:.2f}); CPU s dckpt {md['dckpt_cpu']:.2f} DCP {md['dcp_cpu']:.2f}")
 
 
 if __name__ == "__main__":
