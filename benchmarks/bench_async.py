@@ -42,6 +42,15 @@ LIBS = ("dckpt", "dcp", "dcp_cached")
 NAMES = {"dckpt": "dckpt", "dcp": "DCP (FileSystemWriter)", "dcp_cached": "DCP (reused stager)"}
 
 
+def _clean(x: Any) -> Any:
+    """NaN (no value: e.g. DCP's staging seconds) -> None, so the JSON is standard."""
+    if isinstance(x, float) and x != x:
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    return [_clean(v) for v in x] if isinstance(x, list) else x
+
+
 def _max3(xs: list[float]) -> list[float]:
     import torch
     import torch.distributed as dist
@@ -252,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
     report(res)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(res, fh, indent=1)
+            json.dump(_clean(res), fh, indent=1)
     return res
 
 
