@@ -35,7 +35,8 @@ import time
 from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_save_load import _max_over_ranks, locals_of, make_state, model_specs, timed  # noqa: E402
+from bench_save_load import (_max_over_ranks, add_state_args, locals_of, make_state,  # noqa: E402
+                             model_specs, timed)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LIBS = ("dckpt", "dcp", "dcp_cached")
@@ -227,10 +228,7 @@ def main(argv: list[str] | None = None) -> dict:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--world", type=int, default=2, help="gloo ranks")
     p.add_argument("--reps", type=int, default=6, help="timed calls after the first")
-    p.add_argument("--layers", type=int, default=6, help="transformer blocks")
-    p.add_argument("--hidden", type=int, default=768, help="model width")
-    p.add_argument("--vocab", type=int, default=8193, help="odd: uneven Shard(0)")
-    p.add_argument("--ffn-mult", type=int, default=4, help="MLP width / hidden")
+    add_state_args(p)
     p.add_argument("--mlp-hidden", type=int, default=768, help="training loop MLP width")
     p.add_argument("--batch", type=int, default=192, help="training loop batch rows")
     p.add_argument("--steps", type=int, default=60, help="training steps per loop")

@@ -211,16 +211,21 @@ def worker(rank: int, world: int, init: str, a: dict, out: str) -> None:
     dist.destroy_process_group()
 
 
+def add_state_args(p: argparse.ArgumentParser) -> None:
+    """The model-shape options every benchmark of this folder shares."""
+    p.add_argument("--layers", type=int, default=6, help="transformer blocks")
+    p.add_argument("--hidden", type=int, default=768, help="model width")
+    p.add_argument("--vocab", type=int, default=8193, help="odd: uneven Shard(0)")
+    p.add_argument("--ffn-mult", type=int, default=4, help="MLP width / hidden")
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--world", type=int, default=2, help="gloo ranks")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions")
     p.add_argument("--warmup", type=int, default=1, help="untimed repetitions first")
-    p.add_argument("--layers", type=int, default=6, help="transformer blocks")
-    p.add_argument("--hidden", type=int, default=768, help="model width")
-    p.add_argument("--vocab", type=int, default=8193, help="odd: uneven Shard(0)")
-    p.add_argument("--ffn-mult", type=int, default=4, help="MLP width / hidden")
+    add_state_args(p)
     p.add_argument("--dcp-threads", type=int, default=1, help="FileSystemWriter thread_count")
     p.add_argument("--raw-block-mib", type=int, default=64, help="raw write/read block size")
     p.add_argument("--dir", default=None, help="parent of the scratch dir (None: the system temp dir)")
