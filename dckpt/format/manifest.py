@@ -6,6 +6,7 @@ and shapes are non-negative integers, chunks lie inside their tensor and tile it
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -25,6 +26,7 @@ MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 30
 # A file reference is one plain name inside the checkpoint directory: no separators,
 # no "..", no scheme, no leading dot.
+_SMALL = 64  # below this many values, plain Python is faster than numpy
 SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}$")
 
 JsonLeaf = None | bool | int | float | str
@@ -90,6 +92,14 @@ def grid_cells(grid: tuple[tuple[int, ...], ...]) -> tuple[np.ndarray, np.ndarra
     """Offsets and sizes (n, ndim) of the cells of a grid, C order. O(cells)."""
     if not grid:
         return np.zeros((1, 0), np.int64), np.zeros((1, 0), np.int64)
+    ncells = math.prod(len(b) - 1 for b in grid)
+    if ncells <= _SMALL:
+        # Most tensors have a handful of cells: plain Python beats numpy's per-call cost
+        # (this runs once per tensor on every rank of every load).
+        cells = list(itertools.product(*(list(zip(b[:-1], b[1:])) for b in grid)))
+        offsets = np.array([[lo for lo, _ in c] for c in cells], np.int64)
+        sizes = np.array([[hi - lo for lo, hi in c] for c in cells], np.int64)
+        return offsets.reshape(ncells, len(grid)), sizes.reshape(ncells, len(grid))
     bps = [np.asarray(b, np.int64) for b in grid]
     if len(bps) == 1:  # the common case (FSDP): no index arithmetic
         return bps[0][:-1, None].copy(), np.diff(bps[0])[:, None]
@@ -97,6 +107,23 @@ def grid_cells(grid: tuple[tuple[int, ...], ...]) -> tuple[np.ndarray, np.ndarra
     offsets = np.stack([b[:-1][i] for b, i in zip(bps, idx)], axis=1)
     sizes = np.stack([np.diff(b)[i] for b, i in zip(bps, idx)], axis=1)
     return offsets, sizes
+
+
+def _grid_dim(obj: Any, key: str, d: int, extent: int, nfiles: int) -> tuple[int, ...]:
+    """Validate one dim's breakpoints: integers rising strictly from 0 to ``extent``,
+    at most ``nfiles + 1`` of them. Raises ValueError."""
+    if isinstance(obj, list) and len(obj) <= _SMALL:  # fast path, no numpy
+        b = obj
+        ok = all(type(x) is int for x in b)
+    else:
+        arr = intarray.decode(obj, f"tensor {key!r} grid", nfiles + 1)
+        # values inside [0, extent] first, so the differences cannot overflow
+        ok = not ((arr < 0).any() or (arr > extent).any() or (len(arr) > 1 and (np.diff(arr) <= 0).any()))
+        b = arr.tolist()
+    if not (ok and len(b) >= 2 and len(b) <= nfiles + 1 and b[0] == 0 and b[-1] == extent
+            and all(x < y for x, y in zip(b, b[1:]))):
+        raise ValueError(f"tensor {key!r}: grid of dim {d} must rise strictly from 0 to {extent}")
+    return tuple(b)
 
 
 # ----------------------------------------------------------------------------- writing
@@ -162,14 +189,7 @@ def _parse_chunks(key: str, shape: tuple[int, ...], obj: Any, nfiles: int) -> Ch
             g = obj["grid"]
             if not isinstance(g, list) or len(g) != ndim:
                 raise ValueError(f"tensor {key!r}: grid needs one breakpoint list per dim")
-            arrays = [intarray.decode(b, f"tensor {key!r} grid", nfiles + 1) for b in g]
-            for d, b in enumerate(arrays):
-                # values inside [0, shape] first, so the differences cannot overflow
-                if len(b) < 2 or b[0] != 0 or b[-1] != shape[d] or (b < 0).any() \
-                        or (b > shape[d]).any() or (np.diff(b) <= 0).any():
-                    raise ValueError(f"tensor {key!r}: grid of dim {d} must rise strictly "
-                                     f"from 0 to {shape[d]}")
-            grid = tuple(tuple(b.tolist()) for b in arrays)
+            grid = tuple(_grid_dim(b, key, d, shape[d], nfiles) for d, b in enumerate(g))
             if math.prod(len(b) - 1 for b in grid) > max(nfiles, 1):
                 raise ValueError(f"tensor {key!r}: grid has more cells than there are files")
             offsets, sizes = grid_cells(grid)

@@ -42,7 +42,7 @@ def block_crcs(buf: memoryview, block: int = BLOCK) -> list[int]:
     return [crc32(buf[i:i + block]) for i in range(0, len(buf), block)] or [0]
 
 
-def _header(entries, crcs: list[list[int]], block: int) -> bytes:
+def _header(entries, crcs: list[list[int]], block: int, align: int = 8) -> bytes:
     meta = {"format": "pt", "dckpt.block": str(block)}
     body: dict = {}
     pos = 0
@@ -51,13 +51,19 @@ def _header(entries, crcs: list[list[int]], block: int) -> bytes:
         body[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
         pos += nbytes
     raw = json.dumps({"__metadata__": meta, **body}, separators=(",", ":")).encode()
-    return raw + b" " * (-len(raw) % 8)
+    # Spaces pad the header (safetensors allows them) so that the data starts at a
+    # multiple of ``align`` (8 at least, as safetensors writes; a direct-I/O writer
+    # asks for its block size so the data can go out without a bounce copy).
+    return raw + b" " * (-(8 + len(raw)) % max(8, align))
 
 
 def order_entries(entries: list[tuple[str, str, tuple[int, ...], int]]) -> list[int]:
     """Indexes of ``entries`` in file order: larger items first, so each tensor starts at
-    a multiple of its item size (safetensors' own rule), then as given."""
-    return sorted(range(len(entries)), key=lambda i: -ITEMSIZE[entries[i][1]])
+    a multiple of its item size (safetensors' own rule); within an item size, tensors
+    whose length is a multiple of 4 KiB first, so that they all start 4 KiB-aligned and
+    a direct-I/O writer sends them without a copy; then as given."""
+    return sorted(range(len(entries)),
+                  key=lambda i: (-ITEMSIZE[entries[i][1]], entries[i][3] % 4096 != 0))
 
 
 def write_shard(writer, entries: list[tuple[str, str, tuple[int, ...], int]],
@@ -69,8 +75,9 @@ def write_shard(writer, entries: list[tuple[str, str, tuple[int, ...], int]],
     With a random-access writer the data goes first while a thread computes checksums,
     then the header; otherwise checksums are computed first and the file is streamed.
     Returns (file size, header length, header crc32). Blocking I/O; raises OSError."""
+    align = getattr(writer, "alignment", 8)
     placeholder = [[0] * max(1, -(-n // block)) for (_, _, _, n) in entries]
-    hlen = len(_header(entries, placeholder, block))
+    hlen = len(_header(entries, placeholder, block, align))
     data_start = 8 + hlen
     if random_write:
         with ThreadPoolExecutor(1) as pool:
@@ -80,11 +87,11 @@ def write_shard(writer, entries: list[tuple[str, str, tuple[int, ...], int]],
                 writer.pwrite(b, pos)
                 pos += len(b)
             crcs = [f.result() for f in futs]
-        head = _U64.pack(hlen) + _header(entries, crcs, block)
+        head = _U64.pack(hlen) + _header(entries, crcs, block, align)
         writer.pwrite(head, 0)
     else:
         crcs = [block_crcs(b, block) for b in buffers]
-        head = _U64.pack(hlen) + _header(entries, crcs, block)
+        head = _U64.pack(hlen) + _header(entries, crcs, block, align)
         writer.write(head)
         pos = data_start
         for b in buffers:

@@ -94,10 +94,12 @@ def make_storage(path: str, storage_options: dict | None = None):
     from .local import LocalStorage
     import os
 
+    opts = dict(storage_options or {})
+    direct_io = bool(opts.pop("direct_io", True))  # local files only; see storage/direct.py
     if "://" not in path or path.startswith("file://"):
         local = path[len("file://"):] if path.startswith("file://") else path
-        return LocalStorage(), os.path.abspath(local)
-    fs, root = fsspec.core.url_to_fs(path, **(storage_options or {}))
+        return LocalStorage(direct_io), os.path.abspath(local)
+    fs, root = fsspec.core.url_to_fs(path, **opts)
     if getattr(fs, "protocol", None) in ("file", ("file", "local")):
-        return LocalStorage(), root
+        return LocalStorage(direct_io), root
     return FsspecStorage(fs), root.rstrip("/")
