@@ -20,6 +20,8 @@ def test_snapshot_copies_and_reuses_buffers():
     snap2, _ = pool.snapshot(sd)
     assert snap2["a"].data_ptr() == ptr, "the buffer is reused"
     assert torch.equal(snap2["a"], sd["a"])
+    assert all(t.data_ptr() % 4096 == 0 for t in pool.buffers.values()), \
+        "staged buffers are 4 KiB aligned, for zero-copy direct writes"
     del sd["n"]
     pool.snapshot(sd)
     assert "n.b" not in pool.buffers, "buffers of keys that left the state are freed"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -9,8 +10,18 @@ import torch
 from ..errors import CheckpointError
 from ..state.flatten import JSON_TYPES, is_stateful
 from ..state.tensors import DTensor
+from ..storage.direct import ALIGN
 
 log = logging.getLogger(__name__)
+
+
+def aligned_empty(shape, dtype: torch.dtype, pinned: bool = False) -> torch.Tensor:
+    """An uninitialised contiguous tensor whose data starts on a 4 KiB boundary: a
+    direct-I/O writer sends it to the device without a bounce copy. Costs up to 4 KiB."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pinned)
+    skip = (-raw.data_ptr()) % ALIGN
+    return raw[skip:skip + nbytes].view(dtype).view(shape)
 
 
 class StagingPool:
@@ -36,7 +47,7 @@ class StagingPool:
         b = self.buffers.get(key)
         pinned = t.device.type == "cuda"
         if b is None or b.shape != t.shape or b.dtype != t.dtype or b.is_pinned() != pinned:
-            b = torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)
+            b = aligned_empty(t.shape, t.dtype, pinned)
             self.buffers[key] = b
         return b
 
