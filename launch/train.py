@@ -2,12 +2,19 @@
 
     torchrun --standalone --nproc-per-node=2 launch/train.py --steps 50 --ckpt-root /tmp/run1
 
-A tiny language model (embedding, MLP blocks with dropout, head) on synthetic tokens
-drawn from the global RNG, sharded with FSDP2 (gloo on CPU, NCCL on GPU), AdamW, a
-cosine LR schedule. A CheckpointManager saves every --every steps, keeps --keep-last,
-restores on start-up (also after a restart at another world size) and, with
+A tiny language model (embedding, MLP blocks with dropout, head) on synthetic tokens,
+sharded with FSDP2 (gloo on CPU, NCCL on GPU), AdamW, a cosine LR schedule. Tokens come
+from each rank's global RNG (--data rng; the checkpoint restores RNG states) or from a
+resumable sampler over one global stream of samples (--data sampler, launch/data.py)
+whose position is checkpointed: after a restart at another world size it continues with
+the next unseen samples. A CheckpointManager saves every --every steps, keeps
+--keep-last, restores on start-up (also after a restart at another world size) and, with
 --save-on-sigterm, writes a final checkpoint when the job is preempted. Rank 0 logs
 progress and, at the end, a SHA-256 of the full parameters (to compare runs).
+
+Under torchrun, ranks meet through a store of their rendezvous round (init_distributed),
+so restarts and membership changes with several agents (--nnodes=1:2) reconnect cleanly;
+launch/elastic_demo.py shows both.
 """
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ import argparse
 import hashlib
 import logging
 import os
+import socket
 import time
 from datetime import timedelta
 
@@ -23,6 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import dckpt
+from data import ResumableSampler  # launch/ is sys.path[0]: torchrun runs this as a script
 
 log = logging.getLogger("train")
 
@@ -60,6 +69,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", choices=("rng", "sampler"), default="rng",
+                   help="tokens from each rank's global RNG, or from a checkpointed sampler")
+    p.add_argument("--data-samples", type=int, default=4096,
+                   help="synthetic data set size for --data sampler (one epoch)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step (tests)")
     p.add_argument("--log-every", type=int, default=10)
     return p.parse_args(argv)
@@ -75,18 +88,66 @@ def params_sha256(model: nn.Module) -> str:
     return h.hexdigest()
 
 
+ROUND_KEY = "train/round-store"  # in the agent's store: where this round's store is
+NONCE_KEY = "train/nonce"         # in a round's store: proves it is the one announced
+
+
+def _round_store(agent: dist.Store, rank: int, timeout: timedelta) -> dist.TCPStore:
+    """A store of this round only, for init_process_group: rank 0 hosts a new TCPStore
+    and announces it in the agent's store; other ranks connect to what is announced.
+
+    Why not the agent's store itself: torchrun keeps one store for the whole job, so
+    the previous round's gloo addresses are still in it, and a rank that reads one
+    connects to a dead process ("connectFullMesh failed"). Prefixing keys by
+    TORCHELASTIC_RESTART_COUNT is not enough: each agent counts its own restarts, and
+    a membership change restarts without counting, so with several agents two ranks of
+    one round can see different counts (observed: agent B restarts after its worker
+    died, count 1; agent A restarts for B's re-join, count 0). No variable torchrun
+    exports names the rendezvous round.
+
+    A stale announcement is harmless: its rank 0 has exited (agents stop their
+    workers before they rendezvous again), so connecting fails, or the port now
+    belongs to another store that lacks the nonce; the rank then reads the
+    announcement again until the new rank 0 has replaced it. Raises RuntimeError
+    after ``timeout`` without a live announced store.
+    """
+    addr = os.environ["MASTER_ADDR"]  # torchrun's rank-0 host, where global rank 0 runs
+    if rank == 0:
+        own = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        nonce = f"{os.getpid()}-{time.time_ns()}-{os.urandom(4).hex()}"
+        own.set(NONCE_KEY, nonce)  # before the announcement: a found store has its nonce
+        agent.set(ROUND_KEY, f"{addr} {own.port} {nonce}")
+        return own
+    deadline = time.monotonic() + timeout.total_seconds()
+    while time.monotonic() < deadline:
+        host, port, nonce = agent.get(ROUND_KEY).decode().split()
+        try:
+            # A plain connect first: refused at once when the store is dead, where
+            # TCPStore would retry for its timeout and log a stack trace per try.
+            socket.create_connection((host, int(port)), timeout=5).close()
+            peer = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))
+            if peer.check([NONCE_KEY]) and peer.get(NONCE_KEY).decode() == nonce:
+                peer.set_timeout(timeout)
+                return peer
+        except (OSError, RuntimeError):  # refused, or gone meanwhile: a dead round's store
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"no live store announced under {ROUND_KEY!r} in the torchrun agent's "
+                       f"store at {addr}:{os.environ['MASTER_PORT']} after {timeout}")
+
+
 def init_distributed(backend: str) -> None:
-    """init_process_group, with keys prefixed by torchrun's restart count: after a
-    restart the agent's store still holds the previous round's addresses, and a gloo
-    rank that read one would connect to a dead process ("connectFullMesh failed")."""
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if restart is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    """init_process_group; under torchrun's shared agent store (the default), through a
+    store of this round only (see :func:`_round_store`)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         dist.init_process_group(backend)
         return
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=False, timeout=timedelta(minutes=5))
-    dist.init_process_group(backend, store=dist.PrefixStore(f"train/restart-{restart}", store),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = timedelta(minutes=5)
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=_round_store(agent, rank, timeout), rank=rank,
+                            world_size=world)
 
 
 def main(argv=None) -> None:
@@ -110,9 +171,14 @@ def main(argv=None) -> None:
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, args.steps))
-    torch.manual_seed(args.seed * 1000 + rank + 1)  # each rank draws its own data
+    torch.manual_seed(args.seed * 1000 + rank + 1)  # per-rank dropout (and --data rng)
 
     state = {"train": dckpt.TrainingState(model, opt), "sched": sched, "step": 0}
+    sampler = None
+    if args.data == "sampler":
+        sampler = ResumableSampler(args.data_samples, args.batch, seed=args.seed, rank=rank,
+                                   world=world)
+        state["data"] = sampler  # saved through its state_dict, restored in place
     mgr = dckpt.CheckpointManager(args.ckpt_root, every_steps=args.every,
                                   keep_last=args.keep_last, async_save=args.async_save,
                                   save_on_sigterm=args.save_on_sigterm)
@@ -120,9 +186,15 @@ def main(argv=None) -> None:
     start = state["step"] if restored is not None else 0
     log.info("world %d, %s; %s", world, device.type,
              f"resumed from step {start}" if restored is not None else "starting fresh")
+    if sampler is not None:
+        log.info("data position %d (epoch %d), %d samples per step", sampler.consumed,
+                 sampler.epoch, world * args.batch)
     t0 = time.perf_counter()
     for step in range(start + 1, args.steps + 1):
-        tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device=device)
+        if sampler is None:
+            tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device=device)
+        else:
+            tokens = sampler.next_tokens(args.vocab, args.seq + 1, device)
         logits = model(tokens[:, :-1])
         loss = nn.functional.cross_entropy(logits.reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
