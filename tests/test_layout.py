@@ -858,3 +858,12 @@ def test_byte_span():
     assert reshard.byte_span((4, 5), (slice(1, 3), slice(0, 5)), 4) == (20, 60)
     assert reshard.byte_span((4, 5), (slice(1, 3), slice(2, 4)), 2) == (14, 28)
     assert reshard.byte_span((), (), 8) == (0, 8)
+
+
+def test_values_differing_between_ranks_are_reported_lowest_rank_kept():
+    mk = lambda values: localplan.LocalPlan([], np.zeros(0, np.int64), values)  # noqa: E731
+    nan = float("nan")
+    gp = plan.plan_global([mk({"same": 1, "f": nan, "pos": 10}), mk({"same": 1, "f": nan, "pos": 20}),
+                           mk({"same": 1, "only2": "x", "pos": 30, "t": True}), mk({"t": 1})])
+    assert gp.values["pos"] == 10 and gp.values["only2"] == "x" and gp.values["t"] is True
+    assert gp.conflicts == {"pos": 1, "t": 3}  # True is not 1; NaN equals NaN

@@ -147,6 +147,12 @@ class _Coordinator:
                     f"{self.root} already holds a committed checkpoint; pass overwrite=True "
                     "to replace it (the old one stays intact until the new one commits)")
             self.gp = gplan.plan_global(plans)
+            if self.gp.conflicts:
+                k, r = next(iter(self.gp.conflicts.items()))
+                log.warning(
+                    "save to %s: %d value(s) differ between ranks, e.g. %r on rank %d; the "
+                    "lowest rank's value is saved. Give rank-local values a key per rank.",
+                    self.root, len(self.gp.conflicts), k, r)
             st.makedirs(self.root)
             self.save_id = uuid.uuid4().hex[:16]
             return _pack({"save_id": self.save_id}, gplan.encode_writes(self.gp))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -39,6 +39,14 @@ class GlobalPlan:
     values: dict
     writes: list[np.ndarray]  # per rank: bool mask over that rank's local items
     bytes_per_rank: np.ndarray
+    # keys whose value differs between ranks -> the first rank that differs from the
+    # lowest one (whose value is kept): a rank-local value saved under a shared key
+    conflicts: dict = field(default_factory=dict)
+
+
+def _same(a, b) -> bool:
+    """JSON leaves equal in value and type (True is not 1; NaN equals NaN)."""
+    return type(a) is type(b) and (a == b or (a != a and b != b))
 
 
 def _key_table(plans: list[LocalPlan]):
@@ -111,8 +119,13 @@ def plan_global(plans: list[LocalPlan]) -> GlobalPlan:
     world = len(plans)
     names, meta, table_ids = _key_table(plans)
     values: dict = {}
-    for p in reversed(plans):  # lowest rank wins on conflicting values
-        values.update(p.values)
+    conflicts: dict[str, int] = {}
+    for r, p in enumerate(plans):  # the lowest rank holding a key gives its value
+        for k, v in p.values.items():
+            if k not in values:
+                values[k] = v
+            elif k not in conflicts and not _same(values[k], v):
+                conflicts[k] = r
     clash = set(values) & set(names)
     if clash:
         raise StateMismatchError(f"key {sorted(clash)[0]!r} is a tensor on one rank and a "
@@ -191,7 +204,7 @@ def plan_global(plans: list[LocalPlan]) -> GlobalPlan:
         if t.grid is not None and t.order is not None and len(t.order) == len(o):
             o, s, w = o[t.order], s[t.order], w[t.order]
         tensors[name] = PlannedTensor(name, dt, shape, o, s, w, t.grid)
-    return GlobalPlan(tensors, values, writes, bytes_per_rank)
+    return GlobalPlan(tensors, values, writes, bytes_per_rank, conflicts)
 
 
 def encode_writes(plan: GlobalPlan) -> bytes:
