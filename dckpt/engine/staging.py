@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 def aligned_empty(shape, dtype: torch.dtype, pinned: bool = False) -> torch.Tensor:
     """An uninitialised contiguous tensor whose data starts on a 4 KiB boundary: a
     direct-I/O writer sends it to the device without a bounce copy. Costs up to 4 KiB."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pinned)
     skip = (-raw.data_ptr()) % ALIGN
     return raw[skip:skip + nbytes].view(dtype).view(shape)

@@ -5,25 +5,19 @@ handling is launch/elastic_demo.py's (shared with the demo)."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 import time
 
 import pytest
 
 from dckpt.verify import verify_checkpoint
+from tests.dist.test_launch import sha
 from launch.elastic_demo import (BATCH, Agent, free_port, position_at, rdzv_args,
                                  saved_steps, standalone_args, wait_for)
 
 pytestmark = pytest.mark.slow
 
 COMMON = ["--every", "4", "--log-every", "1", "--dropout", "0.2", "--data", "sampler"]
-
-
-def sha(agent: Agent) -> str:
-    m = re.search(r"params sha256 ([0-9a-f]{64})", agent.text)
-    assert m, agent.text[-3000:]
-    return m.group(1)
 
 
 def test_killed_and_restarted_run_with_sampler_is_bitwise_identical(tmp_path):

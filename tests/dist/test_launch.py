@@ -5,77 +5,25 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
-import threading
 import time
 
 import pytest
 
-TRAIN = os.path.join(os.path.dirname(__file__), "..", "..", "launch", "train.py")
+from launch.elastic_demo import Agent, standalone_args
+
 pytestmark = pytest.mark.slow
 
 
-class Run:
-    def __init__(self, nproc: int, *args: str, restarts: int = 0, env: dict | None = None):
-        e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone",
-             f"--nproc-per-node={nproc}", f"--max-restarts={restarts}", TRAIN, *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e,
-            start_new_session=True)
-        self.lines: list[str] = []
-        threading.Thread(target=lambda: [self.lines.append(x) for x in self.proc.stdout],
-                         daemon=True).start()
+def Run(nproc: int, *args: str, restarts: int = 0, env: dict | None = None) -> Agent:
+    """A single-agent torchrun job of launch/train.py (process handling shared with the
+    elastic demo: output collected, every worker killed at the end)."""
+    return Agent("job", standalone_args(nproc, restarts), list(args), env=env)
 
-    @property
-    def text(self) -> str:
-        return "".join(self.lines)
 
-    def wait_for(self, pattern: str, timeout: float = 180) -> None:
-        end = time.time() + timeout
-        while time.time() < end:
-            if re.search(pattern, self.text):
-                return
-            if self.proc.poll() is not None:
-                time.sleep(0.5)
-                if re.search(pattern, self.text):
-                    return
-                break
-            time.sleep(0.05)
-        raise AssertionError(f"never saw {pattern!r}:\n{self.text[-4000:]}")
-
-    def finish(self, timeout: float = 150) -> int:
-        workers = self.worker_pids()
-        try:
-            return self.proc.wait(timeout=timeout)
-        finally:
-            # Workers live in sessions of their own: never leave one behind.
-            for pid in workers + self.worker_pids():
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            if self.proc.poll() is None:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-
-    def worker_pids(self) -> list[int]:
-        """The agent's children (the ranks) from /proc."""
-        out = []
-        for d in os.listdir("/proc"):
-            if d.isdigit():
-                try:
-                    with open(f"/proc/{d}/stat") as f:
-                        if int(f.read().rsplit(")", 1)[1].split()[1]) == self.proc.pid:
-                            out.append(int(d))
-                except (OSError, IndexError, ValueError):
-                    pass
-        return out
-
-    def sha(self) -> str:
-        m = re.search(r"params sha256 ([0-9a-f]{64})", self.text)
-        assert m, self.text[-3000:]
-        return m.group(1)
+def sha(run: Agent) -> str:
+    m = re.search(r"params sha256 ([0-9a-f]{64})", run.text)
+    assert m, run.text[-3000:]
+    return m.group(1)
 
 
 COMMON = ["--every", "4", "--log-every", "1", "--dropout", "0.2"]
@@ -90,7 +38,7 @@ def test_killed_and_restarted_run_is_bitwise_identical(tmp_path):
     os.kill(run.worker_pids()[-1], signal.SIGKILL)  # torchrun restarts the workers
     assert run.finish() == 0, run.text[-3000:]
     assert "resumed from step 8" in run.text
-    assert run.sha() == ref.sha()
+    assert sha(run) == sha(ref)
 
 
 def test_worker_killed_mid_save_resumes_from_previous_checkpoint(tmp_path):
