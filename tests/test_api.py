@@ -6,6 +6,8 @@ import os
 import zlib
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 import dckpt
@@ -289,8 +291,8 @@ def test_read_budget_bounds_temporaries(tmp_path, monkeypatch):
     seen: list[int] = []
     orig = ChunkReader.copy_one
 
-    def spy(self, piece, entry, item):
-        n = orig(self, piece, entry, item)
+    def spy(self, piece, entry, item, files=None):
+        n = orig(self, piece, entry, item, files)
         seen.append(n)
         return n
 
@@ -301,3 +303,36 @@ def test_read_budget_bounds_temporaries(tmp_path, monkeypatch):
     dckpt.load(target, str(tmp_path / "b"), read_budget=4 << 20)
     assert torch.equal(target["w"], w) and torch.equal(target["v"], v)
     assert len(seen) > 4 and max(seen) <= (1 << 20) + 2 * (1 << 20), seen
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 1000), max_size=60), st.integers(1, 8))
+def test_reader_runs_keep_order_and_balance(sizes, n):
+    from dckpt.reader import _runs
+
+    tasks = list(range(len(sizes)))
+    runs = _runs(tasks, n, sizes)
+    assert [t for r in runs for t in r] == tasks and len(runs) <= n and all(runs)
+    if sizes:  # each run holds at most its fair share plus one task
+        fair = -(-sum(sizes) // n)
+        assert all(sum(sizes[t] for t in r) <= fair + max(sizes) for r in runs)
+
+
+def test_reader_workers_split_one_tensor_into_runs(tmp_path, monkeypatch):
+    """Several workers read consecutive runs of one large tensor, each through its own
+    open file; a file whose second half was zeroed after the save fails naming it."""
+    from dckpt.storage.local import LocalStorage
+
+    w = torch.randn(4096, 256)  # 4 MiB: cut into pieces for 4 runs
+    dckpt.save({"w": w}, str(tmp_path / "c"))
+    opened: list[str] = []
+    orig = LocalStorage.open_read
+    monkeypatch.setattr(LocalStorage, "open_read", lambda self, p: opened.append(p) or orig(self, p))
+    target = {"w": torch.zeros(4096, 256)}
+    dckpt.load(target, str(tmp_path / "c"))
+    assert torch.equal(target["w"], w) and len(opened) == 4
+    shard = next(p for p in (tmp_path / "c").iterdir() if p.suffix == ".safetensors")
+    data = shard.read_bytes()
+    shard.write_bytes(data[:len(data) // 2] + bytes(len(data) - len(data) // 2))
+    with pytest.raises(IntegrityError, match=shard.name):
+        dckpt.load(target, str(tmp_path / "c"))

@@ -97,6 +97,35 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+class LocalReader:
+    """One open file, read with pread. Reusing it across a run of reads keeps the
+    kernel's readahead state (which lives in the open file), so reads that follow each
+    other through the file are seen as one sequential stream."""
+
+    def __init__(self, path: str) -> None:
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def readinto(self, start: int, buf) -> int:
+        """Fill ``buf`` from ``start``; returns the bytes read (short at EOF)."""
+        mv = memoryview(buf).cast("B")
+        done = 0
+        while done < len(mv):
+            n = os.preadv(self.fd, [mv[done:]], start + done)
+            if n == 0:
+                break
+            done += n
+        return done
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def __enter__(self) -> "LocalReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 class LocalStorage:
     """Storage on a POSIX file system. ``put_atomic`` writes a temp file, fsyncs it,
     renames it over the target and fsyncs the directory, so a crash leaves the old
@@ -139,36 +168,12 @@ class LocalStorage:
             return os.pread(f.fileno(), length, start) if length else b""
 
     def readinto(self, path: str, start: int, buf: memoryview) -> int:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            mv = memoryview(buf).cast("B")
-            done = 0
-            while done < len(mv):
-                n = os.preadv(fd, [mv[done:]], start + done)
-                if n == 0:
-                    break
-                done += n
-            return done
-        finally:
-            os.close(fd)
+        with self.open_read(path) as f:
+            return f.readinto(start, buf)
 
-    def prefetch(self, path: str, ranges: list[tuple[int, int]]) -> None:
-        """Ask the kernel to start reading ``[start, end)`` ranges now (WILLNEED), so a
-        load's reads find them in flight: deeper disk queues than one reader thread
-        gets. Advisory; never raises."""
-        if not hasattr(os, "posix_fadvise"):
-            return
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            return
-        try:
-            for lo, hi in ranges:
-                os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+    def open_read(self, path: str) -> "LocalReader":
+        """An open file for many reads. Raises OSError (FileNotFoundError)."""
+        return LocalReader(path)
 
     def open_write(self, path: str):
         """A Writer for ``path``: direct I/O where enabled and the file system takes
