@@ -120,11 +120,13 @@ class ChunkReader:
                  budget: int = DEFAULT_READ_BUDGET) -> int:
         """Fill every piece from the chunks overlapping it; returns bytes read.
 
-        Coverage is checked before any read. File headers are read first; then regions
-        are read, verified and copied by ``workers`` threads (reads, CRCs and copies
-        release the GIL) in file order. Regions are cut so that no temporary exceeds
-        ``budget / workers`` bytes (plus checksum-block widening): extra memory stays
-        bounded whatever the tensor sizes. Raises IntegrityError naming file and tensor."""
+        Coverage is checked before any read. File headers are read first; then the
+        regions, sorted in file order, are cut into ``workers`` runs of about equal bytes,
+        and each thread reads, verifies and copies one run through its own open files
+        (reads, CRCs and copies release the GIL). Regions are cut so that no temporary
+        exceeds ``budget / workers`` bytes (plus checksum-block widening): extra memory
+        stays bounded whatever the tensor sizes. Blocking I/O; no collective. Raises
+        IntegrityError naming file and tensor."""
         workers = max(1, workers)
         planned = []
         for piece, entry in pairs:
