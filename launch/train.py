@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
+import math
 import os
 import socket
 import time
@@ -184,6 +185,15 @@ def main(argv=None) -> None:
                                   save_on_sigterm=args.save_on_sigterm)
     restored = mgr.restore(state)
     start = state["step"] if restored is not None else 0
+    if restored is not None and sched.T_max != max(1, args.steps):
+        # The restored schedule ends where the first run's --steps did; a rerun asking
+        # for more (or fewer) steps re-targets it: the LR becomes the cosine's value at
+        # this step of the longer schedule (the chained update cannot climb back from 0).
+        log.info("LR schedule length %d -> %d steps", sched.T_max, max(1, args.steps))
+        sched.T_max = max(1, args.steps)
+        frac = min(1.0, sched.last_epoch / sched.T_max)
+        for g, base in zip(opt.param_groups, sched.base_lrs):
+            g["lr"] = sched.eta_min + (base - sched.eta_min) * (1 + math.cos(math.pi * frac)) / 2
     log.info("world %d, %s; %s", world, device.type,
              f"resumed from step {start}" if restored is not None else "starting fresh")
     if sampler is not None:
