@@ -1,0 +1,126 @@
+"""One conformance suite that every Storage backend runs unchanged (the contract in
+dckpt/storage/base.py): local files with and without direct I/O, and fsspec's memory and
+local file systems."""
+from __future__ import annotations
+
+import uuid
+
+import fsspec
+import numpy as np
+import pytest
+
+from dckpt.storage.fsspec_storage import FsspecStorage
+from dckpt.storage.local import LocalStorage
+
+
+@pytest.fixture(params=["local-direct", "local-buffered", "fsspec-memory", "fsspec-file"])
+def store(request, tmp_path):
+    """(storage, a fresh root directory that exists)."""
+    kind = request.param
+    if kind.startswith("local"):
+        s, root = LocalStorage(direct_io=kind == "local-direct"), str(tmp_path / "root")
+    elif kind == "fsspec-memory":
+        s, root = FsspecStorage(fsspec.filesystem("memory")), f"/conformance-{uuid.uuid4().hex}"
+    else:
+        s, root = FsspecStorage(fsspec.filesystem("file")), str(tmp_path / "root")
+    s.makedirs(root)
+    yield s, root
+    if kind == "fsspec-memory":
+        s.remove_tree(root)
+
+
+def _bytes(n: int, seed: int = 0) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+# Sizes around the 4 KiB direct-I/O alignment and the 8 MiB bounce buffers.
+@pytest.mark.parametrize("pieces", [[0], [1], [4095, 1, 4096], [4097, 3], [9 << 20, 5],
+                                    [100, 8 << 20, 4096, 7]])
+def test_written_bytes_read_back(store, pieces):
+    s, root = store
+    path = s.join(root, "f.bin")
+    data = [_bytes(n, i) for i, n in enumerate(pieces)]
+    w = s.open_write(path)
+    for d in data:
+        w.write(memoryview(d))
+    w.commit()
+    whole = b"".join(data)
+    assert s.exists(path) and s.size(path) == len(whole)
+    assert s.read(path) == whole
+    for lo, n in ((0, 1), (len(whole) // 3, 4099), (max(0, len(whole) - 2), 10)):
+        assert s.read(path, lo, n) == whole[lo:lo + n]  # short at EOF, never padded
+        buf = bytearray(n)
+        got = s.readinto(path, lo, memoryview(buf))
+        assert got == len(whole[lo:lo + n]) and bytes(buf[:got]) == whole[lo:lo + n]
+    opener = getattr(s, "open_read", None)
+    if opener is not None and whole:  # many reads through one open file
+        with opener(path) as f:
+            for lo in range(0, len(whole), max(1, len(whole) // 5)):
+                buf = bytearray(min(3000, len(whole) - lo))
+                assert f.readinto(lo, buf) == len(buf) and bytes(buf) == whole[lo:lo + len(buf)]
+
+
+def test_random_writes_where_supported(store):
+    s, root = store
+    path = s.join(root, "r.bin")
+    w = s.open_write(path)
+    if not s.random_write:
+        with pytest.raises(NotImplementedError):
+            w.pwrite(b"x", 0)
+        w.abort()
+        return
+    a, b = _bytes(5000, 1), _bytes(4096, 2)
+    w.pwrite(b, 8192)  # out of order, leaving a hole that is then filled
+    w.pwrite(a, 0)
+    w.pwrite(b"\x07" * 3192, 5000)
+    w.commit()
+    assert s.read(path) == a + b"\x07" * 3192 + b
+
+
+def test_abort_leaves_nothing(store):
+    s, root = store
+    path = s.join(root, "partial.bin")
+    w = s.open_write(path)
+    w.write(_bytes(10_000))
+    w.abort()
+    assert not s.exists(path)
+    assert [e.name for e in s.listdir(root)] == []
+
+
+def test_put_atomic_replaces(store):
+    s, root = store
+    path = s.join(root, "manifest.json")
+    s.put_atomic(path, b'{"v": 1}')
+    s.put_atomic(path, b'{"v": 2}')
+    assert s.read(path) == b'{"v": 2}'
+    assert [e.name for e in s.listdir(root)] == ["manifest.json"]  # no temp files left
+
+
+def test_listdir_remove_and_missing(store):
+    s, root = store
+    s.makedirs(s.join(root, "sub", "deeper"))
+    s.put_atomic(s.join(root, "sub", "a"), b"abc")
+    s.put_atomic(s.join(root, "top"), b"12345")
+    entries = {e.name: e for e in s.listdir(root)}
+    assert set(entries) == {"sub", "top"}
+    assert entries["sub"].is_dir and not entries["top"].is_dir and entries["top"].size == 5
+    assert {e.name for e in s.listdir(s.join(root, "sub"))} == {"a", "deeper"}
+    s.remove(s.join(root, "top"))
+    assert not s.exists(s.join(root, "top"))
+    s.remove_tree(s.join(root, "sub"))
+    assert not s.exists(s.join(root, "sub")) and s.listdir(root) == []
+    missing = s.join(root, "missing")
+    for call in (lambda: s.read(missing), lambda: s.size(missing),
+                 lambda: s.readinto(missing, 0, memoryview(bytearray(4)))):
+        with pytest.raises(FileNotFoundError):
+            call()
+
+
+def test_open_write_in_missing_directory_fails(store):
+    s, root = store
+    if isinstance(s, FsspecStorage) and "memory" in s.fs.protocol:
+        pytest.skip("the memory file system has no directories to be missing")
+    with pytest.raises(OSError):
+        w = s.open_write(s.join(root, "no", "such", "f"))
+        w.write(b"x")
+        w.commit()
