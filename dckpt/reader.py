@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -153,14 +154,24 @@ class ChunkReader:
         # interleaves the workers) with WILLNEED hints for all of them was 1.2-1.4x
         # slower; adding a 16-64 MiB sliding WILLNEED window to the runs, 1.2-1.5x slower.
         runs = _runs(tasks, workers, [self._span(t) for t in tasks])
+        stop = threading.Event()  # one failed region ends every run: fail fast
         if len(runs) <= 1:
-            return sum(self._run(r) for r in runs)
+            return sum(self._run(r, stop) for r in runs)
         with ThreadPoolExecutor(len(runs), thread_name_prefix="dckpt-read") as pool:
-            return sum(pool.map(self._run, runs))
+            return sum(pool.map(lambda r: self._run(r, stop), runs))
 
-    def _run(self, run: list) -> int:
+    def _run(self, run: list, stop: threading.Event) -> int:
+        done = 0
         with _Files(self.storage) as files:
-            return sum(self.copy_one(*t, files) for t in run)
+            for t in run:
+                if stop.is_set():
+                    break  # another worker failed; its error is the one raised
+                try:
+                    done += self.copy_one(*t, files)
+                except BaseException:
+                    stop.set()
+                    raise
+        return done
 
 
 class _Files:

@@ -336,3 +336,24 @@ def test_reader_workers_split_one_tensor_into_runs(tmp_path, monkeypatch):
     shard.write_bytes(data[:len(data) // 2] + bytes(len(data) - len(data) // 2))
     with pytest.raises(IntegrityError, match=shard.name):
         dckpt.load(target, str(tmp_path / "c"))
+
+
+def test_reader_stops_every_worker_after_a_failure(tmp_path, monkeypatch):
+    """A corrupt region fails the load without the other workers reading the rest."""
+    from dckpt.reader import ChunkReader
+
+    w = torch.randn(32768, 256)  # 32 MiB: 32 regions of 1 MiB over 4 runs
+    dckpt.save({"w": w}, str(tmp_path / "c"))
+    calls: list[int] = []
+    orig = ChunkReader.copy_one
+
+    def failing(self, piece, entry, item, files=None):
+        calls.append(1)
+        if len(calls) == 1:
+            raise IntegrityError("injected: region 0 is corrupt")
+        return orig(self, piece, entry, item, files)
+
+    monkeypatch.setattr(ChunkReader, "copy_one", failing)
+    with pytest.raises(IntegrityError, match="injected"):
+        dckpt.load({"w": torch.zeros(32768, 256)}, str(tmp_path / "c"), read_budget=1 << 20)
+    assert len(calls) <= 8, len(calls)  # of 32: the others stop at their next region
