@@ -97,13 +97,12 @@ class ChunkReader:
                 and b - a == view.numel() * isz):
             head, tail = bytearray(a - lo), bytearray(hi - b)
             mid = memoryview(view.detach().reshape(-1).view(torch.uint8).numpy())
-            for buf, off in ((head, lo), (mid, a), (tail, b)):
-                files.read_exact(path, st.start + off, buf, what)
+            files.read_exact(path, st.start + lo, [head, mid, tail], what)  # one request
             shards.verify_segments([head, mid, tail], lo // block, st.crcs, block, what)
         else:
             tmp = torch.empty((hi - lo) // isz, dtype=to_torch(st.dtype))
             raw = memoryview(tmp.view(torch.uint8).numpy())
-            files.read_exact(path, st.start + lo, raw, what)
+            files.read_exact(path, st.start + lo, [raw], what)
             shards.verify(raw, lo // block, st.crcs, block, what)
             src = torch.as_strided(tmp, [s.stop - s.start for s in item.src],
                                    strides(st.shape), (a - lo) // isz)
@@ -182,22 +181,30 @@ class _Files:
         self.storage, self.open = storage, {}
         self.opener = getattr(storage, "open_read", None)
 
-    def read_exact(self, path: str, start: int, buf, what: str) -> None:
-        """Fill ``buf`` from ``start`` of ``path``. Blocking I/O. Raises IntegrityError
-        (``what`` names the file and tensor) on a short read or a vanished file."""
-        if not len(buf):
+    def read_exact(self, path: str, start: int, bufs: list, what: str) -> None:
+        """Fill ``bufs``, in order, from the consecutive bytes at ``start`` of ``path``,
+        in one request (one ``preadv`` locally, one range read on an object store).
+        Blocking I/O. Raises IntegrityError (``what`` names the file and tensor) on a
+        short read or a vanished file."""
+        views = [memoryview(b).cast("B") for b in bufs if len(b)]
+        want = sum(len(v) for v in views)
+        if not want:
             return
         try:
             if self.opener is None:
-                n = self.storage.readinto(path, start, memoryview(buf))
+                data, n = self.storage.read(path, start, want), 0
+                for v in views:  # remote bytes arrive in one object: scatter them
+                    k = max(0, min(len(v), len(data) - n))
+                    v[:k] = data[n:n + k]
+                    n += k
             else:
                 f = self.open.get(path)
                 if f is None:
                     f = self.open[path] = self.opener(path)
-                n = f.readinto(start, buf)
+                n = f.readv(start, views)
         except FileNotFoundError:
             raise IntegrityError(f"{what}: the file is missing") from None
-        if n != len(buf):
+        if n != want:
             raise IntegrityError(f"{what}: short read (truncated file)")
 
     def __enter__(self) -> "_Files":

@@ -124,3 +124,45 @@ def test_open_write_in_missing_directory_fails(store):
         w = s.open_write(s.join(root, "no", "such", "f"))
         w.write(b"x")
         w.commit()
+
+
+@pytest.mark.parametrize("splits", [[5], [0, 7, 0, 3], [4096, 1, 9000], [1, 1, 1, 1, 1]])
+@pytest.mark.parametrize("start", [0, 3, 12_000])
+def test_scatter_reads(store, splits, start):
+    """The reader's one-request scatter read (preadv locally, one range read on fsspec)
+    fills consecutive buffers in order, and a read past the end is a short read."""
+    from dckpt.errors import IntegrityError
+    from dckpt.reader import _Files
+
+    s, root = store
+    path = s.join(root, "s.bin")
+    data = _bytes(20_000, 5)
+    s.put_atomic(path, data)
+    bufs = [bytearray(n) for n in splits]
+    with _Files(s) as files:
+        if start + sum(splits) > len(data):
+            with pytest.raises(IntegrityError, match="tensor 't': short read"):
+                files.read_exact(path, start, bufs, "tensor 't'")
+            return
+        files.read_exact(path, start, bufs, "tensor 't'")
+    assert b"".join(bufs) == data[start:start + sum(splits)]
+    with _Files(s) as files, pytest.raises(IntegrityError, match="missing"):
+        files.read_exact(s.join(root, "gone"), 0, [bytearray(4)], "shard file gone")
+
+
+def test_local_scatter_read_resumes_after_a_short_preadv(tmp_path, monkeypatch):
+    """preadv may return fewer bytes than asked (signals, 2 GiB cap): the rest of the
+    buffers are filled by further calls from the right offset."""
+    import os
+
+    from dckpt.storage import local
+
+    p = tmp_path / "f"
+    data = _bytes(10_000, 9)
+    p.write_bytes(data)
+    real = os.preadv
+    monkeypatch.setattr(local.os, "preadv", lambda fd, bufs, off: real(fd, [bufs[0][:777]], off))
+    bufs = [bytearray(3000), bytearray(1), bytearray(5000)]
+    with local.LocalReader(str(p)) as f:
+        assert f.readv(100, bufs) == 8001
+    assert b"".join(bufs) == data[100:8101]

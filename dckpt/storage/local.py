@@ -107,13 +107,24 @@ class LocalReader:
 
     def readinto(self, start: int, buf) -> int:
         """Fill ``buf`` from ``start``; returns the bytes read (short at EOF)."""
-        mv = memoryview(buf).cast("B")
+        return self.readv(start, [buf])
+
+    def readv(self, start: int, bufs: list) -> int:
+        """Fill ``bufs`` in order from consecutive bytes at ``start`` (scatter reads:
+        one ``preadv`` when nothing interrupts it); returns the bytes read (short at
+        EOF). Blocking I/O; raises OSError."""
+        views = [memoryview(b).cast("B") for b in bufs if len(b)]
         done = 0
-        while done < len(mv):
-            n = os.preadv(self.fd, [mv[done:]], start + done)
+        while views:
+            n = os.preadv(self.fd, views, start + done)
             if n == 0:
                 break
             done += n
+            while views and n >= len(views[0]):  # drop what is full, trim the next
+                n -= len(views[0])
+                views.pop(0)
+            if views and n:
+                views[0] = views[0][n:]
         return done
 
     def close(self) -> None:
