@@ -13,6 +13,7 @@ from .format import shards
 from .format.checksum import crc32
 from .format.dtypes import ITEMSIZE, to_torch
 from .layout.chunks import Box
+from .progress import Progress
 from .layout.reshard import ReadItem, byte_span, split_item, strides
 from .layout.reshard import plan_reads as _plan
 from .state.tensors import LocalPiece
@@ -111,13 +112,15 @@ class ChunkReader:
         return hi - lo
 
     def _span(self, task) -> int:
+        """Bytes :meth:`copy_one` reads for ``task``: its span widened to whole blocks."""
         piece, entry, item = task
         st = self.stored(piece.key, entry, item)
+        _, block = self.header(item.file)
         a, b = byte_span(st.shape, item.src, ITEMSIZE[st.dtype])
-        return b - a
+        return min(-(-b // block) * block, st.nbytes) - a // block * block
 
     def fill_all(self, pairs: list[tuple[LocalPiece, mf.TensorEntry]], workers: int = 4,
-                 budget: int = DEFAULT_READ_BUDGET) -> int:
+                 budget: int = DEFAULT_READ_BUDGET, what: str = "load") -> int:
         """Fill every piece from the chunks overlapping it; returns bytes read.
 
         Coverage is checked before any read. File headers are read first; then the
@@ -125,8 +128,9 @@ class ChunkReader:
         and each thread reads, verifies and copies one run through its own open files
         (reads, CRCs and copies release the GIL). Regions are cut so that no temporary
         exceeds ``budget / workers`` bytes (plus checksum-block widening): extra memory
-        stays bounded whatever the tensor sizes. Blocking I/O; no collective. Raises
-        IntegrityError naming file and tensor."""
+        stays bounded whatever the tensor sizes. Long reads log progress as ``what``
+        (see dckpt.progress). Blocking I/O; no collective. Raises IntegrityError naming
+        file and tensor."""
         workers = max(1, workers)
         planned = []
         for piece, entry in pairs:
@@ -154,19 +158,22 @@ class ChunkReader:
         # slower; adding a 16-64 MiB sliding WILLNEED window to the runs, 1.2-1.5x slower.
         runs = _runs(tasks, workers, [self._span(t) for t in tasks])
         stop = threading.Event()  # one failed region ends every run: fail fast
+        progress = Progress(what, sum(self._span(t) for t in tasks), log)
         if len(runs) <= 1:
-            return sum(self._run(r, stop) for r in runs)
+            return sum(self._run(r, stop, progress) for r in runs)
         with ThreadPoolExecutor(len(runs), thread_name_prefix="dckpt-read") as pool:
-            return sum(pool.map(lambda r: self._run(r, stop), runs))
+            return sum(pool.map(lambda r: self._run(r, stop, progress), runs))
 
-    def _run(self, run: list, stop: threading.Event) -> int:
+    def _run(self, run: list, stop: threading.Event, progress: Progress) -> int:
         done = 0
         with _Files(self.storage) as files:
             for t in run:
                 if stop.is_set():
                     break  # another worker failed; its error is the one raised
                 try:
-                    done += self.copy_one(*t, files)
+                    n = self.copy_one(*t, files)
+                    done += n
+                    progress.add(n)
                 except BaseException:
                     stop.set()
                     raise

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from .errors import CheckpointError
 from .format import shards
 from .format.checksum import crc32
+from .progress import Progress
 from .reader import ChunkReader
 from .storage.fsspec_storage import make_storage
 
@@ -43,6 +44,7 @@ def verify_checkpoint(path: str, storage_options: dict | None = None) -> VerifyR
         report.problems.append(str(e))
         return report
     reader = ChunkReader(storage, root, m)
+    progress = Progress(f"verify {root}", sum(f.size for f in m.files), log)
     for fi, f in enumerate(m.files):
         report.files += 1
         try:
@@ -51,6 +53,7 @@ def verify_checkpoint(path: str, storage_options: dict | None = None) -> VerifyR
             for name, st in sorted(tensors.items(), key=lambda kv: kv[1].start):
                 _check_tensor(storage, storage.join(root, f.name), st, block)
                 covered += st.nbytes
+                progress.add(st.nbytes)
             if covered != f.size:
                 raise CheckpointError(f"shard file {f.name}: {f.size - covered} bytes not "
                                       "described by its header")

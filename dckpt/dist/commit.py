@@ -28,6 +28,7 @@ from ..errors import AlreadyExistsError
 from ..format import manifest as mf
 from ..format import shards
 from ..layout import localplan, plan as gplan
+from ..progress import CountingWriter, Progress
 from ..state.flatten import flatten
 from ..state.tensors import as_bytes, describe
 from ..storage.fsspec_storage import make_storage
@@ -206,7 +207,8 @@ def _write(storage, root: str, save_id: str, rank: int, pieces: list) -> dict:
     name = f"data-{save_id}-{rank:05d}.safetensors"
     writer = storage.open_write(storage.join(root, name))
     try:
-        writer = _faults.wrap_writer(writer, rank)
+        progress = Progress(f"save {root} (rank {rank})", sum(len(b) for b in buffers), log)
+        writer = CountingWriter(_faults.wrap_writer(writer, rank), progress)
         size, hlen, crc = shards.write_shard(writer, [entries[i] for i in order],
                                              [buffers[i] for i in order], storage.random_write)
         writer.commit()

@@ -110,7 +110,8 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
     nbytes = 0
     try:
         _faults.fault("load", comm.rank)
-        nbytes = ChunkReader(storage, root, manifest).fill_all(pieces, budget=read_budget)
+        nbytes = ChunkReader(storage, root, manifest).fill_all(
+            pieces, budget=read_budget, what=f"load {root} (rank {comm.rank})")
         fill(state_dict, lambda k, old: manifest.values[k] if k in manifest.values else old,
              flat.stateful)
     except Exception as e:
