@@ -156,9 +156,10 @@ class ChunkReader:
         # on 568 MiB, 2 -> 1/3/4 ranks, cold: handing regions out one at a time (which
         # interleaves the workers) with WILLNEED hints for all of them was 1.2-1.4x
         # slower; adding a 16-64 MiB sliding WILLNEED window to the runs, 1.2-1.5x slower.
-        runs = _runs(tasks, workers, [self._span(t) for t in tasks])
+        sizes = [self._span(t) for t in tasks]
+        runs = _runs(tasks, workers, sizes)
         stop = threading.Event()  # one failed region ends every run: fail fast
-        progress = Progress(what, sum(self._span(t) for t in tasks), log)
+        progress = Progress(what, sum(sizes), log)
         if len(runs) <= 1:
             return sum(self._run(r, stop, progress) for r in runs)
         with ThreadPoolExecutor(len(runs), thread_name_prefix="dckpt-read") as pool:
@@ -182,7 +183,7 @@ class ChunkReader:
 
 class _Files:
     """The files one reader thread has open, by path; all closed on exit. Storages
-    without ``open_read`` (fsspec) are read with one ``readinto`` per call."""
+    without ``open_read`` (fsspec) are read with one ranged ``read`` per call."""
 
     def __init__(self, storage) -> None:
         self.storage, self.open = storage, {}

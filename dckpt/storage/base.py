@@ -46,6 +46,10 @@ class Storage(Protocol):
     def readinto(self, path: str, start: int, buf: memoryview) -> int:
         """Fill ``buf`` from ``start``; returns the number of bytes read (short at EOF)."""
     def open_write(self, path: str) -> Writer: ...
+    # Optional: ``open_read(path)`` returning an object with ``readv(start, buffers) ->
+    # int`` (fill the buffers in order from consecutive bytes; short at EOF) and
+    # ``close()``. Readers keep it open across many reads (LocalStorage has it); without
+    # it they call ``read`` once per region.
     def put_atomic(self, path: str, data: bytes) -> None:
         """Make ``path`` hold ``data`` in one step: readers see the old content or the
         new, never a part. Durable on return."""
