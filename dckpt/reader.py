@@ -145,7 +145,9 @@ class ChunkReader:
             self.header(fi)  # sequential and cached: the workers only read it
         # Pieces small enough to balance the workers' runs, and to bound the temporaries.
         total = sum(self._span(t) for t in planned)
-        per_item = max(1 << 20, min(budget // workers, total // (4 * workers)))
+        # Whole MiBs, so that cuts of a large chunk fall on checksum-block boundaries
+        # (blocks are powers of two up to 1 MiB) and pieces read no widening bytes.
+        per_item = max(1, min(budget // workers, total // (4 * workers)) >> 20) << 20
         tasks = [(piece, entry, i) for piece, entry, item in planned
                  for i in split_item(item, entry.chunks.sizes[item.chunk].tolist(),
                                      ITEMSIZE[entry.dtype], per_item)]

@@ -99,13 +99,18 @@ def test_other_open_errors_are_raised(tmp_path):
         LocalStorage().open_write(str(tmp_path / "no" / "such" / "dir" / "f"))
 
 
-@pytest.mark.parametrize("direct_io", [True, False])
-def test_shard_files_round_trip_either_way(tmp_path, direct_io):
+@pytest.mark.parametrize("direct_io", [True, False, None])  # None: the default
+def test_shard_files_round_trip_either_way(tmp_path, direct_io, monkeypatch):
     # uneven sizes, several dtypes: data offsets cross 4 KiB boundaries in every way
     state = {"a": torch.randn(1000, 3), "b": torch.arange(4097, dtype=torch.int16),
              "c": torch.randn(64, 64).to(torch.bfloat16), "d": torch.tensor(True), "n": 7}
-    opts = {"direct_io": direct_io}
+    opts = None if direct_io is None else {"direct_io": direct_io}
+    opened: list[str] = []  # direct I/O is really used by default, and only then
+    orig = direct.DirectWriter.open
+    monkeypatch.setattr(direct.DirectWriter, "open",
+                        staticmethod(lambda path: opened.append(path) or orig(path)))
     dckpt.save(state, str(tmp_path / "ck"), storage_options=opts)
+    assert len(opened) == (0 if direct_io is False else 1), opened
     out = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0) for k, v in state.items()}
     dckpt.load(out, str(tmp_path / "ck"), storage_options=opts)
     for k in state:

@@ -34,6 +34,17 @@ def test_budget_refuses_before_copying():
     assert pool.buffers == {}
 
 
+def test_budget_on_the_total_refuses_before_allocating_past_it():
+    pool = StagingPool(budget_bytes=3000)
+    pool.snapshot({"a": torch.zeros(500)})  # 2000 bytes: fits, and its buffer is kept
+    allocated: list[str] = []
+    orig = pool._buffer
+    pool._buffer = lambda key, t: allocated.append(key) or orig(key, t)
+    with pytest.raises(dckpt.CheckpointError, match="more than the budget of 3000.*'b'"):
+        pool.snapshot({"a": torch.zeros(500), "b": torch.zeros(500)})  # 4000 in all
+    assert allocated == ["a"] and pool.buffers == {}  # 'b' never got a buffer
+
+
 def test_stateful_objects_are_snapshotted_by_value():
     p = torch.nn.Parameter(torch.ones(2))
     opt = torch.optim.SGD([p], lr=0.5)

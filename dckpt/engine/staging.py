@@ -61,6 +61,7 @@ class StagingPool:
         any source is on a GPU). Returns (snapshot, bytes copied)."""
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         seen: set[str] = set()
+        need = 0
 
         def walk(obj: Any, key: str) -> Any:
             if isinstance(obj, DTensor):
@@ -68,10 +69,21 @@ class StagingPool:
                 return DTensor.from_local(local, obj.device_mesh, obj.placements,
                                           run_check=False, shape=obj.shape, stride=obj.stride())
             if isinstance(obj, torch.Tensor):
+                nonlocal need
                 seen.add(key)
-                if self.budget is not None and obj.numel() * obj.element_size() > self.budget:
+                nbytes = obj.numel() * obj.element_size()
+                if self.budget is not None and nbytes > self.budget:
                     raise CheckpointError(f"tensor {key!r} alone exceeds the staging budget "
                                           f"of {self.budget} bytes")
+                need += nbytes
+                if self.budget is not None and need > self.budget:
+                    # Checked before this buffer is allocated: host memory never goes
+                    # past the budget, even on the way to refusing.
+                    self.buffers.clear()
+                    raise CheckpointError(
+                        f"staging needs more than the budget of {self.budget} bytes of host "
+                        f"memory ({need} by tensor {key!r}); raise staging_budget or save "
+                        "synchronously")
                 buf = self._buffer(key, obj)
                 copies.append((buf, obj))
                 return buf
@@ -88,12 +100,6 @@ class StagingPool:
         snap = walk(state, "")
         for stale in set(self.buffers) - seen:  # keys gone from the state free their memory
             del self.buffers[stale]
-        need = sum(src.numel() * src.element_size() for _, src in copies)
-        if self.budget is not None and need > self.budget:
-            self.buffers.clear()
-            raise CheckpointError(f"staging needs {need} bytes of host memory, over the "
-                                  f"budget of {self.budget}; raise staging_budget or save "
-                                  "synchronously")
         total = 0
         cuda = False
         with torch.no_grad():

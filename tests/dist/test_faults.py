@@ -35,7 +35,7 @@ def _save_expect_error(path: str, gen: int, overwrite: bool, error: str, words: 
         for w in words:
             assert w in str(e), (w, str(e))
         dist.barrier()
-        return _listing(path)
+        return _listing(path), str(e)
     raise AssertionError("save did not fail")
 
 
@@ -64,9 +64,11 @@ POINTS = [("plan", 1), ("write", 1), ("write", 0), ("vote", 0), ("commit", 0)]
 def test_fault_on_fresh_path(ranks, tmp_path, point, rank):
     pool = ranks(2)
     path = str(tmp_path / "c")
-    listings = pool.run(_save_expect_error, path, 1, False, "RankFailure",
-                        [f"rank {rank}", f"injected fault at {point}"],
-                        env={"DCKPT_FAULT": f"{point}:{rank}:raise"})
+    out = pool.run(_save_expect_error, path, 1, False, "RankFailure",
+                   [f"failed on rank {rank}:", f"injected fault at {point}"],
+                   env={"DCKPT_FAULT": f"{point}:{rank}:raise"})
+    listings = [listing for listing, _ in out]
+    assert len({msg for _, msg in out}) == 1, "every rank raises the same error"
     assert "manifest.json" not in listings[0]
     assert not [f for f in listings[0] if f.endswith(".safetensors")], listings[0]
     with pytest.raises(RankFailed, match="NotCommittedError"):
@@ -81,8 +83,9 @@ def test_fault_during_overwrite_keeps_old_checkpoint(ranks, tmp_path, point, ran
     path = str(tmp_path / "c")
     pool.run(_save, path, 1)
     before = _listing(path)
-    pool.run(_save_expect_error, path, 2, True, "RankFailure", [f"rank {rank}"],
-             env={"DCKPT_FAULT": f"{point}:{rank}:raise"})
+    out = pool.run(_save_expect_error, path, 2, True, "RankFailure",
+                   [f"failed on rank {rank}:"], env={"DCKPT_FAULT": f"{point}:{rank}:raise"})
+    assert len({msg for _, msg in out}) == 1, "every rank raises the same error"
     assert _listing(path) == before, "the old checkpoint's files are untouched"
     assert pool.run(_load_gen, path) == [1, 1]
     pool.run(_save, path, 3, True)
@@ -149,7 +152,7 @@ def _load_expect(path: str, error: str, words: list[str]):
         assert type(e).__name__ == error, (type(e).__name__, str(e))
         for w in words:
             assert w in str(e), (w, str(e))
-        return True
+        return str(e)
     raise AssertionError("load did not fail")
 
 
@@ -159,7 +162,9 @@ def test_corruption_seen_by_one_rank_fails_every_rank(ranks, tmp_path):
     pool.run(_save, path, 1)
     pool.run(_corrupt_rank1_file, path)
     # Only rank 1 reads the damaged chunk; both ranks raise, naming rank 1 and the file.
-    assert pool.run(_load_expect, path, "IntegrityError", ["rank 1", "-00001.safetensors"]) == [True, True]
+    msgs = pool.run(_load_expect, path, "IntegrityError",
+                    ["failed on rank 1:", "-00001.safetensors"])
+    assert len(set(msgs)) == 1, msgs
 
 
 def _missing_key_on_rank1(path: str):
@@ -187,5 +192,7 @@ def test_injected_load_fault(ranks, tmp_path):
     pool = ranks(2)
     path = str(tmp_path / "c")
     pool.run(_save, path, 1)
-    assert pool.run(_load_expect, path, "RankFailure", ["rank 0", "injected fault at load"],
-                    env={"DCKPT_FAULT": "load:0:raise"}) == [True, True]
+    msgs = pool.run(_load_expect, path, "RankFailure",
+                    ["failed on rank 0:", "injected fault at load"],
+                    env={"DCKPT_FAULT": "load:0:raise"})
+    assert len(set(msgs)) == 1, msgs
