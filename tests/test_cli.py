@@ -91,8 +91,33 @@ def test_gc_dry_run_then_remove(tmp_path, capsys):
 
 
 def test_console_script_runs(tmp_path):
-    path = _ckpt(tmp_path)
-    r = subprocess.run([sys.executable, "-m", "dckpt", "ls", str(tmp_path)],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and "step-1" in r.stdout, r.stderr
-    assert path
+    _ckpt(tmp_path)
+    script = os.path.join(os.path.dirname(sys.executable), "dckpt")  # pip's entry point
+    for cmd in ([sys.executable, "-m", "dckpt"], [script]):
+        if cmd == [script] and not os.path.exists(script):
+            continue  # running from a source tree that was not pip-installed
+        r = subprocess.run([*cmd, "ls", str(tmp_path)], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0 and "step-1" in r.stdout, (cmd, r.stderr)
+
+
+def test_gc_never_touches_a_checkpoint_it_cannot_read(tmp_path, capsys):
+    """A damaged manifest, or one from a newer dckpt, may still reference every data file
+    beside it: gc must leave that directory alone, not treat its files as leftovers."""
+    newer, broken = _ckpt(tmp_path, "step-1"), _ckpt(tmp_path, "step-2")
+    man = os.path.join(newer, "manifest.json")
+    with open(man) as f:
+        text = f.read()
+    assert '"version":1' in text
+    with open(man, "w") as f:
+        f.write(text.replace('"version":1', '"version":2', 1))
+    with open(os.path.join(broken, "manifest.json"), "w") as f:
+        f.write("{not json")
+    before = {d: sorted(os.listdir(d)) for d in (newer, broken)}
+    old = time.time() - 7200
+    for d in before:
+        for name in before[d]:
+            os.utime(os.path.join(d, name), (old, old))
+    assert main(["gc", "--min-age", "0", str(tmp_path)]) == 0
+    assert {d: sorted(os.listdir(d)) for d in before} == before
+    assert "would remove" not in capsys.readouterr().out
