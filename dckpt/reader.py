@@ -49,12 +49,14 @@ class ChunkReader:
         path = self._path(f)
         try:
             size = self.storage.size(path)
+            if size != f.size:  # checked before reading: header_len is bounded by size
+                raise IntegrityError(f"shard file {path} has {size} bytes, the manifest "
+                                     f"recorded {f.size} (truncated or replaced)")
             head = self.storage.read(path, 0, 8 + f.header_len)
         except FileNotFoundError:
             raise IntegrityError(f"shard file {path} is missing") from None
-        if size != f.size:
-            raise IntegrityError(f"shard file {path} has {size} bytes, the manifest recorded "
-                                 f"{f.size} (truncated or replaced)")
+        except OSError as e:
+            raise IntegrityError(f"shard file {path}: cannot read its header ({e})") from None
         if len(head) != 8 + f.header_len or crc32(head) != f.header_crc32:
             raise IntegrityError(f"shard file {path}: header checksum mismatch (corrupt or "
                                  "replaced file)")
@@ -94,10 +96,13 @@ class ChunkReader:
         a, b = byte_span(st.shape, item.src, isz)
         lo, hi = a // block * block, min(-(-b // block) * block, st.nbytes)
         view = dest[item.dst]
-        if (dest.device.type == "cpu" and view.is_contiguous()
-                and b - a == view.numel() * isz):
+        if (dest.device.type == "cpu" and view.is_contiguous() and not view.is_conj()
+                and not view.is_neg() and b - a == view.numel() * isz):
             head, tail = bytearray(a - lo), bytearray(hi - b)
-            mid = memoryview(view.detach().reshape(-1).view(torch.uint8).numpy())
+            # as_strided, not reshape: a one-element view is "contiguous" whatever its
+            # stride, and reshape keeps that stride, which a byte view refuses.
+            flat = torch.as_strided(view.detach(), (view.numel(),), (1,))
+            mid = memoryview(flat.view(torch.uint8).numpy())
             files.read_exact(path, st.start + lo, [head, mid, tail], what)  # one request
             shards.verify_segments([head, mid, tail], lo // block, st.crcs, block, what)
         else:
@@ -214,6 +219,8 @@ class _Files:
                 n = f.readv(start, views)
         except FileNotFoundError:
             raise IntegrityError(f"{what}: the file is missing") from None
+        except OSError as e:  # EIO and friends: a damaged medium is a damaged checkpoint
+            raise IntegrityError(f"{what}: read failed ({e})") from None
         if n != want:
             raise IntegrityError(f"{what}: short read (truncated file)")
 

@@ -391,3 +391,61 @@ def test_reader_stops_every_worker_after_a_failure(tmp_path, monkeypatch):
     with pytest.raises(IntegrityError, match="injected"):
         dckpt.load({"w": torch.zeros(32768, 256)}, str(tmp_path / "c"), read_budget=1 << 20)
     assert len(calls) <= 8, len(calls)  # of 32: the others stop at their next region
+
+
+@pytest.mark.parametrize("target, match", [
+    (lambda: torch.zeros(10)[::5][:1], None),  # one element, stride 5: "contiguous"
+    (lambda: torch.zeros(3, 3).t()[:1, :1], None),
+    (lambda: torch.zeros(1).expand(1), None),
+    (lambda: torch.zeros(1).expand(4), "expanded view"),
+    (lambda: torch.zeros(4, device="meta"), "meta device"),
+])
+def test_unusual_load_targets(tmp_path, target, match):
+    """Found in review: one-element strided views failed with a raw RuntimeError;
+    expanded and meta targets now get a clear error naming the key."""
+    t = target()
+    src = torch.arange(t.numel() if t.device.type != "meta" else 4, dtype=torch.float32)
+    src = src.reshape(t.shape)
+    path = str(tmp_path / "u")
+    dckpt.save({"x": src if match != "expanded view" else torch.arange(4.0)}, path)
+    if match is None:
+        dckpt.load({"x": t}, path)
+        assert torch.equal(t, src)
+    else:
+        with pytest.raises(CheckpointError, match=f"'x'.*{match}|{match}.*'x'"):
+            dckpt.load({"x": t}, path)
+
+
+def test_refused_tensors_name_their_key(tmp_path):
+    """Sparse, meta and '__metadata__'-keyed tensors are refused before anything is
+    written; conjugate and negative views are saved by value."""
+    for sd, match in (({"s": torch.eye(3).to_sparse()}, "'s' has layout"),
+                      ({"m": torch.zeros(2, device="meta")}, "'m' is on the meta device"),
+                      ({"__metadata__": torch.ones(2)}, "__metadata__")):
+        with pytest.raises(UnsupportedValueError, match=match):
+            dckpt.save(sd, str(tmp_path / "r"))
+        assert not (tmp_path / "r").exists() or not list((tmp_path / "r").iterdir())
+    c = torch.randn(3, dtype=torch.complex64)
+    x = torch.randn(3)
+    dckpt.save({"c": c.conj(), "n": torch._neg_view(x)}, str(tmp_path / "v"))
+    out = {"c": torch.zeros(3, dtype=torch.complex64), "n": torch.zeros(3)}
+    dckpt.load(out, str(tmp_path / "v"))
+    assert torch.equal(out["c"], c.conj().resolve_conj()) and torch.equal(out["n"], -x)
+
+
+def test_storage_setup_errors_are_checkpoint_errors(tmp_path):
+    for call in (lambda: dckpt.save({"x": torch.ones(1)}, "nosuchproto://b/x"),
+                 lambda: dckpt.load({"x": torch.ones(1)}, "nosuchproto://b/x")):
+        with pytest.raises(CheckpointError, match="nosuchproto"):
+            call()
+
+
+def test_absurd_sizes_in_a_manifest_are_refused_before_allocating(tmp_path):
+    path, sd = saved(tmp_path)
+    man = os.path.join(path, "manifest.json")
+    doc = json.loads(open(man).read())
+    doc["files"][0][1], doc["files"][0][2] = 1 << 51, 1 << 50  # size and header_len
+    with open(man, "w") as f:
+        json.dump(doc, f)
+    with pytest.raises(ManifestError, match="header_len .* over the"):
+        dckpt.load(zeros_like_state(sd), path)

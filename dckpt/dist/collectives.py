@@ -98,10 +98,23 @@ def _cpu_group(group: Any) -> Any:
     g = group if group is not None else dist.group.WORLD
     if dist.get_backend(g) == "gloo":
         return g
+    for stale in [k for k in _GLOO_GROUPS if k is not g and not group_alive(k)]:
+        del _GLOO_GROUPS[stale]  # destroyed since (destroy_process_group, a new init)
     if g not in _GLOO_GROUPS:  # collective, once per group: every rank reaches it together
         ranks = dist.get_process_group_ranks(g)
         _GLOO_GROUPS[g] = dist.new_group(ranks=ranks, backend="gloo")
     return _GLOO_GROUPS[g]
+
+
+def group_alive(group: Any) -> bool:
+    """Whether ``group`` (None: no group) is still a registered process group. Local."""
+    if group is None:
+        return not (dist.is_available() and dist.is_initialized())
+    try:
+        dist.get_process_group_ranks(group)
+        return True
+    except Exception:  # destroyed, or the default group was torn down
+        return False
 
 
 # ----------------------------------------------------------------------------- errors

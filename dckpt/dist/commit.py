@@ -79,11 +79,13 @@ def save(state_dict: Any, path: str, *, process_group: Any = None,
     On any error no manifest is written: the path keeps what it had before."""
     t0 = time.perf_counter()
     comm = Comm(process_group)
-    storage, root = make_storage(path, storage_options)
+    storage, root = None, path
 
-    # 1. local plan
+    # 1. local plan (the storage set-up too: an fsspec protocol missing on one node
+    # must fail every rank through the coordinator, not leave the others waiting)
     pieces: list = []
     try:
+        storage, root = make_storage(path, storage_options)
         flat = flatten(state_dict)
         values = flat.values
         pieces = [describe(k, t) for k, t in flat.tensors.items()]

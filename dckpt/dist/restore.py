@@ -14,7 +14,8 @@ import time
 from typing import Any
 
 from .. import _faults
-from ..errors import CheckpointError, NotCommittedError, StateMismatchError
+from ..errors import (CheckpointError, ManifestError, NotCommittedError, StateMismatchError,
+                      UnsupportedValueError)
 from ..format import manifest as mf
 from ..state.flatten import flatten, fill
 from ..state.tensors import describe
@@ -23,13 +24,19 @@ from ..reader import DEFAULT_READ_BUDGET, ChunkReader
 from .collectives import Comm, agree, error_payload, raise_gathered
 
 log = logging.getLogger(__name__)
+MAX_MANIFEST = 1 << 30  # a manifest of 10^5 tensors in 10^4 chunks each is a few hundred MB
 
 
 def read_manifest_bytes(storage, root: str) -> bytes:
-    """The raw bytes of ``root/manifest.json``. Blocking I/O. Raises NotCommittedError."""
+    """The raw bytes of ``root/manifest.json``. Blocking I/O. Raises NotCommittedError,
+    ManifestError (over MAX_MANIFEST bytes: not something a save writes)."""
     where = storage.join(root, mf.MANIFEST_NAME)
     try:
-        return storage.read(where)
+        data = storage.read(where, 0, MAX_MANIFEST + 1)  # bounded: never a huge buffer
+        if len(data) > MAX_MANIFEST:
+            raise ManifestError(f"{where} is over {MAX_MANIFEST >> 20} MiB: not a dckpt "
+                                "manifest (or a damaged one)")
+        return data
     except FileNotFoundError:
         raise NotCommittedError(
             f"{root} holds no committed checkpoint (no {mf.MANIFEST_NAME}): the save that "
@@ -63,13 +70,22 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
     (missing/unexpected keys, dtype or shape differences)."""
     t0 = time.perf_counter()
     comm = Comm(process_group)
-    storage, root = make_storage(path, storage_options)
+    # A storage set-up error (an fsspec protocol missing on one node) is reported through
+    # the collectives below like any other, so no rank is left waiting for the others.
+    storage, root, setup_err = None, path, None
+    try:
+        storage, root = make_storage(path, storage_options)
+    except Exception as e:
+        setup_err = e
+    where = storage.join(root, mf.MANIFEST_NAME) if storage else f"{path}/{mf.MANIFEST_NAME}"
 
     # Rank 0 reads the bytes; every rank parses them at once (parsing is deterministic,
     # so a bad manifest fails identically everywhere without another collective).
     reply = None
     if comm.rank == 0:
         try:
+            if setup_err is not None:
+                raise setup_err
             reply = b"\x00" + read_manifest_bytes(storage, root)
         except Exception as e:
             reply = b"\x01" + json.dumps(error_payload(e)).encode()
@@ -77,7 +93,7 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
     if payload[:1] == b"\x01":
         raise_gathered({0: json.loads(payload[1:])}, f"load from {path}")
     try:
-        manifest = mf.parse(payload[1:], storage.join(root, mf.MANIFEST_NAME))
+        manifest = mf.parse(payload[1:], where)
     except CheckpointError as e:
         raise type(e)(f"load from {path} failed: {e}") from None
 
@@ -87,6 +103,8 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
     pieces, unexpected = [], []
     flat = None
     try:
+        if setup_err is not None:
+            raise setup_err
         flat = flatten(state_dict)
         pieces, unexpected = _match(manifest, flat.tensors, flat.values)
     except Exception as e:
@@ -140,6 +158,11 @@ def _match(m: mf.Manifest, tensors: dict, values: dict):
             (wrong if key in m.values else missing).append(key)
             continue
         piece = describe(key, t)
+        local = piece.local
+        if local is not None and any(s == 0 and n > 1 for s, n in zip(local.stride(), local.shape)):
+            raise UnsupportedValueError(
+                f"tensor {key!r} is an expanded view (several elements share one memory "
+                "location): load into a tensor that owns its elements, e.g. .clone()")
         if piece.dtype != entry.dtype or piece.shape != entry.shape:
             raise StateMismatchError(
                 f"tensor {key!r}: the state_dict has dtype {piece.dtype} shape "

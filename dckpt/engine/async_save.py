@@ -15,6 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..dist.collectives import group_alive
 from ..dist.commit import CheckpointInfo, save
 from .staging import StagingPool
 
@@ -62,8 +63,13 @@ _LOCK = threading.Lock()
 
 
 def _saver(group: Any) -> _Saver:
-    key = group if group is not None else "WORLD"
+    # Keyed on the live group object: after destroy_process_group() and a new init, the
+    # default group is a new object and gets a new saver (and checkpoint group).
+    initialized = dist.is_available() and dist.is_initialized()
+    key = group if group is not None else (dist.group.WORLD if initialized else None)
     with _LOCK:
+        for stale in [k for k in _SAVERS if k is not key and not group_alive(k)]:
+            _SAVERS.pop(stale).executor.shutdown(wait=False)  # its group was destroyed
         if key not in _SAVERS:
             _SAVERS[key] = _Saver(group)
         return _SAVERS[key]

@@ -9,7 +9,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..state.flatten import JSON_TYPES, is_stateful
-from ..state.tensors import DTensor
+from ..state.tensors import DTensor, check_plain
 from ..storage.direct import ALIGN
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,7 @@ class StagingPool:
                                           run_check=False, shape=obj.shape, stride=obj.stride())
             if isinstance(obj, torch.Tensor):
                 nonlocal need
+                check_plain(key, obj)  # a clear error now, not a failed copy later
                 seen.add(key)
                 nbytes = obj.numel() * obj.element_size()
                 if self.budget is not None and nbytes > self.budget:

@@ -19,6 +19,7 @@ from ..errors import ManifestError
 from ..layout import tiling
 from . import intarray
 from .dtypes import ITEMSIZE
+from .shards import MAX_HEADER
 
 FORMAT = "dckpt"
 VERSION = 1
@@ -173,6 +174,9 @@ def _parse_file(i: int, f: Any) -> FileEntry:
     hlen = _int(f[2], f"files[{i}].header_len", 1)
     if hlen + 8 > size:
         raise ManifestError(f"manifest: files[{i}] {name}: header_len {hlen} exceeds size {size}")
+    if hlen > MAX_HEADER:  # refused before any reader allocates a buffer that large
+        raise ManifestError(f"manifest: files[{i}] {name}: header_len {hlen} is over the "
+                            f"{MAX_HEADER}-byte limit for shard headers")
     return FileEntry(name, size, hlen, _int(f[3], f"files[{i}].header_crc32"),
                      _int(f[4], f"files[{i}].rank"))
 

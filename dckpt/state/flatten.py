@@ -83,6 +83,10 @@ def flatten(state: Any) -> Flat:
                                         "rename one (keys containing '.' can collide)")
         if not key:
             raise UnsupportedValueError("the state_dict itself must be a dict, list or tuple")
+        if key == "__metadata__" and into is tensors:
+            raise UnsupportedValueError(
+                "a tensor cannot have the key '__metadata__': safetensors reserves that name "
+                "in shard headers; nest it under another key")
         into[key] = obj
 
     walk(state, "")

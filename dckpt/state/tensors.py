@@ -54,6 +54,7 @@ def describe(key: str, t: torch.Tensor) -> LocalPiece:
     for an unsupported dtype or placement, or a local shard whose shape does not match
     torch.chunk's layout."""
     code = to_code(t.dtype, key)
+    check_plain(key, t.to_local() if isinstance(t, DTensor) else t)
     if isinstance(t, DTensor):
         shape = tuple(t.shape)
         mesh = t.device_mesh
@@ -71,10 +72,20 @@ def describe(key: str, t: torch.Tensor) -> LocalPiece:
     return LocalPiece(key, code, shape, Box((0,) * len(shape), shape), t)
 
 
+def check_plain(key: str, t: torch.Tensor) -> None:
+    """Refuse tensors that hold no plain strided data, naming the key."""
+    if t.layout != torch.strided:
+        raise UnsupportedValueError(f"tensor {key!r} has layout {t.layout}: dckpt stores "
+                                    "dense tensors; convert it with .to_dense() first")
+    if t.device.type == "meta":
+        raise UnsupportedValueError(f"tensor {key!r} is on the meta device and holds no "
+                                    "data: materialize it (e.g. to_empty) before save or load")
+
+
 def as_bytes(t: torch.Tensor) -> memoryview:
-    """A byte view of ``t`` (copied only if non-contiguous or not on the CPU). Blocking
-    device-to-host copy for accelerator tensors."""
-    t = t.detach()
+    """A byte view of ``t`` (copied only if non-contiguous, a conjugate or negative
+    view, or not on the CPU). Blocking device-to-host copy for accelerator tensors."""
+    t = t.detach().resolve_conj().resolve_neg()
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous().reshape(-1)

@@ -75,6 +75,8 @@ class DirectWriter:
         self.path, self.fd = path, fd
         self.size = 0  # the file's final size: the end of the furthest write
         self.base, self.fill = 0, 0  # the stream: file offset of bounce byte 0, bytes held
+        self.start = 0  # where the current stream began
+        self.others: list[tuple[int, int]] = []  # [lo, hi) written outside the stream
         self.bufs: list[mmap.mmap] = []
         self.cur = 0
         self.busy: list[Future | None] = [None, None]  # the write in flight from each buffer
@@ -99,7 +101,9 @@ class DirectWriter:
         elif offset == self.base + self.fill or (self.fill == 0 and offset % ALIGN == 0):
             if offset != self.base + self.fill:
                 self._drain()  # a new stream: let no earlier write race it over a block
-                self.base = offset
+                if self.base > self.start:
+                    self.others.append((self.start, self.base))
+                self.base = self.start = offset
             self._append(mv)
         elif offset % ALIGN == 0 and len(mv) % ALIGN == 0 and (
                 offset + len(mv) <= self.base or offset >= self.base + self._padded(self.fill)):
@@ -159,7 +163,12 @@ class DirectWriter:
 
     def _flush_tail(self) -> None:
         """Write the stream's partial last block, padded with zeros (truncated away at
-        commit)."""
+        commit), or through the page cache where the padding would cover bytes an
+        earlier write put there."""
+        end = self.base + self.fill
+        if self.fill and any(lo < self._padded(end) and hi > end for lo, hi in self.others):
+            self._to_buffered()
+            return
         if self.fill:
             buf = self._buffer()
             end = self._padded(self.fill)
@@ -169,6 +178,7 @@ class DirectWriter:
 
     def _write_alone(self, mv: memoryview, offset: int) -> None:
         self._drain()  # it may rewrite blocks a write in flight covers
+        self.others.append((offset, offset + len(mv)))
         if _address(mv) % ALIGN == 0:
             _pwrite_all(self.fd, mv, offset)
             return

@@ -67,7 +67,8 @@ def test_failure_on_one_rank_reaches_every_handle(ranks, tmp_path):
     pool = ranks(2)
     msgs = pool.run(_fault_reaches_every_handle, str(tmp_path / "f"),
                     env={"DCKPT_FAULT": "write:1:raise"})
-    assert all("rank 1" in m and "injected fault at write" in m for m in msgs)
+    assert all("failed on rank 1:" in m and "injected fault at write" in m for m in msgs)
+    assert len(set(msgs)) == 1, msgs
     # The next save works: the in-flight slot and the staging buffers recovered.
     assert pool.run(_save_ok, str(tmp_path / "f")) == [2, 2]
 
@@ -139,3 +140,67 @@ def _interleave(path: str) -> int:
 
 def test_interleaving_with_training_collectives_does_not_hang(ranks, tmp_path):
     assert ranks(2).run(_interleave, str(tmp_path), timeout=120) == [1, 1]
+
+
+def _load(path: str) -> dict:
+    import dckpt
+
+    t = _state(0.0)
+    t["step"] = 0
+    dckpt.load(t, path)
+    return t
+
+
+def _second_save_waits(root: str) -> float:
+    import dckpt
+
+    first, second = _state(1.0), _state(-3.0)
+    second["step"] = 8
+    want1 = (first["w"].to_local().clone(), first["b"].clone())
+    want2 = (second["w"].to_local().clone(), second["b"].clone())
+    p1, p2 = os.path.join(root, "one"), os.path.join(root, "two")
+    # DCKPT_FAULT=plan:*:sleep holds the first persist before it writes a byte: a second
+    # snapshot taken without waiting would land in the very buffers it is about to write.
+    h1 = dckpt.async_save(first, p1)
+    h2 = dckpt.async_save(second, p2)  # no result() in between
+    assert h1.done(), "the second async_save returned while the first save was in flight"
+    assert h2.blocking_seconds >= 1.0, h2.blocking_seconds
+    h1.result(timeout=60)
+    h2.result(timeout=60)
+    t1, t2 = _load(p1), _load(p2)
+    assert torch.equal(t1["w"].to_local(), want1[0]) and torch.equal(t1["b"], want1[1])
+    assert t1["step"] == 7
+    assert torch.equal(t2["w"].to_local(), want2[0]) and torch.equal(t2["b"], want2[1])
+    assert t2["step"] == 8
+    return h2.blocking_seconds
+
+
+def test_second_async_save_waits_for_the_first(ranks, tmp_path):
+    waited = ranks(2).run(_second_save_waits, str(tmp_path),
+                          env={"DCKPT_FAULT": "plan:*:sleep=1.5"}, timeout=60)
+    assert all(w >= 1.0 for w in waited), waited
+
+
+def _staging_fails_on_rank0(path: str) -> str:
+    import dckpt
+
+    budget = 64 if dist.get_rank() == 0 else None  # rank 0 cannot stage a 32 KiB shard
+    h = dckpt.async_save(_state(), path, staging_budget=budget)
+    err = h.exception(timeout=10)  # TimeoutError here = a rank left waiting
+    assert isinstance(err, dckpt.CheckpointError), repr(err)
+    assert set(err.failures) == {0}, err.failures
+    with pytest.raises(dckpt.CheckpointError, match="rank 0"):
+        h.result(timeout=1)
+    assert not os.path.exists(os.path.join(path, "manifest.json"))
+    with pytest.raises(dckpt.NotCommittedError):
+        _load(path)
+    return str(err)
+
+
+def test_snapshot_failure_on_one_rank_fails_every_handle(ranks, tmp_path):
+    pool = ranks(2)
+    msgs = pool.run(_staging_fails_on_rank0, str(tmp_path / "s"), timeout=60)
+    assert all("rank 0" in m and "staging budget" in m for m in msgs), msgs
+    assert msgs[0] == msgs[1]
+    # The staging pool and the in-flight slot recovered: the next save commits.
+    assert pool.run(_save_ok, str(tmp_path / "s")) == [2, 2]
