@@ -135,3 +135,42 @@ def _subgroups(root: str) -> list:
 
 def test_given_process_group(ranks, tmp_path):
     assert ranks(4).run(_subgroups, str(tmp_path)) == [(2, 1)] * 4
+
+
+def _save_three(path: str) -> None:
+    import dckpt
+
+    dckpt.save({"a": torch.full((3,), 1.0), "b": torch.full((2,), 2.0), "c": 5}, path)
+
+
+def _load_split(path: str) -> list:
+    """Each rank asks for part of the checkpoint, as pipeline stages do."""
+    import dckpt
+
+    rank = dist.get_rank()
+    mine = {"a": torch.zeros(3)} if rank == 0 else {"b": torch.zeros(2), "c": 0}
+    try:
+        dckpt.load(mine, path, strict=True)
+    except dckpt.StateMismatchError as e:
+        return ["error", str(e)]
+    return ["ok", {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in mine.items()}]
+
+
+def test_strict_load_with_keys_split_over_ranks(ranks, tmp_path):
+    """A checkpoint key is unexpected only if no rank asked for it: ranks that each take
+    part of the state load under strict=True, and a key nobody wants is still refused."""
+    pool = ranks(2)
+    path = str(tmp_path / "split")
+    pool.run(_save_three, path)
+    assert pool.run(_load_split, path) == [["ok", {"a": [1.0, 1.0, 1.0]}],
+                                                  ["ok", {"b": [2.0, 2.0], "c": 5}]]
+    pool.run(_save_extra, str(tmp_path / "extra"))
+    out = pool.run(_load_split, str(tmp_path / "extra"))
+    assert [o[0] for o in out] == ["error", "error"] and out[0][1] == out[1][1]
+    assert "'d'" in out[0][1] and "'a'" not in out[0][1], out[0][1]
+
+
+def _save_extra(path: str) -> None:
+    import dckpt
+
+    dckpt.save({"a": torch.ones(3), "b": torch.ones(2), "c": 5, "d": torch.ones(1)}, path)
