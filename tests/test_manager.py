@@ -105,3 +105,141 @@ def test_user_keys_stay_strict(tmp_path):
     mgr.save(1, {"a": torch.ones(1), "b": torch.ones(1)})
     with pytest.raises(dckpt.StateMismatchError, match="'state.b'"):
         mgr.restore({"a": torch.zeros(1)})
+
+
+def test_retention_protected_steps_are_kept():
+    # keep_last=1 alone would delete 5 and 7; protecting 5 (in flight / just committed)
+    # must keep it, while 7 still goes.
+    r = RetentionPolicy(keep_last=1)
+    assert r.to_delete([5, 7, 9]) == [5, 7]
+    assert r.to_delete([5, 7, 9], protected={5}) == [7]
+    assert r.to_delete([5, 7, 9], protected={5, 7}) == []
+    assert r.to_delete([9, 5, 7], protected={9}) == [5, 7]  # unsorted input, newest anyway
+    assert RetentionPolicy().to_delete([5, 7, 9], protected={5}) == []
+
+
+def test_manager_never_deletes_the_step_it_just_committed(tmp_path):
+    # Roll back to a milestone and continue: the new checkpoint (5) is older than the
+    # newest one (8); keep_last=1 alone would delete it right after it committed.
+    mgr = dckpt.CheckpointManager(str(tmp_path), every_steps=1, keep_last=1, keep_every=4,
+                                  capture_rng=False)
+    assert mgr.save(4, _state(4)) and mgr.save(8, _state(8))
+    assert mgr.steps() == [4, 8]
+    assert mgr.restore(_state(0), step=4) == 4
+    assert mgr.save(5, _state(5))
+    assert 5 in mgr.steps()
+    t = _state(0)
+    assert mgr.restore(t, step=5) == 5 and t["step"] == 5
+
+
+def _has_manifest(root, step):
+    return os.path.exists(os.path.join(str(root), f"step-{step:08d}", "manifest.json"))
+
+
+def test_async_failed_save_raises_from_wait_and_keeps_older_steps(tmp_path, monkeypatch):
+    mgr = dckpt.CheckpointManager(str(tmp_path), every_steps=1, keep_last=2,
+                                  async_save=True, capture_rng=False)
+    assert mgr.save(1, _state(1)) and mgr.save(2, _state(2))
+    mgr.wait()
+    monkeypatch.setenv("DCKPT_FAULT", "write:0:raise")
+    assert mgr.save(3, _state(3))  # returns after the snapshot: the write fails later
+    with pytest.raises(dckpt.CheckpointError, match="injected fault at write") as ei:
+        mgr.wait()
+    monkeypatch.delenv("DCKPT_FAULT")
+    assert isinstance(ei.value, dckpt.RankFailure) and 0 in ei.value.failures
+    mgr.wait()  # the error is raised once
+    assert mgr.steps() == [1, 2] and not _has_manifest(tmp_path, 3)
+    for s in (1, 2):
+        t = _state(0)
+        assert mgr.restore(t, step=s) == s and torch.equal(t["w"], _state(s)["w"])
+    assert mgr.restore(_state(0)) == 2
+
+
+def test_async_failed_save_raises_from_close_after_later_saves(tmp_path, monkeypatch):
+    # The failure is noticed by the next save() (logged there) and raised by close().
+    mgr = dckpt.CheckpointManager(str(tmp_path), every_steps=1, async_save=True,
+                                  capture_rng=False)
+    assert mgr.save(1, _state(1))
+    mgr.wait()
+    monkeypatch.setenv("DCKPT_FAULT", "write:0:raise")
+    assert mgr.save(2, _state(2))
+    # (private, test only) let the failing write happen while the fault is armed
+    mgr._inflight[1].exception(timeout=30)
+    monkeypatch.delenv("DCKPT_FAULT")
+    assert mgr.save(3, _state(3))  # must not raise: the failed save is only logged here
+    with pytest.raises(dckpt.CheckpointError, match="injected fault at write"):
+        mgr.close()
+    assert mgr.steps() == [1, 3]
+
+
+def test_async_retention_deletes_only_after_newer_commit(tmp_path, monkeypatch):
+    mgr = dckpt.CheckpointManager(str(tmp_path), every_steps=1, keep_last=1,
+                                  async_save=True, capture_rng=False)
+    assert mgr.save(1, _state(1))
+    mgr.wait()
+    assert mgr.save(2, _state(2))
+    # Step 2 may still be in flight: step 1 is the only committed checkpoint.
+    assert _has_manifest(tmp_path, 1)
+    mgr.wait()
+    assert mgr.steps() == [2] and not (tmp_path / "step-00000001").exists()
+    # A failed save deletes nothing: 2 stays, and it still loads.
+    monkeypatch.setenv("DCKPT_FAULT", "write:0:raise")
+    assert mgr.save(3, _state(3))
+    assert _has_manifest(tmp_path, 2)
+    with pytest.raises(dckpt.CheckpointError):
+        mgr.wait()
+    monkeypatch.delenv("DCKPT_FAULT")
+    assert mgr.steps() == [2] and (tmp_path / "step-00000003").is_dir()  # the failed save's leftover
+    t = _state(0)
+    assert mgr.restore(t) == 2 and torch.equal(t["w"], _state(2)["w"])
+    # The next commit removes 2 (retention) and the uncommitted step 3 (older leftover).
+    assert mgr.save(4, _state(4))
+    assert _has_manifest(tmp_path, 2)
+    mgr.wait()
+    assert sorted(os.listdir(tmp_path)) == ["step-00000004"]
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_partial_step_dirs_older_than_a_commit_are_removed(tmp_path, use_async):
+    # No keep_last: leftovers of failed saves of *earlier* steps go after a commit;
+    # an uncommitted directory of a later step, and committed steps, are kept.
+    for s in (3, 9):
+        d = tmp_path / f"step-{s:08d}"
+        d.mkdir()
+        (d / "data-0123456789abcdef-00000.safetensors").write_bytes(b"partial")
+    mgr = dckpt.CheckpointManager(str(tmp_path), every_steps=1, async_save=use_async,
+                                  capture_rng=False)
+    assert mgr.save(2, _state(2))
+    mgr.wait()
+    assert (tmp_path / "step-00000003").is_dir()  # newer than the commit: kept
+    assert mgr.save(5, _state(5))
+    mgr.wait()
+    assert sorted(os.listdir(tmp_path)) == [f"step-{s:08d}" for s in (2, 5, 9)]
+    assert mgr.steps() == [2, 5]
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_auto_interval_leaves_warmup_after_a_measured_save(tmp_path, use_async):
+    import time
+
+    def run(root, mtbf_hours, last):
+        mgr = dckpt.CheckpointManager(str(root), every_steps="auto", mtbf_hours=mtbf_hours,
+                                      async_save=use_async, capture_rng=False)
+        warm = mgr.policy.step_interval(mgr.save_seconds, mgr.step_seconds)
+        saved = []
+        for s in range(1, last + 1):
+            time.sleep(0.002)
+            if mgr.save(s, _state(s)):
+                saved.append(s)
+        mgr.close()
+        return warm, mgr, saved
+
+    # A tiny MTBF: Young/Daly says save every step once the save time is measured.
+    warm, mgr, saved = run(tmp_path / "often", 1e-10, 110)
+    assert warm == 100 and mgr.save_seconds and mgr.step_seconds
+    assert mgr.policy.step_interval(mgr.save_seconds, mgr.step_seconds) == 1
+    assert saved == list(range(100, 111))
+    # A long MTBF: the interval grows far past the warm-up one (no save at step 200).
+    warm, mgr, saved = run(tmp_path / "rarely", 100.0, 205)
+    assert mgr.policy.step_interval(mgr.save_seconds, mgr.step_seconds) > 200
+    assert saved == [100]

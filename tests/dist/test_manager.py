@@ -4,6 +4,7 @@ from __future__ import annotations
 import random
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -65,3 +66,97 @@ def test_rng_per_rank_same_and_other_world_size(ranks, tmp_path):
     assert got[0] == want[0] and got[1] == want[1]
     assert got[2] not in want, "the new rank gets a stream of its own"
     assert ranks(3).run(_restore_rng, root)[2] == got[2], "deterministic"
+
+
+def _has_manifest(root: str, step: int) -> bool:
+    import os
+
+    return os.path.exists(os.path.join(root, f"step-{step:08d}", "manifest.json"))
+
+
+def _async_failure_and_retention(root: str) -> str:
+    import os
+
+    import dckpt
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+    def st(s):  # every rank writes a shard (a plain tensor is written by one rank only)
+        full = torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16) + s
+        return {"x": distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None), "s": s}
+
+    mgr = dckpt.CheckpointManager(root, every_steps=1, keep_last=1, async_save=True,
+                                  capture_rng=False)
+    assert mgr.save(1, st(1))
+    mgr.wait()
+    assert mgr.save(2, st(2))
+    assert _has_manifest(root, 1), "deleted before the newer checkpoint committed"
+    mgr.wait()
+    assert mgr.steps() == [2]
+    os.environ["DCKPT_FAULT"] = "write:1:raise"  # rank 1's write of step 3 fails
+    try:
+        assert mgr.save(3, st(3))
+        with pytest.raises(dckpt.CheckpointError) as ei:
+            mgr.wait()
+    finally:
+        del os.environ["DCKPT_FAULT"]
+    err = ei.value
+    assert isinstance(err, dckpt.RankFailure) and set(err.failures) == {1}, err
+    assert mgr.steps() == [2] and _has_manifest(root, 2)
+    t = st(0)
+    assert mgr.restore(t) == 2 and t["s"] == 2
+    assert torch.equal(t["x"].to_local(), st(2)["x"].to_local())
+    assert mgr.save(4, st(4))
+    mgr.close()
+    dist.barrier()
+    assert sorted(os.listdir(root)) == ["step-00000004"]  # 2 by retention, 3 a leftover
+    return str(err)
+
+
+def test_async_failure_on_one_rank_raises_everywhere_and_keeps_older(ranks, tmp_path):
+    msgs = ranks(2).run(_async_failure_and_retention, str(tmp_path), timeout=60)
+    assert all("rank 1" in m and "injected fault at write" in m for m in msgs)
+
+
+class _SkewedClock:
+    """``time`` for dckpt.manager whose monotonic clock runs ``scale`` times as fast."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale, self.t0 = scale, time.monotonic()
+
+    def monotonic(self) -> float:
+        return (time.monotonic() - self.t0) * self.scale
+
+    perf_counter = staticmethod(time.perf_counter)
+
+
+def _auto_interval(root: str) -> tuple:
+    import dckpt
+    import dckpt.manager as manager
+
+    # Rank 1 measures its steps 10^6 times shorter: on its own it would compute an
+    # interval far above rank 0's, so only rank 0 deciding keeps the saves together.
+    if dist.get_rank() == 1:
+        manager.time = _SkewedClock(1e-6)
+    try:
+        mgr = dckpt.CheckpointManager(root, every_steps="auto", mtbf_hours=1e-9,
+                                      capture_rng=False)
+        saved = []
+        for step in range(1, 111):
+            time.sleep(0.002)
+            if mgr.save(step, {"x": torch.full((2,), float(step))}):
+                saved.append(step)
+        mgr.close()
+        assert mgr.steps() == saved
+        return saved, mgr.policy.step_interval(mgr.save_seconds, mgr.step_seconds)
+    finally:
+        manager.time = time
+
+
+def test_auto_interval_agreed_across_ranks(ranks, tmp_path):
+    (s0, n0), (s1, n1) = ranks(2).run(_auto_interval, str(tmp_path), timeout=60)
+    assert s0 == s1 == list(range(100, 111)), (s0, s1)  # warm-up 100, then every step
+    assert n0 == 1 and n1 > 100, (n0, n1)  # the ranks' own estimates do disagree
