@@ -19,6 +19,7 @@ launch/elastic_demo.py shows both.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import logging
 import math
@@ -222,6 +223,12 @@ def main(argv=None) -> None:
     digest = params_sha256(model)
     if rank == 0:
         print(f"final step {args.steps} params sha256 {digest}", flush=True)
+    # Drop everything that holds the process groups (DTensors, the mesh, the manager)
+    # while the interpreter is fully alive: a gloo group first destroyed during
+    # interpreter shutdown can abort the process ("terminate called without an active
+    # exception", seen once under load in CI).
+    del state, mgr, opt, sched, model, mesh, sampler
+    gc.collect()
     dist.destroy_process_group()
 
 
