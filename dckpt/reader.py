@@ -13,9 +13,9 @@ from .format import shards
 from .format.checksum import crc32
 from .format.dtypes import ITEMSIZE, to_torch
 from .layout.chunks import Box
-from .progress import Progress
 from .layout.reshard import ReadItem, byte_span, split_item, strides
 from .layout.reshard import plan_reads as _plan
+from .progress import Progress
 from .state.tensors import LocalPiece
 
 DEFAULT_READ_BUDGET = 256 << 20
@@ -73,28 +73,23 @@ class ChunkReader:
         return st
 
     def copy_one(self, piece: LocalPiece, entry: mf.TensorEntry, item: ReadItem,
-                 files: "_Files | None" = None) -> int:
+                 files: "_Files") -> int:
         """Read the bytes of one region of a stored chunk, verify them, and put them in
         ``piece.local``. Reads only the region's byte span widened to whole checksum
         blocks. When the region is contiguous in both the file and the destination,
         the span's middle is read straight into the destination and only the widening
         goes through scratch buffers; otherwise the span goes through one temporary
-        (bounded by the read budget) and is copied. ``files`` are open files to read
-        through (one-off ones when None). Returns bytes read. Blocking I/O; raises
-        IntegrityError naming the file and tensor."""
-        if files is None:
-            with _Files(self.storage) as once:
-                return self.copy_one(piece, entry, item, once)
+        (bounded by the read budget) and is copied. ``files`` are the calling thread's
+        open files. Returns bytes read. Blocking I/O; raises IntegrityError naming the
+        file and tensor."""
         dest = piece.local
         st = self.stored(piece.key, entry, item)
         if st.nbytes == 0:
             return 0
         f = self.m.files[item.file]
         path, what = self._path(f), f"shard file {f.name}, tensor {piece.key!r}"
-        _, block = self.header(item.file)
         isz = ITEMSIZE[st.dtype]
-        a, b = byte_span(st.shape, item.src, isz)
-        lo, hi = a // block * block, min(-(-b // block) * block, st.nbytes)
+        a, b, lo, hi, block = self._widened(st, item)
         view = dest[item.dst]
         if (dest.device.type == "cpu" and view.is_contiguous() and not view.is_conj()
                 and not view.is_neg() and b - a == view.numel() * isz):
@@ -116,13 +111,18 @@ class ChunkReader:
                 view.copy_(src)
         return hi - lo
 
-    def _span(self, task) -> int:
-        """Bytes :meth:`copy_one` reads for ``task``: its span widened to whole blocks."""
-        piece, entry, item = task
-        st = self.stored(piece.key, entry, item)
+    def _widened(self, st: shards.StoredTensor, item: ReadItem):
+        """(a, b, lo, hi, block): the region's byte span [a, b) within the stored tensor
+        and [lo, hi), the same widened to whole checksum blocks (what is read)."""
         _, block = self.header(item.file)
         a, b = byte_span(st.shape, item.src, ITEMSIZE[st.dtype])
-        return min(-(-b // block) * block, st.nbytes) - a // block * block
+        return a, b, a // block * block, min(-(-b // block) * block, st.nbytes), block
+
+    def _span(self, task) -> int:
+        """Bytes :meth:`copy_one` reads for ``task``."""
+        piece, entry, item = task
+        _, _, lo, hi, _ = self._widened(self.stored(piece.key, entry, item), item)
+        return hi - lo
 
     def fill_all(self, pairs: list[tuple[LocalPiece, mf.TensorEntry]], workers: int = 4,
                  budget: int = DEFAULT_READ_BUDGET, what: str = "load") -> int:
@@ -189,12 +189,10 @@ class ChunkReader:
 
 
 class _Files:
-    """The files one reader thread has open, by path; all closed on exit. Storages
-    without ``open_read`` (fsspec) are read with one ranged ``read`` per call."""
+    """The files one reader thread has open, by path; all closed on exit."""
 
     def __init__(self, storage) -> None:
         self.storage, self.open = storage, {}
-        self.opener = getattr(storage, "open_read", None)
 
     def read_exact(self, path: str, start: int, bufs: list, what: str) -> None:
         """Fill ``bufs``, in order, from the consecutive bytes at ``start`` of ``path``,
@@ -206,17 +204,10 @@ class _Files:
         if not want:
             return
         try:
-            if self.opener is None:
-                data, n = self.storage.read(path, start, want), 0
-                for v in views:  # remote bytes arrive in one object: scatter them
-                    k = max(0, min(len(v), len(data) - n))
-                    v[:k] = data[n:n + k]
-                    n += k
-            else:
-                f = self.open.get(path)
-                if f is None:
-                    f = self.open[path] = self.opener(path)
-                n = f.readv(start, views)
+            f = self.open.get(path)
+            if f is None:
+                f = self.open[path] = self.storage.open_read(path)
+            n = f.readv(start, views)
         except FileNotFoundError:
             raise IntegrityError(f"{what}: the file is missing") from None
         except OSError as e:  # EIO and friends: a damaged medium is a damaged checkpoint

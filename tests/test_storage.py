@@ -50,14 +50,14 @@ def test_written_bytes_read_back(store, pieces):
     for lo, n in ((0, 1), (len(whole) // 3, 4099), (max(0, len(whole) - 2), 10)):
         assert s.read(path, lo, n) == whole[lo:lo + n]  # short at EOF, never padded
         buf = bytearray(n)
-        got = s.readinto(path, lo, memoryview(buf))
+        with s.open_read(path) as f:
+            got = f.readv(lo, [memoryview(buf)])
         assert got == len(whole[lo:lo + n]) and bytes(buf[:got]) == whole[lo:lo + n]
-    opener = getattr(s, "open_read", None)
-    if opener is not None and whole:  # many reads through one open file
-        with opener(path) as f:
+    if whole:  # many reads through one open file
+        with s.open_read(path) as f:
             for lo in range(0, len(whole), max(1, len(whole) // 5)):
                 buf = bytearray(min(3000, len(whole) - lo))
-                assert f.readinto(lo, buf) == len(buf) and bytes(buf) == whole[lo:lo + len(buf)]
+                assert f.readv(lo, [buf]) == len(buf) and bytes(buf) == whole[lo:lo + len(buf)]
 
 
 def test_random_writes_where_supported(store):
@@ -111,7 +111,7 @@ def test_listdir_remove_and_missing(store):
     assert not s.exists(s.join(root, "sub")) and s.listdir(root) == []
     missing = s.join(root, "missing")
     for call in (lambda: s.read(missing), lambda: s.size(missing),
-                 lambda: s.readinto(missing, 0, memoryview(bytearray(4)))):
+                 lambda: s.open_read(missing).readv(0, [bytearray(4)])):
         with pytest.raises(FileNotFoundError):
             call()
 

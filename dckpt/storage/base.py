@@ -19,6 +19,15 @@ class Entry:
     is_dir: bool
 
 
+class Reader(Protocol):
+    """An open file for many reads; also a context manager that closes it."""
+
+    def readv(self, start: int, bufs: list) -> int:
+        """Fill ``bufs`` in order from the consecutive bytes at ``start``, in one request
+        where the backend can; returns the bytes read (short at EOF). Blocking I/O."""
+    def close(self) -> None: ...
+
+
 class Writer(Protocol):
     """A file being written. ``pwrite`` exists only where ``Storage.random_write``."""
 
@@ -43,13 +52,10 @@ class Storage(Protocol):
     def size(self, path: str) -> int: ...
     def read(self, path: str, start: int = 0, length: int | None = None) -> bytes:
         """Bytes ``[start, start+length)`` (to the end when length is None). Short at EOF."""
-    def readinto(self, path: str, start: int, buf: memoryview) -> int:
-        """Fill ``buf`` from ``start``; returns the number of bytes read (short at EOF)."""
+    def open_read(self, path: str) -> Reader:
+        """A handle for many reads of ``path``; may raise FileNotFoundError here or at
+        the first read."""
     def open_write(self, path: str) -> Writer: ...
-    # Optional: ``open_read(path)`` returning an object with ``readv(start, buffers) ->
-    # int`` (fill the buffers in order from consecutive bytes; short at EOF) and
-    # ``close()``. Readers keep it open across many reads (LocalStorage has it); without
-    # it they call ``read`` once per region.
     def put_atomic(self, path: str, data: bytes) -> None:
         """Make ``path`` hold ``data`` in one step: readers see the old content or the
         new, never a part. Durable on return."""

@@ -33,6 +33,32 @@ class FsspecWriter:
             pass
 
 
+class FsspecReader:
+    """Reads of one object: each ``readv`` is one ranged request whose bytes are
+    scattered into the buffers (one round trip per region, not one per buffer)."""
+
+    def __init__(self, storage: "FsspecStorage", path: str) -> None:
+        self.storage, self.path = storage, path
+
+    def readv(self, start: int, bufs: list) -> int:
+        views = [memoryview(b).cast("B") for b in bufs if len(b)]
+        data, n = self.storage.read(self.path, start, sum(len(v) for v in views)), 0
+        for v in views:
+            k = max(0, min(len(v), len(data) - n))
+            v[:k] = data[n:n + k]
+            n += k
+        return n
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "FsspecReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 class FsspecStorage:
     """Storage on an fsspec file system; ``put_atomic`` is a single ``pipe_file``, which
     object stores (one PUT) and the memory file system apply atomically."""
@@ -69,11 +95,8 @@ class FsspecStorage:
         end = None if length is None else start + length
         return self.fs.cat_file(path, start=start, end=end)
 
-    def readinto(self, path: str, start: int, buf: memoryview) -> int:
-        mv = memoryview(buf).cast("B")
-        data = self.read(path, start, len(mv))
-        mv[:len(data)] = data
-        return len(data)
+    def open_read(self, path: str) -> "FsspecReader":
+        return FsspecReader(self, path)
 
     def open_write(self, path: str) -> FsspecWriter:
         return FsspecWriter(self.fs, path)

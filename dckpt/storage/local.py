@@ -105,10 +105,6 @@ class LocalReader:
     def __init__(self, path: str) -> None:
         self.fd = os.open(path, os.O_RDONLY)
 
-    def readinto(self, start: int, buf) -> int:
-        """Fill ``buf`` from ``start``; returns the bytes read (short at EOF)."""
-        return self.readv(start, [buf])
-
     def readv(self, start: int, bufs: list) -> int:
         """Fill ``bufs`` in order from consecutive bytes at ``start`` (scatter reads:
         one ``preadv`` when nothing interrupts it); returns the bytes read (short at
@@ -177,10 +173,6 @@ class LocalStorage:
             if length is None:
                 length = max(0, os.fstat(f.fileno()).st_size - start)
             return os.pread(f.fileno(), length, start) if length else b""
-
-    def readinto(self, path: str, start: int, buf: memoryview) -> int:
-        with self.open_read(path) as f:
-            return f.readinto(start, buf)
 
     def open_read(self, path: str) -> "LocalReader":
         """An open file for many reads. Raises OSError (FileNotFoundError)."""
