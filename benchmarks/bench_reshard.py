@@ -32,7 +32,7 @@ import time
 from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_save_load import _max_over_ranks, drop_caches, model_specs, timed  # noqa: E402
+from bench_save_load import PREFAULT_MIB, _max_over_ranks, drop_caches, model_specs, timed  # noqa: E402
 
 GROUPS = ("weights", "exp_avg", "exp_avg_sq")
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -221,7 +221,7 @@ def load_worker(rank: int, world: int, init: str, a: dict, out: str) -> None:
     def cold() -> None:
         nonlocal dropped
         if drop:
-            dropped = drop_caches(rank) and dropped
+            dropped = drop_caches(rank, a["prefault_mib"]) and dropped
         torch._foreach_zero_(locs)
         dst["step"] = 0
     for i in range(a["warmup"] + a["reps"]):
@@ -274,6 +274,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dir", default=None, help="parent of the scratch dir (None: the system temp dir)")
     p.add_argument("--no-drop-caches", dest="drop_caches", action="store_false",
                    help="do not try to drop the page cache before loads")
+    p.add_argument("--prefault-mib", type=int, default=PREFAULT_MIB,
+                   help="MiB touched and freed right before each load (0: none); see drop_caches")
     p.add_argument("--json", default=None, help="write results as JSON here")
     args = p.parse_args(argv)
     if args.reps % 2:  # dckpt is slower right after DCP than first: let each go first equally

@@ -24,7 +24,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_reshard import GROUPS, _init, check, make_state, measured, save_worker, spawn  # noqa: E402
-from bench_save_load import drop_caches  # noqa: E402
+from bench_save_load import PREFAULT_MIB, drop_caches  # noqa: E402
 
 
 def load_once(rank: int, world: int, init: str, a: dict, out: str) -> None:
@@ -40,7 +40,7 @@ def load_once(rank: int, world: int, init: str, a: dict, out: str) -> None:
                "dcp": lambda: dcp.load(dst, storage_reader=dcp.FileSystemReader(paths["dcp"]))}
     row: dict = {"order": a["order"], "load1": os.getloadavg()[0]}
     for lib in a["order"]:
-        drop_caches(rank)
+        drop_caches(rank, a["prefault_mib"])
         row.update({f"{lib}_{k}": v for k, v in measured(loaders[lib], a["sample_ms"] / 1000).items()})
         row[f"{lib}_ok"] = check(dst, specs, rank, world)
         torch._foreach_zero_(locs)  # the next library starts from zeros too
@@ -59,12 +59,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--settle", type=float, default=10.0,
                    help="seconds to wait after each save before the loads")
     p.add_argument("--dir", default=None, help="parent of the scratch dir")
+    p.add_argument("--prefault-mib", type=int, default=PREFAULT_MIB,
+                   help="MiB touched and freed right before each load (0: none); see drop_caches")
     p.add_argument("--json", default=None, help="write results as JSON here")
     args = p.parse_args(argv)
     args.reps += args.reps % 2  # each library goes first equally often
     os.environ["OMP_NUM_THREADS"] = "1"
     a = {"save_world": 2, "layers": 6, "hidden": 768, "vocab": 8193, "ffn_mult": 4,
-         "sample_ms": 5.0}
+         "sample_ms": 5.0, "prefault_mib": args.prefault_mib}
     res: dict = {"args": vars(args), "worlds": {}}
     print(f"fresh checkpoints, saved by 2 ranks, restored into M = {args.worlds}; "
           f"{args.reps} reps per M", flush=True)

@@ -88,8 +88,21 @@ def timed(fn: Callable[[], Any]) -> float:
     return _max_over_ranks(dt)
 
 
-def drop_caches(rank: int) -> bool:
-    """sync + echo 3 > /proc/sys/vm/drop_caches on rank 0 (one host); True if it worked."""
+# The VM returns free memory to its host (virtio-balloon free page reporting, 8 MiB
+# blocks, about 2 s after they are freed) and puts reported blocks at the back of the
+# free lists. The first touch of a reported page is a host fault: measured, a cold 568 MiB
+# load that took its page cache from such memory spent 0.75-0.82 s in the kernel instead
+# of 0.15-0.24 s. Which load that hits depended on what ran before it (a long wait, or a
+# library that had just freed big buffers), not on the library. Touching and freeing
+# PREFAULT_MIB right before each load gives every load recently freed, resident pages.
+PREFAULT_MIB = 2048
+
+
+def drop_caches(rank: int, prefault_mib: int = PREFAULT_MIB) -> bool:
+    """sync + echo 3 > /proc/sys/vm/drop_caches on rank 0 (one host), then (rank 0)
+    touch and free ``prefault_mib`` MiB of memory; True if the drop worked. Collective
+    (a barrier)."""
+    import numpy as np
     import torch.distributed as dist
     ok = 1.0
     if rank == 0:
@@ -99,6 +112,9 @@ def drop_caches(rank: int) -> bool:
                 f.write("3\n")
         except OSError:
             ok = 0.0
+        if prefault_mib > 0:
+            del_me = np.ones(prefault_mib << 20, np.uint8)  # written: every page touched
+            del del_me
     dist.barrier()
     return _max_over_ranks(ok) > 0
 
@@ -178,7 +194,7 @@ def worker(rank: int, world: int, init: str, a: dict, out: str) -> None:
         os.unlink(raw)
         row["raw_write"] = timed(lambda: raw_write(raw, my_bytes, block))
         if a["drop_caches"]:
-            dropped = drop_caches(rank) and dropped
+            dropped = drop_caches(rank, a["prefault_mib"]) and dropped
         row["raw_read"] = timed(lambda: raw_read(raw, rbuf))
         os.unlink(raw)
         row["memcpy"] = timed(memcpy)
@@ -188,7 +204,7 @@ def worker(rank: int, world: int, init: str, a: dict, out: str) -> None:
             row[f"{lib}_save"] = timed(lambda: do_save(lib, path))
             dst = make_state(specs, mesh, rank, world, zero=True)  # fresh zeroed, same layout
             if a["drop_caches"]:
-                dropped = drop_caches(rank) and dropped
+                dropped = drop_caches(rank, a["prefault_mib"]) and dropped
             row[f"{lib}_load"] = timed(lambda: do_load(lib, dst, path))
             if lib not in checked:
                 ok = dst["step"] == src["step"] and all(
@@ -231,6 +247,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dir", default=None, help="parent of the scratch dir (None: the system temp dir)")
     p.add_argument("--no-drop-caches", dest="drop_caches", action="store_false",
                    help="do not try to drop the page cache before loads")
+    p.add_argument("--prefault-mib", type=int, default=PREFAULT_MIB,
+                   help="MiB touched and freed right before each load (0: none); see drop_caches")
     p.add_argument("--json", default=None, help="write results as JSON here")
     args = p.parse_args(argv)
     import torch.multiprocessing as tmp
