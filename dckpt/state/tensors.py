@@ -54,12 +54,12 @@ def describe(key: str, t: torch.Tensor) -> LocalPiece:
     for an unsupported dtype or placement, or a local shard whose shape does not match
     torch.chunk's layout."""
     code = to_code(t.dtype, key)
-    check_plain(key, t.to_local() if isinstance(t, DTensor) else t)
+    local = t.to_local() if isinstance(t, DTensor) else t  # to_local is an autograd call
+    check_plain(key, local)
     if isinstance(t, DTensor):
         shape = tuple(t.shape)
         mesh = t.device_mesh
         coord = mesh.get_coordinate()
-        local = t.to_local()
         if coord is None:  # this rank is not in the tensor's mesh: it holds nothing
             return LocalPiece(key, code, shape, Box((0,) * len(shape), (0,) * len(shape)), None)
         box = local_box(shape, tuple(mesh.shape), tuple(coord), _placements(t, key))
