@@ -77,8 +77,9 @@ def main(argv: list[str] | None = None) -> dict:
             try:
                 run = {**a, "dir": scratch, "order": ["dckpt", "dcp"] if i % 2 == 0 else ["dcp", "dckpt"]}
                 spawn(save_worker, 2, scratch, run, "save")
-                # Measured: the first load after a save ran 0.4-0.6 s slower whichever
-                # library it was (even a raw read), as the host still flushed the save.
+                # Lets the host finish writing the save. (The "first load after a save
+                # is 0.4-0.6 s slower, whichever library" effect seen in session 3 was
+                # free page reporting, which the prefault in drop_caches now removes.)
                 time.sleep(args.settle)
                 row = spawn(load_once, m, scratch, run, f"load-{m}")
             finally:
