@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -20,6 +21,27 @@ from .state.tensors import LocalPiece
 
 DEFAULT_READ_BUDGET = 256 << 20
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Region:
+    """One read, planned once before any I/O: ``item`` of ``piece``, stored as ``st``.
+    Bytes ``[a, b)`` of the stored tensor hold it; ``[lo, hi)``, the same widened to
+    whole checksum blocks of ``block`` bytes, are what is read and verified."""
+
+    piece: LocalPiece
+    item: ReadItem
+    st: shards.StoredTensor
+    a: int
+    b: int
+    lo: int
+    hi: int
+    block: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes read for this region."""
+        return self.hi - self.lo
 
 
 def plan_reads(piece: LocalPiece, entry: mf.TensorEntry) -> list[ReadItem]:
@@ -72,51 +94,47 @@ class ChunkReader:
                                  f"chunk {item.chunk} of {key!r} as the manifest says")
         return st
 
-    def copy_one(self, piece: LocalPiece, entry: mf.TensorEntry, item: ReadItem,
-                 files: "_Files") -> int:
-        """Read the bytes of one region of a stored chunk, verify them, and put them in
-        ``piece.local``. Reads only the region's byte span widened to whole checksum
-        blocks. When the region is contiguous in both the file and the destination,
-        the span's middle is read straight into the destination and only the widening
-        goes through scratch buffers; otherwise the span goes through one temporary
-        (bounded by the read budget) and is copied. ``files`` are the calling thread's
-        open files. Returns bytes read. Blocking I/O; raises IntegrityError naming the
-        file and tensor."""
-        dest = piece.local
-        st = self.stored(piece.key, entry, item)
+    def copy_one(self, r: Region, files: "_Files") -> int:
+        """Read region ``r``'s widened span, verify it, and put the region in
+        ``r.piece.local``. When the region is contiguous in both the file and the
+        destination, the span's middle is read straight into the destination and only
+        the widening goes through scratch buffers; otherwise the span goes through one
+        temporary (bounded by the read budget) and is copied. ``files`` are the calling
+        thread's open files. Returns bytes read. Blocking I/O; raises IntegrityError
+        naming the file and tensor."""
+        dest, st, item = r.piece.local, r.st, r.item
         if st.nbytes == 0:
             return 0
         f = self.m.files[item.file]
-        path, what = self._path(f), f"shard file {f.name}, tensor {piece.key!r}"
+        path, what = self._path(f), f"shard file {f.name}, tensor {r.piece.key!r}"
         isz = ITEMSIZE[st.dtype]
-        a, b, lo, hi, block = self._widened(st, item)
         view = dest[item.dst]
         if (dest.device.type == "cpu" and view.is_contiguous() and not view.is_conj()
-                and not view.is_neg() and b - a == view.numel() * isz):
-            head, tail = bytearray(a - lo), bytearray(hi - b)
+                and not view.is_neg() and r.b - r.a == view.numel() * isz):
+            head, tail = bytearray(r.a - r.lo), bytearray(r.hi - r.b)
             # as_strided, not reshape: a one-element view is "contiguous" whatever its
             # stride, and reshape keeps that stride, which a byte view refuses.
             flat = torch.as_strided(view.detach(), (view.numel(),), (1,))
             mid = memoryview(flat.view(torch.uint8).numpy())
-            files.read_exact(path, st.start + lo, [head, mid, tail], what)  # one request
-            shards.verify_segments([head, mid, tail], lo // block, st.crcs, block, what)
+            files.read_exact(path, st.start + r.lo, [head, mid, tail], what)  # one request
+            shards.verify_segments([head, mid, tail], r.lo // r.block, st.crcs, r.block, what)
         else:
-            tmp = torch.empty((hi - lo) // isz, dtype=to_torch(st.dtype))
+            tmp = torch.empty(r.nbytes // isz, dtype=to_torch(st.dtype))
             raw = memoryview(tmp.view(torch.uint8).numpy())
-            files.read_exact(path, st.start + lo, [raw], what)
-            shards.verify(raw, lo // block, st.crcs, block, what)
+            files.read_exact(path, st.start + r.lo, [raw], what)
+            shards.verify(raw, r.lo // r.block, st.crcs, r.block, what)
             src = torch.as_strided(tmp, [s.stop - s.start for s in item.src],
-                                   strides(st.shape), (a - lo) // isz)
+                                   strides(st.shape), (r.a - r.lo) // isz)
             with torch.no_grad():
                 view.copy_(src)
-        return hi - lo
+        return r.nbytes
 
-    def _widened(self, st: shards.StoredTensor, item: ReadItem):
-        """(a, b, lo, hi, block): the region's byte span [a, b) within the stored tensor
-        and [lo, hi), the same widened to whole checksum blocks (what is read)."""
+    def _region(self, piece: LocalPiece, item: ReadItem, st: shards.StoredTensor) -> Region:
+        """``item`` of ``piece`` with its byte span and checksum-block widening."""
         _, block = self.header(item.file)
         a, b = byte_span(st.shape, item.src, ITEMSIZE[st.dtype])
-        return a, b, a // block * block, min(-(-b // block) * block, st.nbytes), block
+        return Region(piece, item, st, a, b, a // block * block,
+                      min(-(-b // block) * block, st.nbytes), block)
 
     def fill_all(self, pairs: list[tuple[LocalPiece, mf.TensorEntry]], workers: int = 4,
                  budget: int = DEFAULT_READ_BUDGET, what: str = "load") -> int:
@@ -142,31 +160,28 @@ class ChunkReader:
             planned += [(piece, entry, item) for item in reads]
         for fi in sorted({t[2].file for t in planned}):
             self.header(fi)  # sequential and cached: the workers only read it
-        # Each region's stored tensor and widened span, computed once (planning is pure
-        # Python per region and precedes every read: it is the load's fixed latency).
-        stored = [self.stored(p.key, e, i) for p, e, i in planned]
-        spans = [self._widened(st, i)[2:4] for st, (_, _, i) in zip(stored, planned)]
+        # Every region planned once (stored tensor, span, widening): planning is pure
+        # Python per region and precedes every read, so it is the load's fixed latency.
+        whole = [self._region(p, i, self.stored(p.key, e, i)) for p, e, i in planned]
         # Pieces small enough to balance the workers' runs, and to bound the temporaries.
-        total = sum(hi - lo for lo, hi in spans)
+        total = sum(r.nbytes for r in whole)
         # Whole MiBs, so that cuts of a large chunk fall on checksum-block boundaries
         # (blocks are powers of two up to 1 MiB) and pieces read no widening bytes.
         per_item = max(1, min(budget // workers, total // (4 * workers)) >> 20) << 20
-        keyed = []  # (file, offset in the file, bytes, task)
-        for (piece, entry, item), st, (lo, hi) in zip(planned, stored, spans):
-            if hi - lo <= per_item:  # the common case: no cut, span already known
-                keyed.append((item.file, st.start + lo, hi - lo, (piece, entry, item)))
+        tasks: list[Region] = []
+        for r, (piece, entry, item) in zip(whole, planned):
+            if r.nbytes <= per_item:  # the common case: no cut
+                tasks.append(r)
                 continue
-            for i in split_item(item, entry.chunks.sizes[item.chunk].tolist(),
-                                ITEMSIZE[entry.dtype], per_item):
-                _, _, a, b, _ = self._widened(st, i)
-                keyed.append((item.file, st.start + a, b - a, (piece, entry, i)))
-        keyed.sort(key=lambda k: k[:2])
+            tasks += [self._region(piece, i, r.st) for i in split_item(
+                item, entry.chunks.sizes[item.chunk].tolist(), ITEMSIZE[entry.dtype], per_item)]
+        tasks.sort(key=lambda r: (r.item.file, r.st.start + r.lo))
         # Each worker reads one run of consecutive regions through its own open files,
         # like a plain sequential reader: the kernel's readahead follows each run. Measured
         # on 568 MiB, 2 -> 1/3/4 ranks, cold: handing regions out one at a time (which
         # interleaves the workers) with WILLNEED hints for all of them was 1.2-1.4x
         # slower; adding a 16-64 MiB sliding WILLNEED window to the runs, 1.2-1.5x slower.
-        tasks, sizes = [k[3] for k in keyed], [k[2] for k in keyed]
+        sizes = [r.nbytes for r in tasks]
         runs = _runs(tasks, workers, sizes)
         stop = threading.Event()  # one failed region ends every run: fail fast
         progress = Progress(what, sum(sizes), log)
@@ -182,7 +197,7 @@ class ChunkReader:
                 if stop.is_set():
                     break  # another worker failed; its error is the one raised
                 try:
-                    n = self.copy_one(*t, files)
+                    n = self.copy_one(t, files)
                     done += n
                     progress.add(n)
                 except BaseException:
@@ -202,15 +217,14 @@ class _Files:
         in one request (one ``preadv`` locally, one range read on an object store).
         Blocking I/O. Raises IntegrityError (``what`` names the file and tensor) on a
         short read or a vanished file."""
-        views = [memoryview(b).cast("B") for b in bufs if len(b)]
-        want = sum(len(v) for v in views)
+        want = sum(memoryview(b).nbytes for b in bufs)
         if not want:
             return
         try:
             f = self.open.get(path)
             if f is None:
                 f = self.open[path] = self.storage.open_read(path)
-            n = f.readv(start, views)
+            n = f.readv(start, bufs)
         except FileNotFoundError:
             raise IntegrityError(f"{what}: the file is missing") from None
         except OSError as e:  # EIO and friends: a damaged medium is a damaged checkpoint

@@ -320,9 +320,9 @@ def test_read_budget_bounds_temporaries(tmp_path, monkeypatch):
     seen: dict[str, list[int]] = {}
     orig = ChunkReader.copy_one
 
-    def spy(self, piece, entry, item, files=None):
-        n = orig(self, piece, entry, item, files)
-        seen.setdefault(piece.key, []).append(n)
+    def spy(self, region, files):
+        n = orig(self, region, files)
+        seen.setdefault(region.piece.key, []).append(n)
         return n
 
     monkeypatch.setattr(ChunkReader, "copy_one", spy)
@@ -381,11 +381,11 @@ def test_reader_stops_every_worker_after_a_failure(tmp_path, monkeypatch):
     calls: list[int] = []
     orig = ChunkReader.copy_one
 
-    def failing(self, piece, entry, item, files=None):
+    def failing(self, region, files):
         calls.append(1)
         if len(calls) == 1:
             raise IntegrityError("injected: region 0 is corrupt")
-        return orig(self, piece, entry, item, files)
+        return orig(self, region, files)
 
     monkeypatch.setattr(ChunkReader, "copy_one", failing)
     with pytest.raises(IntegrityError, match="injected"):

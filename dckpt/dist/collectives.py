@@ -98,8 +98,7 @@ def _cpu_group(group: Any) -> Any:
     g = group if group is not None else dist.group.WORLD
     if dist.get_backend(g) == "gloo":
         return g
-    for stale in [k for k in _GLOO_GROUPS if k is not g and not group_alive(k)]:
-        del _GLOO_GROUPS[stale]  # destroyed since (destroy_process_group, a new init)
+    drop_dead(_GLOO_GROUPS, g)  # destroyed since (destroy_process_group, a new init)
     if g not in _GLOO_GROUPS:  # collective, once per group: every rank reaches it together
         ranks = dist.get_process_group_ranks(g)
         _GLOO_GROUPS[g] = dist.new_group(ranks=ranks, backend="gloo")
@@ -115,6 +114,13 @@ def group_alive(group: Any) -> bool:
         return True
     except Exception:  # destroyed, or the default group was torn down
         return False
+
+
+def drop_dead(by_group: dict, keep: Any) -> list:
+    """Remove the entries of ``by_group`` (keyed on process groups) whose group has been
+    destroyed, except ``keep``'s; returns their values. Local."""
+    dead = [k for k in by_group if k is not keep and not group_alive(k)]
+    return [by_group.pop(k) for k in dead]
 
 
 # ----------------------------------------------------------------------------- errors

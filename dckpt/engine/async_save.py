@@ -15,7 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..dist.collectives import group_alive
+from ..dist.collectives import drop_dead
 from ..dist.commit import CheckpointInfo, save
 from .staging import StagingPool
 
@@ -68,8 +68,8 @@ def _saver(group: Any) -> _Saver:
     initialized = dist.is_available() and dist.is_initialized()
     key = group if group is not None else (dist.group.WORLD if initialized else None)
     with _LOCK:
-        for stale in [k for k in _SAVERS if k is not key and not group_alive(k)]:
-            _SAVERS.pop(stale).executor.shutdown(wait=False)  # its group was destroyed
+        for stale in drop_dead(_SAVERS, key):  # their groups were destroyed
+            stale.executor.shutdown(wait=False)
         if key not in _SAVERS:
             _SAVERS[key] = _Saver(group)
         return _SAVERS[key]

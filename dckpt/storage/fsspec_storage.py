@@ -5,7 +5,7 @@ from typing import Any
 
 import fsspec
 
-from .base import Entry
+from .base import Entry, byte_views
 
 
 class FsspecWriter:
@@ -41,7 +41,7 @@ class FsspecReader:
         self.storage, self.path = storage, path
 
     def readv(self, start: int, bufs: list) -> int:
-        views = [memoryview(b).cast("B") for b in bufs if len(b)]
+        views = byte_views(bufs)
         data, n = self.storage.read(self.path, start, sum(len(v) for v in views)), 0
         for v in views:
             k = max(0, min(len(v), len(data) - n))

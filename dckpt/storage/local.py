@@ -11,7 +11,7 @@ import sys
 import uuid
 
 from . import direct
-from .base import Entry
+from .base import Entry, byte_views
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class LocalReader:
         """Fill ``bufs`` in order from consecutive bytes at ``start`` (scatter reads:
         one ``preadv`` when nothing interrupts it); returns the bytes read (short at
         EOF). Blocking I/O; raises OSError."""
-        views = [memoryview(b).cast("B") for b in bufs if len(b)]
+        views = byte_views(bufs)
         done = 0
         while views:
             n = os.preadv(self.fd, views, start + done)
