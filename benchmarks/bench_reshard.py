@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
                    help="MiB touched and freed right before each load (0: none); see drop_caches")
     p.add_argument("--json", default=None, help="write results as JSON here")
     args = p.parse_args(argv)
-    if args.reps % 2:  # dckpt is slower right after DCP than first: let each go first equally
+    if args.reps % 2:  # the order of the loads matters on this VM: each library goes first equally
         args.reps += 1
         print(f"--reps rounded up to {args.reps}: both libraries go first equally often")
     worlds = [int(w) for w in args.worlds.split(",") if w]
