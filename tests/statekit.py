@@ -1,5 +1,8 @@
-"""Test helpers: states with every dtype and leaf kind, empty twins, exact comparison."""
+"""Test helpers: states with every dtype and leaf kind, empty twins, exact comparison,
+and what a CheckpointManager left on disk."""
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -78,3 +81,9 @@ def zeros_like_state(sd):
     if isinstance(sd, tuple):
         return tuple(zeros_like_state(v) for v in sd)
     return {bool: False, int: 0, float: 0.0, str: "", type(None): None}[type(sd)]
+
+
+def has_manifest(root, step: int) -> bool:
+    """Whether ``root/step-<step>`` (a CheckpointManager's layout) holds a committed
+    checkpoint."""
+    return os.path.exists(os.path.join(str(root), f"step-{step:08d}", "manifest.json"))

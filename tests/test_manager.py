@@ -11,6 +11,7 @@ import torch
 
 import dckpt
 from dckpt.policy import RetentionPolicy, SavePolicy, young_daly_interval
+from statekit import has_manifest
 
 
 def test_retention_policy():
@@ -132,10 +133,6 @@ def test_manager_never_deletes_the_step_it_just_committed(tmp_path):
     assert mgr.restore(t, step=5) == 5 and t["step"] == 5
 
 
-def _has_manifest(root, step):
-    return os.path.exists(os.path.join(str(root), f"step-{step:08d}", "manifest.json"))
-
-
 def test_async_failed_save_raises_from_wait_and_keeps_older_steps(tmp_path, monkeypatch):
     mgr = dckpt.CheckpointManager(str(tmp_path), every_steps=1, keep_last=2,
                                   async_save=True, capture_rng=False)
@@ -148,7 +145,7 @@ def test_async_failed_save_raises_from_wait_and_keeps_older_steps(tmp_path, monk
     monkeypatch.delenv("DCKPT_FAULT")
     assert isinstance(ei.value, dckpt.RankFailure) and 0 in ei.value.failures
     mgr.wait()  # the error is raised once
-    assert mgr.steps() == [1, 2] and not _has_manifest(tmp_path, 3)
+    assert mgr.steps() == [1, 2] and not has_manifest(tmp_path, 3)
     for s in (1, 2):
         t = _state(0)
         assert mgr.restore(t, step=s) == s and torch.equal(t["w"], _state(s)["w"])
@@ -179,13 +176,13 @@ def test_async_retention_deletes_only_after_newer_commit(tmp_path, monkeypatch):
     mgr.wait()
     assert mgr.save(2, _state(2))
     # Step 2 may still be in flight: step 1 is the only committed checkpoint.
-    assert _has_manifest(tmp_path, 1)
+    assert has_manifest(tmp_path, 1)
     mgr.wait()
     assert mgr.steps() == [2] and not (tmp_path / "step-00000001").exists()
     # A failed save deletes nothing: 2 stays, and it still loads.
     monkeypatch.setenv("DCKPT_FAULT", "write:0:raise")
     assert mgr.save(3, _state(3))
-    assert _has_manifest(tmp_path, 2)
+    assert has_manifest(tmp_path, 2)
     with pytest.raises(dckpt.CheckpointError):
         mgr.wait()
     monkeypatch.delenv("DCKPT_FAULT")
@@ -194,7 +191,7 @@ def test_async_retention_deletes_only_after_newer_commit(tmp_path, monkeypatch):
     assert mgr.restore(t) == 2 and torch.equal(t["w"], _state(2)["w"])
     # The next commit removes 2 (retention) and the uncommitted step 3 (older leftover).
     assert mgr.save(4, _state(4))
-    assert _has_manifest(tmp_path, 2)
+    assert has_manifest(tmp_path, 2)
     mgr.wait()
     assert sorted(os.listdir(tmp_path)) == ["step-00000004"]
 

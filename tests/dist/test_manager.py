@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from statekit import has_manifest
 
 
 def _time_based(root: str) -> list[int]:
@@ -68,12 +69,6 @@ def test_rng_per_rank_same_and_other_world_size(ranks, tmp_path):
     assert ranks(3).run(_restore_rng, root)[2] == got[2], "deterministic"
 
 
-def _has_manifest(root: str, step: int) -> bool:
-    import os
-
-    return os.path.exists(os.path.join(root, f"step-{step:08d}", "manifest.json"))
-
-
 def _async_failure_and_retention(root: str) -> str:
     import os
 
@@ -93,7 +88,7 @@ def _async_failure_and_retention(root: str) -> str:
     assert mgr.save(1, st(1))
     mgr.wait()
     assert mgr.save(2, st(2))
-    assert _has_manifest(root, 1), "deleted before the newer checkpoint committed"
+    assert has_manifest(root, 1), "deleted before the newer checkpoint committed"
     mgr.wait()
     assert mgr.steps() == [2]
     os.environ["DCKPT_FAULT"] = "write:1:raise"  # rank 1's write of step 3 fails
@@ -105,7 +100,7 @@ def _async_failure_and_retention(root: str) -> str:
         del os.environ["DCKPT_FAULT"]
     err = ei.value
     assert isinstance(err, dckpt.RankFailure) and set(err.failures) == {1}, err
-    assert mgr.steps() == [2] and _has_manifest(root, 2)
+    assert mgr.steps() == [2] and has_manifest(root, 2)
     t = st(0)
     assert mgr.restore(t) == 2 and t["s"] == 2
     assert torch.equal(t["x"].to_local(), st(2)["x"].to_local())
