@@ -20,6 +20,7 @@ from .errors import (
     ManifestError,
     NotCommittedError,
     RankFailure,
+    CommunicationError,
     StateMismatchError,
     UnsupportedValueError,
 )
@@ -28,5 +29,5 @@ __all__ = [
     "save", "load", "async_save", "SaveHandle", "CheckpointInfo", "TrainingState",
     "CheckpointManager",
     "CheckpointError", "NotCommittedError", "AlreadyExistsError", "IntegrityError",
-    "ManifestError", "StateMismatchError", "UnsupportedValueError", "RankFailure",
+    "ManifestError", "StateMismatchError", "UnsupportedValueError", "RankFailure", "CommunicationError",
 ]

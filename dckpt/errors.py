@@ -53,6 +53,12 @@ class RankFailure(CheckpointError):
     ``OSError`` from the disk, a bug); ``failures`` names every failing rank."""
 
 
+class CommunicationError(RankFailure):
+    """A collective of a checkpoint operation failed on this rank: a peer died or hung
+    past the timeout, or its process group was destroyed. The other ranks get their own
+    CommunicationError (or the operation's error) within the group's timeout."""
+
+
 # Name -> class, used to re-raise a remote rank's error with its own type. Only our own
 # classes are ever reconstructed: a peer can never make us instantiate arbitrary types.
 ERROR_TYPES: dict[str, type[CheckpointError]] = {
@@ -66,5 +72,6 @@ ERROR_TYPES: dict[str, type[CheckpointError]] = {
         StateMismatchError,
         UnsupportedValueError,
         RankFailure,
+        CommunicationError,
     )
 }

@@ -1,15 +1,15 @@
 """CheckpointManager: when to save, what to keep, and a restore that heals itself."""
 from __future__ import annotations
 
-import json
 import logging
 import re
 import signal
 import time
 from typing import Any
 
-from .dist.collectives import Comm
+from .dist.collectives import Comm, on_rank0
 from .dist.commit import save as _save
+from .dist.intent import live_save_ids
 from .dist.restore import load as _load
 from .dist.restore import read_manifest
 from .engine.async_save import SaveHandle
@@ -39,6 +39,14 @@ class CheckpointManager:
     states: at the same world size each rank gets its own back; when the world size
     changed, rank r gets the state saved by rank r mod N (N saved ranks), and ranks
     r >= N are then reseeded from it and r, so no two ranks share a stream.
+
+    Timelines: when a save of step s commits, committed steps newer than s under the
+    root belong to an abandoned timeline (the job was rewound with ``restore(step=...)``,
+    e.g. past a loss spike): they are removed after the commit, with a warning, and
+    :meth:`restore` never picks a step that was committed before an older step was
+    (read from the manifests' commit times), even if its removal did not happen.
+
+    One manager (one job) per root: two jobs saving under one root is not supported.
 
     ``save_on_sigterm`` (preemption): a SIGTERM handler notes the signal; the next
     :meth:`save` call on every rank agrees on it (one small all-gather per call while
@@ -70,8 +78,8 @@ class CheckpointManager:
         self._sigterm = False
         if save_on_sigterm:
             signal.signal(signal.SIGTERM, self._on_sigterm)  # main thread only, as Python requires
-        if self.comm.rank == 0:
-            self.storage.makedirs(self.root)
+        on_rank0(self.comm, lambda: self.storage.makedirs(self.root),
+                 f"CheckpointManager: create {root}")
 
     # ------------------------------------------------------------------ paths, listing
     def path(self, step: int) -> str:
@@ -92,9 +100,10 @@ class CheckpointManager:
         return sorted(committed), sorted(partial)
 
     def steps(self) -> list[int]:
-        """Committed steps, ascending. Collective: rank 0 lists, every rank gets its list."""
-        mine = json.dumps(self._local_steps()[0]).encode() if self.comm.rank == 0 else None
-        return json.loads(self.comm.broadcast_bytes(mine))
+        """Committed steps, ascending. Collective: rank 0 lists, every rank gets its list
+        (or the same error, whatever rank 0 met: an OSError such as EACCES too)."""
+        return on_rank0(self.comm, lambda: self._local_steps()[0],
+                        f"list checkpoints under {self._root_arg}")
 
     # ------------------------------------------------------------------ saving
     def _decide(self, step: int, force: bool) -> bool:
@@ -166,19 +175,39 @@ class CheckpointManager:
             raise err
 
     def _after_commit(self, step: int) -> None:
-        """Rank 0: apply retention now that ``step`` is committed, and remove leftovers
-        of failed saves of earlier steps. Failures are logged, never raised."""
+        """Rank 0: now that ``step`` is committed, remove the committed steps newer than
+        it (an abandoned timeline), apply retention, and remove leftovers of failed
+        saves of earlier steps (never a directory whose save is still in progress).
+        Local to rank 0, no collective; failures are logged, never raised."""
         if self.comm.rank != 0:
             return
-        committed, partial = self._local_steps()
-        doomed = self.retention.to_delete(committed, protected={step})
-        doomed += [s for s in partial if s < step]
+        try:
+            committed, partial = self._local_steps()
+            abandoned = [s for s in committed if s > step]
+            if abandoned:
+                log.warning("step %d committed under %s: removing step(s) %s of the "
+                            "abandoned timeline (saved before the job was rewound)",
+                            step, self.root, abandoned)
+            kept = [s for s in committed if s <= step]
+            doomed = abandoned + self.retention.to_delete(kept, protected={step})
+            doomed += [s for s in partial if s < step and not self._in_progress(s)]
+        except Exception as e:
+            log.warning("cleanup after step %d skipped: %s", step, e)
+            return
         for s in doomed:
             try:
                 self.storage.remove_tree(self.storage.join(self.root, f"step-{s:08d}"))
                 log.info("removed checkpoint step %d under %s", s, self.root)
-            except OSError as e:
+            except Exception as e:
                 log.warning("could not remove checkpoint step %d: %s", s, e)
+
+    def _in_progress(self, step: int) -> bool:
+        """Whether a save of ``step`` holds a live lease (another process saving it)."""
+        try:
+            entries = self.storage.listdir(self.storage.join(self.root, f"step-{step:08d}"))
+        except OSError:
+            return False
+        return bool(live_save_ids(entries))
 
     def wait(self) -> None:
         """Block until the save in flight (if any) has committed; raise its error."""
@@ -202,50 +231,81 @@ class CheckpointManager:
     # ------------------------------------------------------------------ restoring
     def restore(self, state: Any, step: int | None = None) -> int | None:
         """Restore the newest committed checkpoint that loads and verifies (or exactly
-        ``step``) into ``state`` in place; returns its step, or None when there is none.
+        ``step``) into ``state`` in place; returns its step. Collective.
+
         A checkpoint whose manifest or data fails its checks is skipped with a warning
-        naming the problem, and the next newest is tried. Waits for a save in flight."""
+        naming the problem, and the next newest is tried; steps of an abandoned
+        timeline are never tried (see the class docstring). Returns None only when
+        there is no committed checkpoint at all; when there are some and none loads, it
+        raises CheckpointError listing each step tried and why (``state`` is then
+        undefined: a failed load may have overwritten part of it). Waits for a save in
+        flight first."""
         self._finish_inflight(raise_error=False)
-        candidates = [step] if step is not None else sorted(self.steps(), reverse=True)
+        if step is not None:
+            self._load(step, state)
+            self._last_step, self._last_time = step, time.monotonic()
+            return step
+        candidates = on_rank0(self.comm, self._candidates, f"list checkpoints under {self._root_arg}")
+        tried: list[str] = []
         for s in candidates:
             try:
                 self._load(s, state)
             except (IntegrityError, NotCommittedError) as e:
-                if step is not None:
-                    raise
                 log.warning("checkpoint step %d under %s is unusable, trying an older one: %s",
-                            s, self.root, e)
+                            s, self._root_arg, e)
+                tried.append(f"step {s}: {type(e).__name__}: {e}")
                 continue
             self._last_step, self._last_time = s, time.monotonic()
             return s
+        if tried:
+            raise CheckpointError(
+                f"no checkpoint under {self._root_arg} could be restored ({len(tried)} "
+                "tried, newest first); the state may hold part of a failed load:\n  "
+                + "\n  ".join(tried))
         return None
+
+    def _candidates(self) -> list[int]:
+        """Rank 0: committed steps newest first, without those of an abandoned timeline
+        (committed before some lower step was). Reads every committed manifest."""
+        committed = self._local_steps()[0]
+        created: dict[int, float] = {}
+        for s in committed:
+            try:
+                storage, root = make_storage(self.path(s), self.storage_options)
+                created[s] = read_manifest(storage, root)[0].created
+            except CheckpointError:
+                pass  # unreadable: tried in its turn, and its load reports why
+        out, newest_lower = [], float("-inf")
+        for s in committed:  # ascending
+            c = created.get(s)
+            if c is not None and c < newest_lower:
+                log.warning("step %d under %s was committed before a lower step: it belongs "
+                            "to an abandoned timeline and is not restored", s, self._root_arg)
+                continue
+            if c is not None:
+                newest_lower = max(newest_lower, c)
+            out.append(s)
+        return out[::-1]
 
     def _load(self, step: int, state: Any) -> None:
         path = self.path(step)
-        target: dict[str, Any] = {"state": state}
-        saved_world = self._saved_world(path) if self.capture_rng else 0
         rank = self.comm.rank
-        src = rank % saved_world if saved_world else 0
-        if self.capture_rng and saved_world:
-            target["rng"] = {f"rank{src}": rng.capture()}
-        _load(target, path, process_group=self.group, storage_options=self.storage_options,
-              ignore_prefixes=("rng.",))
-        if "rng" in target:
-            if rank < saved_world:
-                rng.restore(target["rng"][f"rank{src}"])
-            else:
-                rng.reseed(rank, target["rng"][f"rank{src}"])
+        target: dict[str, Any] = {"state": state}
+        found: dict[str, Any] = {}
 
-    def _saved_world(self, path: str) -> int:
-        """World size recorded in ``path``'s manifest, read on rank 0 (0 when it has
-        no RNG state). Collective."""
-        data = None
-        if self.comm.rank == 0:
-            try:
-                storage, root = make_storage(path, self.storage_options)
-                m, _ = read_manifest(storage, root)
-                has_rng = any(k.startswith("rng.") for k in (*m.tensors, *m.values))
-                data = str(m.world_size if has_rng else 0).encode()
-            except CheckpointError:
-                data = b"0"  # the load that follows reports the problem on every rank
-        return int(self.comm.broadcast_bytes(data) or b"0")
+        def rng_target(m: mf.Manifest) -> dict[str, Any]:
+            # Shaped after what the checkpoint holds, not after this process's devices.
+            if not any(k.startswith("rng.") for k in (*m.tensors, *m.values)):
+                return {}
+            found["world"] = m.world_size
+            found["src"] = src = rank % m.world_size
+            found["sd"] = rng.saved_target(m, src)
+            return {"rng": {f"rank{src}": found["sd"]}}
+
+        _load(target, path, process_group=self.group, storage_options=self.storage_options,
+              ignore_prefixes=("rng.",), extra=rng_target if self.capture_rng else None)
+        if "sd" in found:
+            if rank < found["world"]:
+                rng.restore(found["sd"])
+            else:
+                rng.reseed(rank, found["sd"])

@@ -14,17 +14,63 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import ERROR_TYPES, CheckpointError, RankFailure
+from ..errors import ERROR_TYPES, CheckpointError, CommunicationError, RankFailure
 
 log = logging.getLogger(__name__)
 _GLOO_GROUPS: dict[Any, Any] = {}
 
 
+class OwnGroup:
+    """A gloo process group that dckpt owns: made from the default group's store under a
+    prefix of its own, and never registered with torch.distributed, so
+    ``destroy_process_group()`` cannot tear it down under a save still in flight (an
+    async save keeps its group alive until the save ends). Collective to create: every
+    rank of ``ranks`` makes its n-th OwnGroup together."""
+
+    _count = 0
+
+    def __init__(self, ranks: list[int], timeout_s: float) -> None:
+        import datetime
+
+        from torch.distributed import PrefixStore, ProcessGroupGloo
+
+        OwnGroup._count += 1
+        me = dist.get_rank()
+        self.ranks = list(ranks)
+        self.rank, self.size = self.ranks.index(me), len(self.ranks)
+        tag = "-".join(map(str, self.ranks)) if len(self.ranks) <= 8 else str(len(self.ranks))
+        # Holding the store keeps it (and on the TCP master, its server) alive as long
+        # as this group lives, whatever happens to the default group.
+        store = PrefixStore(f"dckpt-own/{OwnGroup._count}/{tag}/",
+                            dist.distributed_c10d._get_default_store())
+        self.pg = ProcessGroupGloo(store, self.rank, self.size,
+                                   datetime.timedelta(seconds=timeout_s))
+
+    @classmethod
+    def create(cls, group: Any, timeout_s: float) -> Any:
+        """An OwnGroup over ``group``'s ranks, or a registered gloo group where this
+        torch cannot build one (then the async save does not survive a destroy)."""
+        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        try:
+            return cls(ranks, timeout_s)
+        except Exception as e:  # private API moved: fall back, and say what it costs
+            log.warning("dckpt: could not make a private gloo group (%s); async saves use "
+                        "a registered one, which destroy_process_group() also destroys", e)
+            return dist.new_group(ranks=ranks, backend="gloo")
+
+
 class Comm:
     """The ranks taking part in one collective call. With no initialised process group
-    it is a single rank and every collective is a no-op."""
+    it is a single rank and every collective is a no-op. Every collective raises
+    CommunicationError (naming what failed) instead of torch's raw errors, so a dead
+    peer, a timeout or a destroyed group is a CheckpointError like any other."""
 
     def __init__(self, group: Any = None) -> None:
+        self.own = group if isinstance(group, OwnGroup) else None
+        if self.own is not None:
+            self.active, self.group = True, None
+            self.rank, self.size = self.own.rank, self.own.size
+            return
         self.active = dist.is_available() and dist.is_initialized()
         if not self.active:
             self.group, self.rank, self.size = None, 0, 1
@@ -32,16 +78,48 @@ class Comm:
         self.group = _cpu_group(group)
         self.rank = dist.get_rank(self.group)
         self.size = dist.get_world_size(self.group)
-        self.global_rank = dist.get_rank()
 
     def _global(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
+
+    # -- the four operations, on an OwnGroup or a registered group ---------------------
+    def _run(self, what: str, fn) -> Any:
+        try:
+            return fn()
+        except CheckpointError:
+            raise
+        except Exception as e:  # DistBackendError, RuntimeError, ValueError (destroyed)
+            raise CommunicationError(
+                f"rank {self.rank}: checkpoint collective {what} over {self.size} ranks "
+                f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+                "(a rank died, hung past the timeout, or the process group was "
+                "destroyed)") from e
+
+    def _all_gather(self, out: list, t: torch.Tensor) -> None:
+        if self.own is not None:
+            self._run("all_gather", lambda: self.own.pg.allgather([out], [t]).wait())
+        else:
+            self._run("all_gather", lambda: dist.all_gather(out, t, group=self.group))
+
+    def _gather(self, out: list | None, t: torch.Tensor) -> None:
+        if self.own is not None:
+            opts = dist.GatherOptions()
+            opts.rootRank = 0
+            self._run("gather", lambda: self.own.pg.gather([out] if out else [], [t], opts).wait())
+        else:
+            self._run("gather", lambda: dist.gather(t, out, dst=self._global(0), group=self.group))
+
+    def _broadcast(self, t: torch.Tensor) -> None:
+        if self.own is not None:
+            self._run("broadcast", lambda: self.own.pg.broadcast(t, 0).wait())
+        else:
+            self._run("broadcast", lambda: dist.broadcast(t, src=self._global(0), group=self.group))
 
     # -- primitives: each is a blocking collective on every rank of the group ----------
     def _sizes(self, n: int) -> list[int]:
         t = torch.tensor([n], dtype=torch.int64)
         out = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
-        dist.all_gather(out, t, group=self.group)
+        self._all_gather(out, t)
         return [int(x.item()) for x in out]
 
     def _padded(self, data: bytes) -> tuple[list[int], torch.Tensor]:
@@ -58,7 +136,7 @@ class Comm:
             return [data]
         sizes, buf = self._padded(data)
         out = [torch.empty(len(buf), dtype=torch.uint8) for _ in range(self.size)]
-        dist.all_gather(out, buf, group=self.group)
+        self._all_gather(out, buf)
         return [o[:s].numpy().tobytes() for o, s in zip(out, sizes)]
 
     def gather_bytes(self, data: bytes) -> list[bytes] | None:
@@ -68,7 +146,7 @@ class Comm:
         sizes, buf = self._padded(data)
         out = ([torch.empty(len(buf), dtype=torch.uint8) for _ in range(self.size)]
                if self.rank == 0 else None)
-        dist.gather(buf, out, dst=self._global(0), group=self.group)
+        self._gather(out, buf)
         if self.rank != 0:
             return None
         return [o[:s].numpy().tobytes() for o, s in zip(out, sizes)]
@@ -78,7 +156,7 @@ class Comm:
         if self.size == 1:
             return data or b""
         n = torch.tensor([len(data) if self.rank == 0 else 0], dtype=torch.int64)
-        dist.broadcast(n, src=self._global(0), group=self.group)
+        self._broadcast(n)
         size = int(n.item())
         if size == 0:
             return b""
@@ -86,12 +164,12 @@ class Comm:
             buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         else:
             buf = torch.empty(size, dtype=torch.uint8)
-        dist.broadcast(buf, src=self._global(0), group=self.group)
+        self._broadcast(buf)
         return data if self.rank == 0 else buf.numpy().tobytes()
 
     def barrier(self) -> None:
         if self.size > 1:
-            dist.barrier(group=self.group)
+            self.all_gather_bytes(b"")
 
 
 def _cpu_group(group: Any) -> Any:
@@ -164,3 +242,24 @@ def agree(comm: Comm, exc: BaseException | None, what: str) -> None:
         if exc is not None:
             log.debug("rank %d: %s failed", comm.rank, what, exc_info=exc)
         raise_gathered(errors, what, exc)
+
+
+def on_rank0(comm: Comm, fn, what: str) -> Any:
+    """Run ``fn()`` on rank 0 only and hand its JSON-able result to every rank; if it
+    raises anything, every rank raises the same error (typed like the original when it
+    is a CheckpointError, else RankFailure). Collective: one broadcast."""
+    reply = None
+    if comm.rank == 0:
+        try:
+            reply = b"\x00" + json.dumps(fn()).encode()
+        except Exception as e:
+            log.debug("%s failed on rank 0", what, exc_info=True)
+            reply = b"\x01" + json.dumps(error_payload(e)).encode()
+            if comm.size == 1:
+                if isinstance(e, CheckpointError):
+                    raise
+                raise_gathered({0: error_payload(e)}, what, e)
+    payload = comm.broadcast_bytes(reply)
+    if payload[:1] == b"\x01":
+        raise_gathered({0: json.loads(payload[1:])}, what)
+    return json.loads(payload[1:])

@@ -6,9 +6,14 @@ Call order (all collective over the group; rank 0 coordinates):
      save id and each rank's write mask, or the error (no file written yet);
   3. every rank writes and fsyncs one new shard file (unique name per save) and sends
      its size and header checksum, or its error (gather);
-  4. rank 0 writes manifest.json atomically only if every rank succeeded, removes files
-     no manifest references, and broadcasts the outcome; every rank returns the same
-     CheckpointInfo or raises the same error.
+  4. rank 0 checks that every file is still there with its size, writes manifest.json
+     atomically (an exclusive create unless ``overwrite``) only if every rank succeeded,
+     removes the files of the checkpoint it replaced, and broadcasts the outcome; every
+     rank returns the same CheckpointInfo or raises the same error.
+
+Rank 0 holds a lease on the save (an intent file, see :mod:`dckpt.dist.intent`) from
+before any data file exists until after the commit, so gc never removes a save in
+progress.
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from .. import _faults
-from ..errors import AlreadyExistsError
+from ..errors import AlreadyExistsError, IntegrityError
 from ..format import manifest as mf
 from ..format import shards
 from ..layout import localplan, plan as gplan
@@ -33,6 +38,7 @@ from ..state.flatten import flatten
 from ..state.tensors import as_bytes, describe
 from ..storage.fsspec_storage import make_storage
 from .collectives import Comm, error_payload, raise_gathered
+from .intent import Intent
 
 log = logging.getLogger(__name__)
 DATA_FILE = re.compile(r"^data-([0-9a-f]{16})-(\d{5,})\.safetensors$")
@@ -75,14 +81,21 @@ def save(state_dict: Any, path: str, *, process_group: Any = None,
     once, with fsync; four small collectives. Raises on every rank alike:
     UnsupportedValueError (a leaf dckpt cannot store; nothing written),
     StateMismatchError (ranks disagree about a tensor), AlreadyExistsError (a
-    checkpoint is there and ``overwrite`` is False), RankFailure (I/O error on a rank).
-    On any error no manifest is written: the path keeps what it had before."""
+    checkpoint is there and ``overwrite`` is False, or another save committed there
+    first), IntegrityError (a data file vanished before the commit), RankFailure (I/O
+    error on a rank), CommunicationError (a rank died or the group broke). On any error
+    no manifest is written: the path keeps what it had before.
+
+    Concurrency: with ``overwrite=False`` the commit is an exclusive create, so of two
+    saves racing to one path at most one succeeds. With ``overwrite=True`` the last
+    commit wins and each commit removes only the files of the checkpoint it replaced."""
     t0 = time.perf_counter()
     comm = Comm(process_group)
     storage, root = None, path
 
-    # 1. local plan (the storage set-up too: an fsspec protocol missing on one node
-    # must fail every rank through the coordinator, not leave the others waiting)
+    # 1. local plan. Everything up to the first collective runs inside this try (the
+    # storage set-up and the plan's encoding too): any rank's error must reach every
+    # rank through the coordinator, never leave the others waiting in the gather.
     pieces: list = []
     try:
         storage, root = make_storage(path, storage_options)
@@ -93,37 +106,45 @@ def save(state_dict: Any, path: str, *, process_group: Any = None,
                             np.int64)
         local = localplan.LocalPlan([(p.key, p.dtype, p.shape) for p in pieces], boxes, values)
         _faults.fault("plan", comm.rank)
+        blob = localplan.encode(local)
     except Exception as e:  # reported to every rank through the coordinator
-        local = localplan.LocalPlan(error=error_payload(e))
+        blob = localplan.encode(localplan.LocalPlan(error=error_payload(e)))
         log.debug("rank %d: local plan failed", comm.rank, exc_info=True)
-    blobs = comm.gather_bytes(localplan.encode(local))
+    blobs = comm.gather_bytes(blob)
 
-    # 2. coordinator: validate and assign writers
     coord = _Coordinator(storage, root, overwrite, comm.size) if comm.rank == 0 else None
-    reply = coord.plan(blobs) if coord else None
-    doc, tail = _unpack(comm.broadcast_bytes(reply))
-    _raise_if_error(doc, f"save to {path}")
-    save_id = doc["save_id"]
-    mask = gplan.decode_writes(tail, comm.rank)
-
-    # 3. write this rank's shard file
-    vote: dict[str, Any]
     try:
-        vote = _write(storage, root, save_id, comm.rank, [p for p, w in zip(pieces, mask) if w])
-        _faults.fault("vote", comm.rank)
-    except Exception as e:
-        vote = {"error": error_payload(e)}
-        log.debug("rank %d: write failed", comm.rank, exc_info=True)
-    votes = comm.gather_bytes(json.dumps(vote).encode())
+        # 2. coordinator: validate and assign writers
+        reply = coord.plan(blobs) if coord else None
+        doc, tail = _unpack(comm.broadcast_bytes(reply))
+        _raise_if_error(doc, f"save to {path}")
+        save_id = doc["save_id"]
+        mask = gplan.decode_writes(tail, comm.rank)
 
-    # 4. commit
-    outcome = coord.commit([json.loads(v) for v in votes], t0) if coord else None
-    result, _ = _unpack(comm.broadcast_bytes(outcome))
+        # 3. write this rank's shard file
+        vote: dict[str, Any]
+        try:
+            vote = _write(storage, root, save_id, comm.rank,
+                          [p for p, w in zip(pieces, mask) if w])
+            _faults.fault("vote", comm.rank)
+        except Exception as e:
+            vote = {"error": error_payload(e)}
+            log.debug("rank %d: write failed", comm.rank, exc_info=True)
+        votes = comm.gather_bytes(json.dumps(vote).encode())
+
+        # 4. commit
+        outcome = coord.commit([json.loads(v) for v in votes], t0) if coord else None
+        result, _ = _unpack(comm.broadcast_bytes(outcome))
+    finally:
+        if coord is not None:
+            coord.finish()  # a collective that broke mid-way: roll back, end the lease
     _raise_if_error(result, f"save to {path}")
-    info = CheckpointInfo(path=root, seconds=result["seconds"], world_size=comm.size,
+    # The path as the user gave it: a URL keeps its scheme (memory://b/x, s3://...).
+    shown = path.rstrip("/") if "://" in path else root
+    info = CheckpointInfo(path=shown, seconds=result["seconds"], world_size=comm.size,
                           save_id=save_id, bytes_written=result["bytes"], num_files=result["files"])
     if comm.rank == 0:
-        log.info("saved %s: %.1f MiB in %d files from %d ranks in %.2f s", root,
+        log.info("saved %s: %.1f MiB in %d files from %d ranks in %.2f s", shown,
                  info.bytes_written / 2**20, info.num_files, comm.size, info.seconds)
     return info
 
@@ -135,9 +156,12 @@ class _Coordinator:
         self.storage, self.root, self.overwrite, self.world = storage, root, overwrite, world
         self.save_id = ""
         self.gp: gplan.GlobalPlan | None = None
+        self.intent: Intent | None = None
+        self.committed = False
 
     def plan(self, blobs: list[bytes]) -> bytes:
-        """Decode and validate every rank's plan; reply with the save id and write masks."""
+        """Decode and validate every rank's plan; take the save's lease (intent file);
+        reply with the save id and write masks."""
         cache: dict = {}
         try:
             plans = [localplan.decode(b, cache) for b in blobs]
@@ -145,10 +169,8 @@ class _Coordinator:
             if errors:
                 return _pack({"errors": errors})
             st = self.storage
-            if st.exists(st.join(self.root, mf.MANIFEST_NAME)) and not self.overwrite:
-                raise AlreadyExistsError(
-                    f"{self.root} already holds a committed checkpoint; pass overwrite=True "
-                    "to replace it (the old one stays intact until the new one commits)")
+            if not self.overwrite and st.exists(st.join(self.root, mf.MANIFEST_NAME)):
+                raise self._exists()  # early and cheap; the commit itself is exclusive
             self.gp = gplan.plan_global(plans)
             if self.gp.conflicts:
                 k, r = next(iter(self.gp.conflicts.items()))
@@ -158,18 +180,25 @@ class _Coordinator:
                     self.root, len(self.gp.conflicts), k, r)
             st.makedirs(self.root)
             self.save_id = uuid.uuid4().hex[:16]
+            # Before any rank writes a data file: gc leaves a save with a live intent alone.
+            self.intent = Intent(st, self.root, self.save_id).start()
             return _pack({"save_id": self.save_id}, gplan.encode_writes(self.gp))
         except Exception as e:
             return _pack({"errors": {0: error_payload(e)}})
 
+    def _exists(self) -> AlreadyExistsError:
+        return AlreadyExistsError(
+            f"{self.root} already holds a committed checkpoint; pass overwrite=True "
+            "to replace it (the old one stays intact until the new one commits)")
+
     def commit(self, votes: list[dict], t0: float) -> bytes:
-        """Write the manifest if every rank wrote its file; else remove this save's files."""
+        """Write the manifest if every rank wrote its file and every file is still
+        there; else remove this save's files. After a commit, remove the files of the
+        checkpoint it replaced, and nothing else."""
         st, root, gp = self.storage, self.root, self.gp
         errors = {r: v["error"] for r, v in enumerate(votes) if v.get("error")}
-        committed = False
         try:
             if errors:
-                _remove_files(st, root, lambda n: n.startswith(f"data-{self.save_id}-"))
                 return _pack({"errors": errors})
             files = [mf.FileEntry(v["file"], v["size"], v["hlen"], v["crc"], r)
                      for r, v in enumerate(votes) if v.get("file")]
@@ -177,18 +206,36 @@ class _Coordinator:
                 "dckpt_version": _version(), "save_seconds": round(time.perf_counter() - t0, 3)})
             data = mf.to_json(m)
             _faults.fault("commit", 0)
-            st.put_atomic(st.join(root, mf.MANIFEST_NAME), data)  # THE commit point
-            committed = True
+            _check_files(st, root, files)
+            replaced = _current_files(st, root) if self.overwrite else set()
+            try:
+                st.put_atomic(st.join(root, mf.MANIFEST_NAME), data,  # THE commit point
+                              exclusive=not self.overwrite)
+            except FileExistsError:
+                raise self._exists() from None
+            self.committed = True
             _faults.fault("committed", 0)
             keep = {f.name for f in m.files}
-            _remove_files(st, root, lambda n: n not in keep)
+            _remove_files(st, root, lambda n: n in replaced and n not in keep)
             return _pack({"bytes": m.total_bytes, "files": len(files),
                           "seconds": time.perf_counter() - t0})
         except Exception as e:
-            if not committed and not self._manifest_is_ours():
-                _remove_files(st, root, lambda n: n.startswith(f"data-{self.save_id}-"))
+            if not self.committed and self._manifest_is_ours():
+                self.committed = True  # e.g. the directory fsync failed after the rename
             return _pack({"errors": {0: error_payload(e)}})
 
+    def finish(self) -> None:
+        """Always called on rank 0 at the end of a save, however it ended: removes this
+        save's files unless it committed, then ends its lease. Never raises."""
+        if self.intent is None:
+            return
+        try:
+            if not self.committed:
+                _remove_files(self.storage, self.root,
+                              lambda n: n.startswith(f"data-{self.save_id}-"))
+        finally:
+            self.intent.end()
+            self.intent = None
 
     def _manifest_is_ours(self) -> bool:
         """After a failed commit: did the manifest land anyway (e.g. the directory fsync
@@ -198,6 +245,36 @@ class _Coordinator:
         except OSError:
             return False
         return f'"save_id":"{self.save_id}"'.encode() in data
+
+
+def _check_files(storage, root: str, files: list) -> None:
+    """Every file the manifest will name is there with the size its rank reported (one
+    listing). Raises IntegrityError naming the file and rank: something removed or
+    rewrote it after it was written (a concurrent gc or save)."""
+    sizes = {e.name: e.size for e in storage.listdir(root)}
+    for f in files:
+        if sizes.get(f.name) != f.size:
+            what = "is missing" if f.name not in sizes else (
+                f"holds {sizes[f.name]} bytes, not the {f.size} rank {f.rank} wrote")
+            raise IntegrityError(
+                f"{storage.join(root, f.name)} (rank {f.rank}) {what} at commit time: "
+                "another process removed or rewrote it (a concurrent dckpt gc or save?); "
+                "nothing was committed")
+
+
+def _current_files(storage, root: str) -> set[str]:
+    """Data files of the checkpoint committed at ``root`` now (empty when there is none
+    or its manifest cannot be read: then its files are left for ``dckpt gc``)."""
+    from .restore import read_manifest
+
+    try:
+        m, _ = read_manifest(storage, root)
+    except Exception as e:
+        if storage.exists(storage.join(root, mf.MANIFEST_NAME)):
+            log.warning("replacing %s, whose manifest cannot be read (%s): its data files "
+                        "are left for dckpt gc", root, e)
+        return set()
+    return {f.name for f in m.files}
 
 
 def _write(storage, root: str, save_id: str, rank: int, pieces: list) -> dict:

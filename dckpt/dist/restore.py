@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 from .. import _faults
 from ..errors import (CheckpointError, ManifestError, NotCommittedError, StateMismatchError,
@@ -19,6 +19,7 @@ from ..errors import (CheckpointError, ManifestError, NotCommittedError, StateMi
 from ..format import manifest as mf
 from ..state.flatten import flatten, fill
 from ..state.tensors import describe
+from ..storage.base import FileTooLargeError, NotRegularFileError
 from ..storage.fsspec_storage import make_storage
 from ..reader import DEFAULT_READ_BUDGET, ChunkReader
 from .collectives import Comm, agree, error_payload, raise_gathered
@@ -28,21 +29,24 @@ MAX_MANIFEST = 1 << 30  # a manifest of 10^5 tensors in 10^4 chunks each is a fe
 
 
 def read_manifest_bytes(storage, root: str) -> bytes:
-    """The raw bytes of ``root/manifest.json``. Blocking I/O. Raises NotCommittedError,
-    ManifestError (over MAX_MANIFEST bytes: not something a save writes)."""
+    """The raw bytes of ``root/manifest.json``. Blocking I/O of the file's size only.
+    Raises NotCommittedError, ManifestError (not a regular file: a FIFO, a link to a
+    device; or over MAX_MANIFEST bytes: not something a save writes), OSError."""
     where = storage.join(root, mf.MANIFEST_NAME)
     try:
-        data = storage.read(where, 0, MAX_MANIFEST + 1)  # bounded: never a huge buffer
-        if len(data) > MAX_MANIFEST:
-            raise ManifestError(f"{where} is over {MAX_MANIFEST >> 20} MiB: not a dckpt "
-                                "manifest (or a damaged one)")
-        return data
+        return storage.read_file(where, MAX_MANIFEST)
     except FileNotFoundError:
         raise NotCommittedError(
             f"{root} holds no committed checkpoint (no {mf.MANIFEST_NAME}): the save that "
             "wrote it did not finish, or the path is wrong") from None
     except IsADirectoryError:
         raise NotCommittedError(f"{where} is a directory, not a manifest") from None
+    except NotRegularFileError:
+        raise ManifestError(f"{where} is not a regular file (a FIFO, device or socket): "
+                            "not a dckpt manifest; refusing to read it") from None
+    except FileTooLargeError:
+        raise ManifestError(f"{where} is over {MAX_MANIFEST >> 20} MiB: not a dckpt "
+                            "manifest (or a damaged one)") from None
 
 
 def read_manifest(storage, root: str) -> tuple[mf.Manifest, bytes]:
@@ -54,7 +58,8 @@ def read_manifest(storage, root: str) -> tuple[mf.Manifest, bytes]:
 
 def load(state_dict: dict, path: str, *, process_group: Any = None,
          storage_options: dict | None = None, strict: bool = True,
-         read_budget: int = DEFAULT_READ_BUDGET, ignore_prefixes: tuple[str, ...] = ()) -> dict:
+         read_budget: int = DEFAULT_READ_BUDGET, ignore_prefixes: tuple[str, ...] = (),
+         extra: Callable[[mf.Manifest], dict] | None = None) -> dict:
     """Fill ``state_dict`` in place from the checkpoint at ``path`` and return it.
     Collective: call on every rank.
 
@@ -67,7 +72,14 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
     contiguous on both sides is read straight into its destination. Checkpoint keys that
     start with one of ``ignore_prefixes`` are never reported as unexpected. Raises on every rank alike:
     NotCommittedError, ManifestError / IntegrityError (naming the file), StateMismatchError
-    (missing/unexpected keys, dtype or shape differences)."""
+    (missing/unexpected keys, dtype or shape differences). ``extra(manifest)``, if
+    given, returns entries added to ``state_dict`` before matching: targets shaped after
+    what the checkpoint holds (the manager's RNG states).
+
+    A failed load may leave the destination tensors partly overwritten: bytes are read
+    straight into them and verified in place, so a checksum failure is detected after
+    some of them changed. Treat the state as undefined after an error: load another
+    checkpoint into it (CheckpointManager.restore does) or rebuild it."""
     t0 = time.perf_counter()
     comm = Comm(process_group)
     # A storage set-up error (an fsspec protocol missing on one node) is reported through
@@ -105,6 +117,8 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
     try:
         if setup_err is not None:
             raise setup_err
+        if extra is not None:
+            state_dict.update(extra(manifest))
         flat = flatten(state_dict)
         pieces, unexpected = _match(manifest, flat.tensors, flat.values)
     except Exception as e:

@@ -4,18 +4,25 @@ The persist runs the ordinary two-phase commit (:func:`dckpt.save`) from one bac
 thread per process, over a gloo group of its own, created once per training group. The
 training's own group is never used from that thread, so the training loop's collectives
 (all_reduce, barrier, FSDP's all-gathers) cannot interleave with the checkpoint's.
+
+That group is dckpt's own (:class:`~dckpt.dist.collectives.OwnGroup`, not registered
+with torch.distributed): a ``destroy_process_group()`` while a save is in flight does not
+break it, so the save still commits (or fails) identically on every rank and
+``result()`` returns its outcome. ``DCKPT_COLLECTIVE_TIMEOUT_S`` (default 1800) bounds
+each of its collectives.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import os
 import threading
 import time
 from typing import Any
 
 import torch.distributed as dist
 
-from ..dist.collectives import drop_dead
+from ..dist.collectives import OwnGroup, drop_dead
 from ..dist.commit import CheckpointInfo, save
 from .staging import StagingPool
 
@@ -53,9 +60,9 @@ class _Saver:
         self.inflight: SaveHandle | None = None
         self.group = None
         if dist.is_available() and dist.is_initialized():
-            ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
             # Collective, once: every rank makes its first async_save together.
-            self.group = dist.new_group(ranks=ranks, backend="gloo")
+            self.group = OwnGroup.create(group, float(os.environ.get(
+                "DCKPT_COLLECTIVE_TIMEOUT_S", "1800")))
 
 
 _SAVERS: dict[Any, _Saver] = {}

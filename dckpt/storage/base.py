@@ -13,10 +13,25 @@ from typing import Protocol
 
 @dataclass(frozen=True)
 class Entry:
+    """One listing entry. ``is_dir`` never follows a symbolic link: a link (to a file or
+    a directory) has ``is_link`` set and ``is_dir`` False, so nothing walks out of a
+    root through one. ``mtime`` is None where the backend reports no modification time
+    (then nothing may treat the entry as old)."""
+
     name: str
     size: int
-    mtime: float
+    mtime: float | None
     is_dir: bool
+    is_link: bool = False
+
+
+class NotRegularFileError(OSError):
+    """The path is a FIFO, a device, a socket or a directory, where a regular file was
+    required (reading it could block forever or never end)."""
+
+
+class FileTooLargeError(OSError):
+    """The file is larger than the caller's cap; nothing was read."""
 
 
 def byte_views(bufs: list) -> list[memoryview]:
@@ -58,12 +73,26 @@ class Storage(Protocol):
     def size(self, path: str) -> int: ...
     def read(self, path: str, start: int = 0, length: int | None = None) -> bytes:
         """Bytes ``[start, start+length)`` (to the end when length is None). Short at EOF."""
+    def read_file(self, path: str, cap: int) -> bytes:
+        """The whole of the regular file ``path`` when it holds at most ``cap`` bytes.
+        Never blocks on a FIFO and never allocates more than its size. Raises
+        FileNotFoundError, NotRegularFileError, FileTooLargeError, OSError."""
     def open_read(self, path: str) -> Reader:
         """A handle for many reads of ``path``; may raise FileNotFoundError here or at
         the first read."""
     def open_write(self, path: str) -> Writer: ...
-    def put_atomic(self, path: str, data: bytes) -> None:
+    atomic_replace: bool
+    """Whether ``put_atomic(..., exclusive=False)`` replaces an existing file in one step."""
+
+    def put_atomic(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
         """Make ``path`` hold ``data`` in one step: readers see the old content or the
-        new, never a part. Durable on return."""
+        new, never a part. Durable on return. With ``exclusive`` the file is created
+        only if nothing is at ``path`` (checked and created as one step where the
+        backend allows: link(2) on POSIX, a conditional PUT on object stores), else
+        FileExistsError and nothing changes. Without it, on a backend that has no
+        atomic replace (``atomic_replace`` False), an existing ``path`` raises
+        FileExistsError rather than risk a half-written file."""
+    def touch(self, path: str, data: bytes = b"") -> None:
+        """Create ``path`` or renew its modification time (a lease heartbeat)."""
     def remove(self, path: str) -> None: ...
     def remove_tree(self, path: str) -> None: ...

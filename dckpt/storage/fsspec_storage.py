@@ -1,11 +1,62 @@
-"""Storage over any fsspec file system (memory://, s3://, gs://...)."""
+"""Storage over any fsspec file system (memory://, s3://, gs://...).
+
+Atomicity per backend (docs/GUARANTEES.md): object stores and the memory file system
+store an object in one request, so the manifest is one ``pipe_file`` there (with
+``mode="create"``, a conditional PUT, for an exclusive commit). Other backends (sftp,
+hdfs, smb, webdav, cache wrappers...) may truncate and rewrite a file in place, so the
+manifest goes to a temp name first and is then moved, and replacing an existing
+manifest is refused (``atomic_replace`` False): there is no way to do it without a
+moment where the old one is gone.
+"""
 from __future__ import annotations
 
+import datetime as _dt
+import logging
+import uuid
 from typing import Any
 
 import fsspec
 
-from .base import Entry, byte_views
+from .base import Entry, FileTooLargeError, NotRegularFileError, byte_views
+
+log = logging.getLogger(__name__)
+
+# Protocols whose single PUT of an object is atomic (readers see all of it or none).
+ONE_PUT_PROTOCOLS = frozenset({"memory", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss",
+                               "adl", "oss", "r2", "tos", "cos"})
+# Protocols where a move within the file system is an atomic rename that replaces.
+RENAME_PROTOCOLS = frozenset({"file", "local"})
+# Listing keys that carry the modification time, by the backends that use them.
+_MTIME_KEYS = ("mtime", "LastModified", "last_modified", "updated", "modified",
+               "time_modified", "created", "creation_time")
+
+
+def _timestamp(v: Any) -> float | None:
+    """Seconds since the epoch from a listing's time value, or None if it is none."""
+    if v is None or v == "":
+        return None
+    if isinstance(v, _dt.datetime):
+        if v.tzinfo is None:
+            v = v.replace(tzinfo=_dt.timezone.utc)
+        return v.timestamp()
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    if isinstance(v, str):
+        try:
+            return _timestamp(_dt.datetime.fromisoformat(v.replace("Z", "+00:00")))
+        except ValueError:
+            return None
+    return None
+
+
+def entry_mtime(info: dict) -> float | None:
+    """The modification time in an fsspec ``info`` dict under whichever key its backend
+    uses; None when it reports none (callers must then not treat the file as old)."""
+    for k in _MTIME_KEYS:
+        t = _timestamp(info.get(k))
+        if t is not None:
+            return t
+    return None
 
 
 class FsspecWriter:
@@ -67,6 +118,10 @@ class FsspecStorage:
 
     def __init__(self, fs: Any) -> None:
         self.fs = fs
+        protos = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+        self.one_put = any(p in ONE_PUT_PROTOCOLS for p in protos)
+        self.renames = any(p in RENAME_PROTOCOLS for p in protos)
+        self.atomic_replace = self.one_put or self.renames
 
     def join(self, *parts: str) -> str:
         return "/".join(p.rstrip("/") for p in parts[:-1]) + "/" + parts[-1] if len(parts) > 1 else parts[0]
@@ -81,11 +136,9 @@ class FsspecStorage:
         out = []
         for info in self.fs.ls(path, detail=True):
             name = info["name"].rstrip("/").rsplit("/", 1)[-1]
-            mtime = info.get("mtime") or info.get("LastModified") or info.get("created") or 0.0
-            if hasattr(mtime, "timestamp"):
-                mtime = mtime.timestamp()
-            out.append(Entry(name, int(info.get("size") or 0), float(mtime),
-                             info.get("type") == "directory"))
+            link = bool(info.get("islink"))
+            out.append(Entry(name, int(info.get("size") or 0), entry_mtime(info),
+                             info.get("type") == "directory" and not link, link))
         return out
 
     def size(self, path: str) -> int:
@@ -95,14 +148,49 @@ class FsspecStorage:
         end = None if length is None else start + length
         return self.fs.cat_file(path, start=start, end=end)
 
+    def read_file(self, path: str, cap: int) -> bytes:
+        info = self.fs.info(path)
+        if info.get("type") == "directory":
+            raise IsADirectoryError(path)
+        if info.get("type") not in (None, "file"):
+            raise NotRegularFileError(f"{path} is a {info.get('type')}, not a file")
+        size = int(info.get("size") or 0)
+        if size > cap:
+            raise FileTooLargeError(f"{path} holds {size} bytes, over the {cap}-byte cap")
+        return self.fs.cat_file(path, start=0, end=size) if size else b""
+
     def open_read(self, path: str) -> "FsspecReader":
         return FsspecReader(self, path)
 
     def open_write(self, path: str) -> FsspecWriter:
         return FsspecWriter(self.fs, path)
 
-    def put_atomic(self, path: str, data: bytes) -> None:
-        self.fs.pipe_file(path, data)
+    def put_atomic(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
+        """One PUT where that is atomic (conditional with ``exclusive``); elsewhere a
+        temp object moved into place, and an existing ``path`` is never replaced."""
+        if self.one_put:
+            # mode="create": If-None-Match on object stores, FileExistsError if present
+            self.fs.pipe_file(path, data, mode="create" if exclusive else "overwrite")
+            return
+        if exclusive and self.fs.exists(path):
+            raise FileExistsError(path)  # check-then-act: no exclusive primitive here
+        if not self.renames and self.fs.exists(path):
+            raise FileExistsError(
+                f"{path} exists and {type(self.fs).__name__} has no atomic replace: dckpt "
+                "never overwrites a manifest there (save to a new path instead)")
+        tmp = f"{path.rsplit('/', 1)[0]}/.{path.rsplit('/', 1)[-1]}.tmp-{uuid.uuid4().hex[:12]}"
+        self.fs.pipe_file(tmp, data)
+        try:
+            self.fs.mv(tmp, path)
+        except BaseException:
+            try:
+                self.fs.rm(tmp)
+            except Exception:
+                pass
+            raise
+
+    def touch(self, path: str, data: bytes = b"") -> None:
+        self.fs.pipe_file(path, data)  # a new PUT renews the modification time everywhere
 
     def remove(self, path: str) -> None:
         self.fs.rm(path)

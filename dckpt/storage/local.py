@@ -7,11 +7,12 @@ import errno
 import logging
 import os
 import shutil
+import stat
 import sys
 import uuid
 
 from . import direct
-from .base import Entry, byte_views
+from .base import Entry, FileTooLargeError, NotRegularFileError, byte_views
 
 log = logging.getLogger(__name__)
 
@@ -97,13 +98,33 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _open_regular(path: str) -> int:
+    """An O_RDONLY descriptor of ``path``, refused unless it is a regular file. Opened
+    non-blocking (a FIFO would otherwise block the open until a writer comes), then the
+    flag is cleared for ordinary reads. Raises OSError, NotRegularFileError."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+            err = IsADirectoryError if stat.S_ISDIR(st.st_mode) else NotRegularFileError
+            raise err(errno.EISDIR if err is IsADirectoryError else errno.EINVAL,
+                      f"{path} is {kind}", path)
+        if hasattr(os, "O_NONBLOCK"):
+            os.set_blocking(fd, True)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 class LocalReader:
     """One open file, read with pread. Reusing it across a run of reads keeps the
     kernel's readahead state (which lives in the open file), so reads that follow each
     other through the file are seen as one sequential stream."""
 
     def __init__(self, path: str) -> None:
-        self.fd = os.open(path, os.O_RDONLY)
+        self.fd = _open_regular(path)
 
     def readv(self, start: int, bufs: list) -> int:
         """Fill ``bufs`` in order from consecutive bytes at ``start`` (scatter reads:
@@ -139,6 +160,7 @@ class LocalStorage:
     content or the new one."""
 
     random_write = True
+    atomic_replace = True
 
     def __init__(self, direct_io: bool = True) -> None:
         # Direct I/O for shard files (see storage/direct.py): far less CPU per byte
@@ -152,27 +174,70 @@ class LocalStorage:
         return os.path.exists(path)
 
     def makedirs(self, path: str) -> None:
-        os.makedirs(path, exist_ok=True)
+        """Create ``path`` and its missing parents, fsyncing each new directory's parent
+        so that the new entries survive a power loss (a checkpoint whose directory entry
+        was never made durable can vanish after the manager deleted older ones)."""
+        path = os.path.abspath(path)
+        missing = []
+        p = path
+        while not os.path.isdir(p):
+            missing.append(p)
+            parent = os.path.dirname(p)
+            if parent == p:
+                break
+            p = parent
+        for d in reversed(missing):
+            try:
+                os.mkdir(d)
+            except FileExistsError:
+                if not os.path.isdir(d):
+                    raise
+                continue  # made by someone else meanwhile: they fsync its parent
+            _fsync_dir(os.path.dirname(d))
 
     def listdir(self, path: str) -> list[Entry]:
+        """Entries of ``path``; links are reported as links, never followed."""
         out = []
         with os.scandir(path) as it:
             for e in it:
                 try:
-                    st = e.stat()
+                    st = e.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue  # removed while listing
-                out.append(Entry(e.name, st.st_size, st.st_mtime, e.is_dir()))
+                link = stat.S_ISLNK(st.st_mode)
+                out.append(Entry(e.name, st.st_size, st.st_mtime,
+                                 stat.S_ISDIR(st.st_mode), link))
         return out
 
     def size(self, path: str) -> int:
         return os.stat(path).st_size
 
     def read(self, path: str, start: int = 0, length: int | None = None) -> bytes:
-        with open(path, "rb", buffering=0) as f:
+        fd = _open_regular(path)  # a FIFO named like a shard must not block the read
+        try:
             if length is None:
-                length = max(0, os.fstat(f.fileno()).st_size - start)
-            return os.pread(f.fileno(), length, start) if length else b""
+                length = max(0, os.fstat(fd).st_size - start)
+            return os.pread(fd, length, start) if length else b""
+        finally:
+            os.close(fd)
+
+    def read_file(self, path: str, cap: int) -> bytes:
+        fd = _open_regular(path)
+        try:
+            size = os.fstat(fd).st_size
+            if size > cap:
+                raise FileTooLargeError(errno.EFBIG, f"{path} holds {size} bytes, over the "
+                                        f"{cap}-byte cap", path)
+            parts, done = [], 0
+            while done < size:  # a file that shrinks meanwhile ends the read early
+                b = os.pread(fd, size - done, done)
+                if not b:
+                    break
+                parts.append(b)
+                done += len(b)
+            return b"".join(parts)
+        finally:
+            os.close(fd)
 
     def open_read(self, path: str) -> "LocalReader":
         """An open file for many reads. Raises OSError (FileNotFoundError)."""
@@ -192,18 +257,37 @@ class LocalStorage:
                 self.direct_io = False
         return LocalWriter(path)
 
-    def put_atomic(self, path: str, data: bytes) -> None:
+    def put_atomic(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
+        """Temp file, fsync, then ``rename`` over ``path`` (replace) or ``link`` to it
+        (exclusive: link(2) fails with EEXIST if anything is there, atomically, on every
+        POSIX file system including NFS), then fsync of the directory."""
         d = os.path.dirname(path) or "."
         tmp = os.path.join(d, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
         w = LocalWriter(tmp)
         try:
             w.write(data)
             w.commit()
-            os.replace(tmp, path)
+            if exclusive:
+                os.link(tmp, path)  # FileExistsError: another commit won
+                os.unlink(tmp)
+            else:
+                os.replace(tmp, path)
         except BaseException:
             w.abort()
             raise
         _fsync_dir(d)
+
+    def touch(self, path: str, data: bytes = b"") -> None:
+        if os.path.exists(path):
+            os.utime(path)
+            return
+        w = LocalWriter(path)
+        try:
+            w.write(data)
+            w.commit()
+        except BaseException:
+            w.abort()
+            raise
 
     def remove(self, path: str) -> None:
         os.unlink(path)
