@@ -166,3 +166,154 @@ def test_local_scatter_read_resumes_after_a_short_preadv(tmp_path, monkeypatch):
     with local.LocalReader(str(p)) as f:
         assert f.readv(100, bufs) == 8001
     assert b"".join(bufs) == data[100:8101]
+
+
+def test_put_atomic_exclusive(store):
+    """An exclusive put creates, or raises FileExistsError and changes nothing; it
+    leaves no temp file either way."""
+    s, root = store
+    path = s.join(root, "manifest.json")
+    s.put_atomic(path, b"first", exclusive=True)
+    with pytest.raises(FileExistsError):
+        s.put_atomic(path, b"second", exclusive=True)
+    assert s.read(path) == b"first"
+    assert [e.name for e in s.listdir(root)] == ["manifest.json"]
+
+
+def test_put_atomic_exclusive_races(store):
+    """Eight threads create one path exclusively at once: exactly one wins."""
+    import threading
+
+    s, root = store
+    path = s.join(root, "manifest.json")
+    go, wins, losses = threading.Barrier(8), [], []
+
+    def one(i: int) -> None:
+        go.wait()
+        try:
+            s.put_atomic(path, f"writer {i}".encode(), exclusive=True)
+            wins.append(i)
+        except FileExistsError:
+            losses.append(i)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if isinstance(s, FsspecStorage) and not s.one_put:
+        pytest.skip("fsspec's local file system has no exclusive create: check-then-act")
+    assert len(wins) == 1 and len(losses) == 7
+    assert s.read(path) == f"writer {wins[0]}".encode()
+
+
+def test_read_file_bounds(store):
+    """read_file returns a whole small file, refuses one over the cap without reading
+    it, and reports a missing one."""
+    from dckpt.storage.base import FileTooLargeError
+
+    s, root = store
+    path = s.join(root, "m")
+    s.put_atomic(path, b"x" * 100)
+    assert s.read_file(path, 100) == b"x" * 100
+    with pytest.raises(FileTooLargeError):
+        s.read_file(path, 99)
+    with pytest.raises(FileNotFoundError):
+        s.read_file(s.join(root, "nope"), 100)
+
+
+def test_touch_renews_mtime(store):
+    import time
+
+    s, root = store
+    path = s.join(root, "lease")
+    s.touch(path, b"x")
+    first = {e.name: e for e in s.listdir(root)}["lease"].mtime
+    time.sleep(0.05)
+    s.touch(path, b"x")
+    second = {e.name: e for e in s.listdir(root)}["lease"].mtime
+    assert first is not None and second is not None and second > first
+
+
+def test_local_read_file_refuses_fifo_and_devices(tmp_path):
+    """A FIFO named like a manifest must not block the read forever, and a link to
+    /dev/zero must not be read at all."""
+    import os
+
+    from dckpt.storage.base import NotRegularFileError
+
+    s = LocalStorage()
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(NotRegularFileError):
+        s.read_file(str(fifo), 1 << 30)
+    with pytest.raises(NotRegularFileError):
+        s.read(str(fifo), 0, 10)
+    with pytest.raises(NotRegularFileError):
+        s.open_read(str(fifo))
+    os.symlink("/dev/zero", tmp_path / "zero")
+    with pytest.raises(NotRegularFileError):
+        s.read_file(str(tmp_path / "zero"), 1 << 30)
+
+
+def test_local_listdir_does_not_follow_links(tmp_path):
+    import os
+
+    s = LocalStorage()
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "root").mkdir()
+    os.symlink(tmp_path / "outside", tmp_path / "root" / "dirlink")
+    (tmp_path / "outside" / "f").write_bytes(b"1")
+    os.symlink(tmp_path / "outside" / "f", tmp_path / "root" / "filelink")
+    e = {x.name: x for x in s.listdir(str(tmp_path / "root"))}
+    assert e["dirlink"].is_link and not e["dirlink"].is_dir
+    assert e["filelink"].is_link and not e["filelink"].is_dir
+
+
+def test_local_makedirs_fsyncs_each_new_parent(tmp_path, monkeypatch):
+    """A new directory's entry in its parent is made durable: each parent of a created
+    directory is fsynced after the mkdir."""
+    import os
+
+    from dckpt.storage import local
+
+    synced = []
+    real = local._fsync_dir
+    monkeypatch.setattr(local, "_fsync_dir", lambda p: (synced.append(p), real(p)))
+    LocalStorage().makedirs(str(tmp_path / "a" / "b" / "c"))
+    assert synced == [str(tmp_path), str(tmp_path / "a"), str(tmp_path / "a" / "b")]
+    synced.clear()
+    LocalStorage().makedirs(str(tmp_path / "a" / "b" / "c"))  # exists: nothing to sync
+    assert synced == []
+    assert os.path.isdir(tmp_path / "a" / "b" / "c")
+
+
+def test_fsspec_replace_refused_without_an_atomic_primitive():
+    """On a backend whose write is not one atomic request (sftp, webdav, smb...), an
+    existing manifest is never rewritten in place."""
+    fs = fsspec.filesystem("memory")
+    s = FsspecStorage(fs)
+    s.one_put = s.renames = s.atomic_replace = False  # as for sftp: no atomic primitive
+    root = f"/noatomic-{uuid.uuid4().hex}"
+    s.makedirs(root)
+    path = s.join(root, "manifest.json")
+    s.put_atomic(path, b"old")  # a new file: temp, then moved into place
+    with pytest.raises(FileExistsError, match="no atomic replace"):
+        s.put_atomic(path, b"new")
+    assert s.read(path) == b"old"
+    assert [e.name for e in s.listdir(root)] == ["manifest.json"]
+    s.remove_tree(root)
+
+
+def test_fsspec_mtime_from_each_backends_key():
+    import datetime as dt
+
+    from dckpt.storage.fsspec_storage import entry_mtime
+
+    t = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
+    assert entry_mtime({"mtime": 5.0}) == 5.0
+    assert entry_mtime({"LastModified": t}) == t.timestamp()
+    assert entry_mtime({"last_modified": "2026-01-02T03:04:05Z"}) == t.timestamp()
+    assert entry_mtime({"updated": "2026-01-02T03:04:05.000Z"}) == t.timestamp()
+    assert entry_mtime({"created": t.timestamp()}) == t.timestamp()
+    assert entry_mtime({"size": 3}) is None
