@@ -155,3 +155,50 @@ def test_shard_files_round_trip_either_way(tmp_path, direct_io, monkeypatch):
     for f in os.listdir(tmp_path / "ck"):
         if f.endswith(".safetensors"):
             assert set(load_file(str(tmp_path / "ck" / f))) <= {"a", "b", "c", "d"}
+
+
+def _enospc_on(monkeypatch, when):
+    """Make os.pwrite fail with ENOSPC (a full disk) for calls where ``when(buf, offset)``."""
+    real = os.pwrite
+
+    def pwrite(fd, buf, offset):
+        if when(buf, offset):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, buf, offset)
+    monkeypatch.setattr(direct.os, "pwrite", pwrite)
+
+
+def test_full_disk_at_the_unaligned_header_is_reported_as_enospc(tmp_path, monkeypatch):
+    """Found in review: the temporary copy of an unaligned header could not be closed while
+    the failed write's memoryview was still alive, so BufferError replaced the ENOSPC."""
+    path = str(tmp_path / "f")
+    w = direct.DirectWriter.open(path)
+    w.pwrite(aligned(3 * A + 5), A)  # the data stream, after a header block
+    _enospc_on(monkeypatch, lambda buf, off: off == 0)
+    with pytest.raises(OSError) as e:
+        w.pwrite(aligned(A, 1), 0)  # aligned size and offset, unaligned memory: the copy path
+    assert e.value.errno == errno.ENOSPC and path in str(e.value)
+    assert not isinstance(e.value, BufferError)
+    w.abort()
+    assert not os.path.exists(path)
+
+
+@pytest.mark.parametrize("where", ["direct", "bounce", "tail", "buffered"])
+def test_full_disk_on_every_write_path_is_reported_as_enospc(tmp_path, monkeypatch, where):
+    path = str(tmp_path / "f")
+    w = direct.DirectWriter.open(path)
+    if where == "buffered":
+        w.pwrite(aligned(100, 1), 7)  # not a stream start: the rest goes buffered
+    _enospc_on(monkeypatch, lambda buf, off: True)
+    with pytest.raises(OSError) as e:
+        if where == "direct":
+            w.pwrite(aligned(2 * A), 0)  # aligned in memory and file: written straight
+        elif where == "bounce":
+            w.pwrite(aligned(2 * direct._BOUNCE + 3, 1), 0)
+            w.commit()
+        else:
+            w.pwrite(aligned(100, 1), 0 if where == "tail" else 500)
+            w.commit()
+    assert e.value.errno == errno.ENOSPC and path in str(e.value), e.value
+    w.abort()
+    assert not os.path.exists(path)

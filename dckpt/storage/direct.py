@@ -17,6 +17,7 @@ partial block is written padded with zeros, then the file is truncated to its si
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
@@ -52,12 +53,26 @@ def _give(bufs: list[mmap.mmap]) -> None:
         _FREE.extend(bufs[: max(0, 4 - len(_FREE))])  # two writers' worth at most
 
 
-def _pwrite_all(fd: int, mv: memoryview, offset: int) -> None:
-    while len(mv):
-        n = os.pwrite(fd, mv, offset)
-        if n <= 0:
-            raise OSError(f"pwrite wrote {n} bytes")
-        mv, offset = mv[n:], offset + n
+def _pwrite_all(fd: int, mv: memoryview, offset: int, path: str) -> None:
+    """Write all of ``mv`` at ``offset``. Raises OSError (errno kept) naming ``path``."""
+    try:
+        while len(mv):
+            n = os.pwrite(fd, mv, offset)
+            if n <= 0:
+                raise OSError(errno.EIO, f"pwrite wrote {n} bytes")
+            mv, offset = mv[n:], offset + n
+    except OSError as e:
+        # The traceback keeps this frame alive, and with it any slice of a caller's mmap:
+        # mmap.close() would then fail with BufferError and hide this error (a full disk).
+        mv = None
+        raise _named(e, path)
+
+
+def _named(e: OSError, path: str) -> OSError:
+    """``e`` with ``path`` as its file name when it names none (errno and type kept)."""
+    if e.filename is None:
+        e.filename = path
+    return e
 
 
 class DirectWriter:
@@ -97,7 +112,7 @@ class DirectWriter:
         mv = memoryview(data).cast("B")
         self.size = max(self.size, offset + len(mv))
         if self.buffered:
-            _pwrite_all(self.fd, mv, offset)
+            _pwrite_all(self.fd, mv, offset, self.path)
         elif offset == self.base + self.fill or (self.fill == 0 and offset % ALIGN == 0):
             if offset != self.base + self.fill:
                 self._drain()  # a new stream: let no earlier write race it over a block
@@ -110,7 +125,7 @@ class DirectWriter:
             self._write_alone(mv, offset)
         else:
             self._to_buffered()
-            _pwrite_all(self.fd, mv, offset)
+            _pwrite_all(self.fd, mv, offset, self.path)
 
     # -- the stream
     @staticmethod
@@ -123,7 +138,7 @@ class DirectWriter:
                 # Aligned in memory and in the file: no copy. Synchronous, because the
                 # caller may reuse its buffer as soon as pwrite returns.
                 n = min(len(mv) // ALIGN * ALIGN, _MAX_DIRECT)
-                _pwrite_all(self.fd, mv[:n], self.base)
+                _pwrite_all(self.fd, mv[:n], self.base, self.path)
                 self.base += n
                 mv = mv[n:]
                 continue
@@ -149,7 +164,7 @@ class DirectWriter:
         """Write the current buffer's first ``nbytes`` (a multiple of ALIGN) at base in
         the background and move to the other buffer."""
         view = memoryview(self.bufs[self.cur])[:nbytes]
-        self.busy[self.cur] = self.io.submit(_pwrite_all, self.fd, view, self.base)
+        self.busy[self.cur] = self.io.submit(_pwrite_all, self.fd, view, self.base, self.path)
         self.base += nbytes
         self.fill = 0
         self.cur ^= 1
@@ -180,12 +195,14 @@ class DirectWriter:
         self._drain()  # it may rewrite blocks a write in flight covers
         self.others.append((offset, offset + len(mv)))
         if _address(mv) % ALIGN == 0:
-            _pwrite_all(self.fd, mv, offset)
+            _pwrite_all(self.fd, mv, offset, self.path)
             return
         tmp = mmap.mmap(-1, len(mv))
         try:
             tmp[:] = mv
-            _pwrite_all(self.fd, memoryview(tmp), offset)
+            # Released before tmp.close(), which refuses while any view of tmp is alive.
+            with memoryview(tmp) as view:
+                _pwrite_all(self.fd, view, offset, self.path)
         finally:
             tmp.close()
 
@@ -197,7 +214,7 @@ class DirectWriter:
         fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
         self.buffered = True
         if tail:
-            _pwrite_all(self.fd, memoryview(tail), self.base)
+            _pwrite_all(self.fd, memoryview(tail), self.base, self.path)
         self.fill = 0
 
     # -- Writer protocol
@@ -209,6 +226,8 @@ class DirectWriter:
                 self._flush_tail()
             os.ftruncate(self.fd, self.size)
             os.fsync(self.fd)
+        except OSError as e:
+            raise _named(e, self.path)
         finally:
             self._close()
 
