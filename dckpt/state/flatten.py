@@ -19,10 +19,33 @@ import torch
 from ..errors import StateMismatchError, UnsupportedValueError
 
 JSON_TYPES = (type(None), bool, int, float, str)
+# Python's json refuses to write or read ints over 4300 decimal digits (int/str conversion
+# limit); 13000 bits is about 3913 digits, a cheap test that stays well inside it.
+MAX_INT_BITS = 13000
 
 
 def _join(prefix: str, part: str) -> str:
     return f"{prefix}.{part}" if prefix else part
+
+
+def _utf8(s: str) -> bool:
+    """Whether ``s`` has a UTF-8 encoding (no lone surrogates). O(len(s)); ASCII is a
+    fast path."""
+    if s.isascii():
+        return True
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _not_utf8(what: str, key: str) -> UnsupportedValueError:
+    # repr: the key itself cannot be printed to a UTF-8 terminal
+    return UnsupportedValueError(
+        f"{what} {key!r} is not valid UTF-8 (it holds a lone surrogate, e.g. from "
+        "os.fsdecode of undecodable bytes): safetensors headers and the manifest are UTF-8; "
+        "clean the string (s.encode('utf-8', 'replace').decode())")
 
 
 def is_stateful(obj: Any) -> bool:
@@ -43,7 +66,9 @@ class Flat:
 
 def flatten(state: Any) -> Flat:
     """Flatten ``state``. Calls ``state_dict()`` of every Stateful object once; otherwise
-    a pure Python walk, O(leaves). Raises UnsupportedValueError before any I/O."""
+    a pure Python walk, O(leaves) plus the length of non-ASCII strings. Raises
+    UnsupportedValueError before any I/O: for an unsupported type, a key or str that is
+    not valid UTF-8 (a lone surrogate), an int too long for JSON, colliding keys."""
     flat = Flat()
     tensors, values = flat.tensors, flat.values
 
@@ -65,11 +90,19 @@ def flatten(state: Any) -> Flat:
                     raise UnsupportedValueError(
                         f"key {k!r} under {key or '<root>'!r} is a {type(k).__name__}; "
                         "state_dict keys must be strings")
+                if not _utf8(k):  # checked once per part, not per joined key: O(leaves)
+                    raise _not_utf8("key", _join(key, k))
                 walk(v, _join(key, k))
         elif isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
             for i, v in enumerate(obj):
                 walk(v, _join(key, str(i)))
         elif isinstance(obj, JSON_TYPES) and type(obj) in JSON_TYPES:
+            if type(obj) is str and not _utf8(obj):
+                raise _not_utf8("the string value at key", key)
+            if type(obj) is int and obj.bit_length() > MAX_INT_BITS:
+                raise UnsupportedValueError(
+                    f"the int at key {key!r} has {obj.bit_length()} bits (over about 3900 "
+                    "decimal digits): JSON cannot carry it; store it as a str or a tensor")
             leaf(key, obj, values)  # NaN/inf are written as Python's json writes them
         else:
             raise UnsupportedValueError(
