@@ -2,20 +2,22 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
 from .dist.commit import DATA_FILE, TEMP_MANIFEST
+from .dist.intent import INTENT_FILE, live_save_ids
 from .errors import CheckpointError
 from .format import manifest as mf
-from .storage.fsspec_storage import make_storage
+from .storage.fsspec_storage import FsspecStorage, make_storage
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class CheckpointSummary:
-    path: str
+    path: str  # as the user wrote the root (an fsspec URL keeps its scheme), so it loads
     committed: bool
     bytes: int
     files: int
@@ -25,7 +27,33 @@ class CheckpointSummary:
     problem: str = ""
 
 
-def _read(storage, path: str):
+def _shown_root(root: str, storage, base: str) -> str:
+    """The root as paths are shown to the user: the user's own URL for fsspec (the
+    storage path has lost its scheme: ``memory://b/x`` is ``/b/x`` there and would not
+    load), the absolute path for local files."""
+    if isinstance(storage, FsspecStorage):
+        return root if root.endswith("://") else root.rstrip("/")
+    return base
+
+
+def _open_root(root: str, storage_options: dict | None):
+    """(storage, storage path, shown root) for a root that must be a directory. One or
+    two metadata calls. Raises CheckpointError (missing, not a directory)."""
+    storage, base = make_storage(root, storage_options)
+    if not storage.exists(base):
+        raise CheckpointError(f"{root} does not exist")
+    # fsspec lists a file as a one-entry directory of itself: ask explicitly
+    is_dir = storage.fs.isdir(base) if isinstance(storage, FsspecStorage) else os.path.isdir(base)
+    if not is_dir:
+        raise CheckpointError(f"{root} is not a directory")
+    return storage, base, _shown_root(root, storage, base)
+
+
+def _shown_join(shown: str, name: str) -> str:
+    return shown + name if shown.endswith("://") else f"{shown}/{name}"
+
+
+def _read(storage, path: str, shown: str | None = None):
     """(manifest or None, summary or None): None, None when ``path`` has no manifest."""
     from .dist.restore import read_manifest
 
@@ -33,30 +61,29 @@ def _read(storage, path: str):
         m, _ = read_manifest(storage, path)
     except CheckpointError as e:
         if storage.exists(storage.join(path, mf.MANIFEST_NAME)):
-            return None, CheckpointSummary(path, False, 0, 0, 0, 0, 0.0, str(e))
+            return None, CheckpointSummary(shown or path, False, 0, 0, 0, 0, 0.0, str(e))
         return None, None
-    return m, CheckpointSummary(path, True, m.total_bytes, len(m.files), len(m.tensors),
+    return m, CheckpointSummary(shown or path, True, m.total_bytes, len(m.files), len(m.tensors),
                                 m.world_size, m.created)
 
 
-def _summary(storage, path: str) -> CheckpointSummary | None:
-    return _read(storage, path)[1]
+def _summary(storage, path: str, shown: str) -> CheckpointSummary | None:
+    return _read(storage, path, shown)[1]
 
 
 def list_checkpoints(root: str, storage_options: dict | None = None) -> list[CheckpointSummary]:
     """Committed checkpoints at ``root`` and in its direct subdirectories, sorted by
-    path. One listing plus one manifest read per subdirectory; no data file is read.
-    Raises CheckpointError when ``root`` does not exist."""
-    storage, base = make_storage(root, storage_options)
-    if not storage.exists(base):
-        raise CheckpointError(f"{root} does not exist")
+    path (``root`` as given, so an fsspec URL keeps its scheme). One listing plus one
+    manifest read per subdirectory; no data file is read; links are not followed.
+    Raises CheckpointError when ``root`` does not exist or is not a directory."""
+    storage, base, shown = _open_root(root, storage_options)
     out = []
-    own = _summary(storage, base)
+    own = _summary(storage, base, shown)
     if own:
         out.append(own)
     for e in sorted(storage.listdir(base), key=lambda e: e.name):
         if e.is_dir:
-            s = _summary(storage, storage.join(base, e.name))
+            s = _summary(storage, storage.join(base, e.name), _shown_join(shown, e.name))
             if s:
                 out.append(s)
     return out
@@ -75,45 +102,99 @@ def sharding(t: mf.TensorEntry) -> str:
 
 @dataclass(frozen=True)
 class Leftover:
+    """A file ``dckpt gc`` would remove: ``path`` as the user wrote the root."""
+
     path: str
     bytes: int
     age_s: float
+    where: str = ""  # the storage path (``path`` is as the user wrote the root)
+
+
+def _leftover_kind(name: str) -> tuple[str, str | None] | None:
+    """(kind, save id or None) for dckpt's own file names, None for anything else."""
+    m = DATA_FILE.match(name)
+    if m:
+        return "data", m.group(1)
+    m = INTENT_FILE.match(name)
+    if m:
+        return "intent", m.group(1)
+    if TEMP_MANIFEST.match(name):
+        return "temp", None  # its save is unknown: only a dir with no live save loses it
+    return None
+
+
+def _dir_leftovers(storage, d: str, shown: str, entries, min_age_s: float,
+                   now: float, no_time: list[str]) -> list[Leftover]:
+    """The leftovers among ``entries`` (the listing of ``d``, taken before this reads its
+    manifest). Skips the directory when its manifest exists but cannot be read."""
+    # Read the manifest only after listing: a save removes its intent only once its
+    # manifest is committed, so a listing without a save's intent is followed by a
+    # manifest that lists that save's files (never neither).
+    m, s = _read(storage, d)
+    if s is not None and not s.committed:
+        log.warning("skipping %s: unreadable manifest (%s)", shown, s.problem)
+        return []
+    keep = {f.name for f in m.files} if m is not None else set()
+    live = live_save_ids(entries, now)
+    out = []
+    for e in entries:
+        kind = _leftover_kind(e.name)
+        # A link is never a leftover: removing it is not ours to do, and what it points
+        # at may be outside the root.
+        if kind is None or e.is_dir or e.is_link or e.name in keep:
+            continue
+        if live and (kind[0] == "temp" or kind[1] in live):
+            continue  # a save in progress, whatever min_age_s says
+        if e.mtime is None:
+            no_time.append(_shown_join(shown, e.name))
+            continue
+        age = now - e.mtime
+        if age >= min_age_s:
+            out.append(Leftover(_shown_join(shown, e.name), e.size, age, storage.join(d, e.name)))
+    return out
 
 
 def find_leftovers(root: str, min_age_s: float = 3600.0,
                    storage_options: dict | None = None) -> list[Leftover]:
     """Files that no committed manifest references, left by failed or interrupted
-    saves, at ``root`` and in its direct subdirectories; only dckpt's own file names
-    (``data-<id>-<rank>.safetensors``, temp manifests) older than ``min_age_s`` (so a
-    save in progress is never touched). I/O: listings and manifest reads."""
-    storage, base = make_storage(root, storage_options)
+    saves, at ``root`` and in its direct subdirectories (never through a link): only
+    dckpt's own names (``data-<id>-<rank>.safetensors``, temp manifests, save intents
+    whose lease ran out), older than ``min_age_s``, and never a file of a save whose
+    intent is live. A file whose backend reports no modification time is never a
+    leftover (logged). I/O: one listing and one manifest read per directory. Raises
+    CheckpointError when ``root`` does not exist or is not a directory, OSError."""
+    storage, base, shown = _open_root(root, storage_options)
+    top = storage.listdir(base)
     now = time.time()
-    dirs = [base] + [storage.join(base, e.name) for e in storage.listdir(base) if e.is_dir]
-    out = []
-    for d in dirs:
-        m, s = _read(storage, d)
-        if s is not None and not s.committed:
-            log.warning("skipping %s: unreadable manifest (%s)", d, s.problem)
-            continue
-        keep = {f.name for f in m.files} if m is not None else set()
-        for e in storage.listdir(d):
-            if e.is_dir or e.name in keep:
-                continue
-            if (DATA_FILE.match(e.name) or TEMP_MANIFEST.match(e.name)) and now - e.mtime >= min_age_s:
-                out.append(Leftover(storage.join(d, e.name), e.size, now - e.mtime))
+    out: list[Leftover] = []
+    no_time: list[str] = []
+    out += _dir_leftovers(storage, base, shown, top, min_age_s, now, no_time)
+    for e in sorted(top, key=lambda e: e.name):
+        if e.is_dir and not e.is_link:
+            d = storage.join(base, e.name)
+            try:
+                entries = storage.listdir(d)
+            except FileNotFoundError:
+                continue  # removed since the listing of the root
+            out += _dir_leftovers(storage, d, _shown_join(shown, e.name), entries,
+                                  min_age_s, now, no_time)
+    if no_time:
+        log.warning("kept %d file(s) whose storage reports no modification time (their age "
+                    "is unknown, so they may belong to a save in progress), e.g. %s",
+                    len(no_time), no_time[0])
     return out
 
 
 def collect_garbage(root: str, *, dry_run: bool = False, min_age_s: float = 3600.0,
                     storage_options: dict | None = None) -> list[Leftover]:
     """Remove (or with ``dry_run`` only list) :func:`find_leftovers`. Returns them.
-    A file that cannot be removed is logged and skipped."""
-    storage, _ = make_storage(root, storage_options)
+    A file that cannot be removed is logged and skipped. Raises as find_leftovers."""
+    storage, _ = make_storage(root, storage_options)  # no I/O: the same kind of storage
     found = find_leftovers(root, min_age_s, storage_options)
     if not dry_run:
         for lo in found:
             try:
-                storage.remove(lo.path)
+                storage.remove(lo.where)
             except OSError as e:
                 log.warning("could not remove %s: %s", lo.path, e)
     return found

@@ -1,4 +1,9 @@
-"""``dckpt`` command line: ls, inspect, verify, gc."""
+"""``dckpt`` command line: ls, inspect, verify, gc.
+
+Every error is one line ``dckpt <cmd>: <message>`` on stderr and exit status 2 (the
+traceback too under ``-v``); ``verify`` exits 1 when it finds damage. Paths are printed
+as the user wrote them where they are URLs, so a printed path can be passed back.
+"""
 from __future__ import annotations
 
 import argparse
@@ -6,6 +11,7 @@ import datetime as _dt
 import json
 import logging
 import sys
+import traceback
 
 from .errors import CheckpointError
 
@@ -51,7 +57,7 @@ def cmd_inspect(args) -> int:
     if args.json:
         print(raw.decode())
         return 0
-    print(f"checkpoint {root}\n  saved {_when(m.created)} by {m.world_size} rank(s), "
+    print(f"checkpoint {_shown(args.path, root)}\n  saved {_when(m.created)} by {m.world_size} rank(s), "
           f"{len(m.files)} file(s), {_size(m.total_bytes)}, save id {m.save_id}\n")
     rows = [[k, t.dtype, "x".join(map(str, t.shape)) or "scalar", sharding(t),
              str(len(t.chunks)), _size(t.nbytes)] for k, t in m.tensors.items()]
@@ -66,10 +72,11 @@ def cmd_verify(args) -> int:
     from .verify import verify_checkpoint
 
     r = verify_checkpoint(args.path, _opts(args))
+    shown = _shown(args.path, r.path)
     if r.ok:
-        print(f"OK {r.path}: {r.files} file(s), {_size(r.bytes_checked)} checked")
+        print(f"OK {shown}: {r.files} file(s), {_size(r.bytes_checked)} checked")
         return 0
-    print(f"FAILED {r.path}: {len(r.problems)} problem(s)")
+    print(f"FAILED {shown}: {len(r.problems)} problem(s)")
     for p in r.problems:
         print(f"  - {p}")
     return 1
@@ -87,14 +94,32 @@ def cmd_gc(args) -> int:
     return 0
 
 
+def _shown(given: str, storage_path: str) -> str:
+    """A checkpoint path as the user gave it where it is a URL (the storage path has
+    lost the scheme and would not load), else the absolute local path."""
+    if "://" not in given or given.startswith("file://"):
+        return storage_path
+    return given if given.endswith("://") else given.rstrip("/")
+
+
 def _opts(args) -> dict | None:
-    return json.loads(args.storage_options) if args.storage_options else None
+    """The --storage-options JSON object. Raises CheckpointError when it is not one."""
+    if not args.storage_options:
+        return None
+    try:
+        opts = json.loads(args.storage_options)
+    except ValueError as e:
+        raise CheckpointError(f"--storage-options is not valid JSON: {e}") from None
+    if not isinstance(opts, dict):
+        raise CheckpointError(f"--storage-options must be a JSON object, not "
+                              f"{type(opts).__name__}")
+    return opts
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dckpt", description="Inspect and maintain dckpt checkpoints.")
     p.add_argument("--storage-options", help="JSON object of fsspec storage options")
-    p.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress; a traceback on error")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("ls", help="list committed checkpoints under ROOT")
     s.add_argument("root")
@@ -110,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("root")
     s.add_argument("--dry-run", action="store_true", help="list, remove nothing")
     s.add_argument("--min-age", type=float, default=3600.0, metavar="SECONDS",
-                   help="only files older than this (default 3600: never a save in progress)")
+                   help="only files older than this (default 3600); the files of a save "
+                        "in progress (a live intent) are kept whatever this says")
     s.set_defaults(fn=cmd_gc)
     return p
 
@@ -121,9 +147,23 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.fn(args)
-    except CheckpointError as e:
-        print(f"dckpt {args.cmd}: {e}", file=sys.stderr)
+    except Exception as e:  # one line and exit 2 whatever failed; the traceback under -v
+        if args.verbose:
+            traceback.print_exc()
+        print(f"dckpt {args.cmd}: {_message(e, args.verbose)}", file=sys.stderr)
         return 2
+
+
+# Errors whose message says it all: ours, the file system's, an unknown fsspec protocol
+# or bad storage options (ValueError), a protocol whose package is missing (ImportError).
+_EXPECTED = (CheckpointError, OSError, ValueError, ImportError)
+
+
+def _message(e: Exception, verbose: bool) -> str:
+    msg = str(e) or type(e).__name__
+    if not isinstance(e, _EXPECTED):  # likely a bug: say what it was and how to see more
+        msg = f"{type(e).__name__}: {msg}" + ("" if verbose else " (-v shows the traceback)")
+    return " ".join(msg.split())  # one line, even for a multi-line message
 
 
 if __name__ == "__main__":

@@ -5,7 +5,10 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 
+import fsspec
+import pytest
 import torch
 
 import dckpt
@@ -121,3 +124,60 @@ def test_gc_never_touches_a_checkpoint_it_cannot_read(tmp_path, capsys):
     assert main(["gc", "--min-age", "0", str(tmp_path)]) == 0
     assert {d: sorted(os.listdir(d)) for d in before} == before
     assert "would remove" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, cmd, fragment", [
+    (["gc", "{missing}"], "gc", "does not exist"),
+    (["gc", "--dry-run", "{missing}"], "gc", "does not exist"),
+    (["ls", "{missing}"], "ls", "does not exist"),
+    (["gc", "{file}"], "gc", "not a directory"),
+    (["--storage-options", "{not json", "ls", "{tmp}"], "ls", "--storage-options"),
+    (["--storage-options", "[1, 2]", "gc", "{tmp}"], "gc", "--storage-options"),
+    (["ls", "nosuchproto://bucket/x"], "ls", "nosuchproto"),
+    (["inspect", "nosuchproto://bucket/x"], "inspect", "nosuchproto"),
+    (["verify", "nosuchproto://bucket/x"], "verify", "nosuchproto"),
+], ids=["gc-missing", "gc-dry-missing", "ls-missing", "gc-file", "bad-json", "json-not-object",
+        "ls-protocol", "inspect-protocol", "verify-protocol"])
+def test_every_error_is_one_line_and_exit_2(tmp_path, capsys, argv, cmd, fragment):
+    (tmp_path / "plain").write_text("x")
+    subst = {"{missing}": str(tmp_path / "nope"), "{file}": str(tmp_path / "plain"),
+             "{tmp}": str(tmp_path)}
+    assert main([subst.get(a, a) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dckpt {cmd}: ") and fragment in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_gc_missing_root_prints_no_traceback(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "dckpt", "gc", str(tmp_path / "nope")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == f"dckpt gc: {tmp_path / 'nope'} does not exist"
+
+
+def test_verbose_keeps_the_traceback(tmp_path, capsys):
+    assert main(["-v", "gc", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.strip().endswith(f"dckpt gc: {tmp_path / 'nope'} does not exist")
+
+
+def test_ls_keeps_the_url_scheme_so_printed_paths_load(capsys):
+    name = f"cli-{uuid.uuid4().hex[:8]}"
+    try:
+        url = f"memory://{name}/run"
+        state = {"w": torch.arange(4.0), "step": 3}
+        dckpt.save(state, f"{url}/step-3")
+        assert main(["ls", url + "/"]) == 0
+        rows = capsys.readouterr().out.strip().splitlines()[2:]
+        assert [r.split()[0] for r in rows] == [f"{url}/step-3"]
+        out = {"w": torch.zeros(4), "step": 0}
+        dckpt.load(out, rows[0].split()[0])
+        assert out["step"] == 3 and torch.equal(out["w"], state["w"])
+        assert main(["ls", f"{url}/step-3"]) == 0  # the root is the checkpoint itself
+        assert capsys.readouterr().out.strip().splitlines()[2].split()[0] == f"{url}/step-3"
+        assert main(["inspect", f"{url}/step-3"]) == 0
+        assert capsys.readouterr().out.startswith(f"checkpoint {url}/step-3\n")
+        assert main(["verify", f"{url}/step-3"]) == 0
+        assert capsys.readouterr().out.startswith(f"OK {url}/step-3:")
+    finally:
+        fsspec.filesystem("memory").rm(f"/{name}", recursive=True)
