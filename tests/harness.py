@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import queue
 import tempfile
+import time
 import traceback
 from typing import Any, Callable
 
@@ -73,18 +74,24 @@ class RankPool:
             q.put((fn, args, dict(env or {})))
         got: dict[int, tuple[bool, Any]] = {}
         limit = timeout or self.timeout
+        deadline = time.monotonic() + limit
         while len(got) < self.world:
             try:
-                rank, ok, value = self.results.get(timeout=limit)
+                rank, ok, value = self.results.get(timeout=0.25)
+                got[rank] = (ok, value)
+                continue
             except queue.Empty:
+                pass
+            dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+            missing = sorted(set(range(self.world)) - set(got))
+            # A dead rank never answers: fail as soon as every live rank has, instead of
+            # waiting out the deadline.
+            if time.monotonic() > deadline or (dead and set(missing) <= set(dead)):
                 self.broken = True
-                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
-                missing = sorted(set(range(self.world)) - set(got))
                 self.close()
                 raise RankFailed(f"ranks {missing} did not finish {fn.__name__} within "
                                  f"{limit:.0f} s (dead: {dead}); finished: "
                                  + "; ".join(f"rank {r}: {'ok' if o else v}" for r, (o, v) in got.items()))
-            got[rank] = (ok, value)
         failed = {r: v for r, (ok, v) in got.items() if not ok}
         if failed:
             raise RankFailed("\n".join(f"----- rank {r} -----\n{tb}" for r, tb in sorted(failed.items())))

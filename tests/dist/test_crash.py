@@ -92,6 +92,19 @@ def expected(gen: int) -> dict:
             "b": torch.full((1 << 16,), float(gen)), "gen": gen}
 
 
+def gc_after_lease(root: str, **kw):
+    """gc as it runs once the killed save's lease has run out: its intent file (which
+    the dead rank 0 can no longer renew) is aged past the lease first."""
+    from dckpt.dist.intent import INTENT_FILE, LEASE_S
+
+    old = time.time() - LEASE_S - 60
+    for d, _, files in os.walk(root):
+        for f in files:
+            if INTENT_FILE.match(f):
+                os.utime(os.path.join(d, f), (old, old))
+    return collect_garbage(root, min_age_s=0, **kw)
+
+
 def loaded_generation(path: str) -> int:
     """Load the checkpoint into plain tensors in this one process; check it is exactly
     one generation and verifies."""
@@ -120,7 +133,7 @@ def test_sigkill_at_random_moment(tmp_path, victim, seed):
     assert job.finish() != 0
     gen = loaded_generation(path)
     assert job.last_saved() <= gen <= job.last_saved() + 1, (gen, job.last_saved())
-    collect_garbage(str(tmp_path), min_age_s=0)
+    gc_after_lease(str(tmp_path))
     assert sorted(f for f in os.listdir(path) if f.endswith(".safetensors")) == sorted(
         f.name for f in dckpt.dist.restore.read_manifest(
             dckpt.storage.local.LocalStorage(), path)[0].files)
@@ -136,9 +149,11 @@ def test_kill_at_each_phase_of_an_overwrite(tmp_path, fault, committed):
     assert job.finish() != 0, "".join(job.output)
     assert job.last_saved() == 1
     assert loaded_generation(path) == (2 if committed else 1)
-    if fault.startswith("write"):  # a half-written file of the failed save is left
-        assert len([f for f in os.listdir(path) if f.endswith(".safetensors")]) > 2
-    collect_garbage(str(tmp_path), min_age_s=0)
+    if fault.startswith("write"):
+        # rank 0 saw the collective break and rolled the save back: the half-written
+        # file of the dead rank went with it (same file system), no gc needed.
+        assert len([f for f in os.listdir(path) if f.endswith(".safetensors")]) == 2
+    gc_after_lease(str(tmp_path))
     assert len([f for f in os.listdir(path) if f.endswith(".safetensors")]) == 2
     assert loaded_generation(path) == (2 if committed else 1)
 
@@ -149,8 +164,10 @@ def test_kill_during_first_save_leaves_no_checkpoint(tmp_path):
     assert job.finish() != 0
     with pytest.raises(dckpt.NotCommittedError):
         loaded_generation(path)
-    assert collect_garbage(str(tmp_path), min_age_s=0, dry_run=True)
-    collect_garbage(str(tmp_path), min_age_s=0)
+    # While its lease lasts, the dead save's files are left alone (it might be alive).
+    assert collect_garbage(str(tmp_path), min_age_s=0, dry_run=True) == []
+    assert gc_after_lease(str(tmp_path), dry_run=True)
+    gc_after_lease(str(tmp_path))
     assert [f for f in os.listdir(path) if f.endswith(".safetensors")] == []
 
 
@@ -178,5 +195,5 @@ def test_kill_during_async_persist(tmp_path):
     assert job.finish() != 0
     assert job.last_saved() == 1
     assert loaded_generation(path) == 1
-    collect_garbage(str(tmp_path), min_age_s=0)
+    gc_after_lease(str(tmp_path))
     assert len([f for f in os.listdir(path) if f.endswith(".safetensors")]) == 2
