@@ -149,10 +149,8 @@ def test_kill_at_each_phase_of_an_overwrite(tmp_path, fault, committed):
     assert job.finish() != 0, "".join(job.output)
     assert job.last_saved() == 1
     assert loaded_generation(path) == (2 if committed else 1)
-    if fault.startswith("write"):
-        # rank 0 saw the collective break and rolled the save back: the half-written
-        # file of the dead rank went with it (same file system), no gc needed.
-        assert len([f for f in os.listdir(path) if f.endswith(".safetensors")]) == 2
+    # A half-written file of the failed save may be left (rank 0 rolls the save back
+    # when it sees the collective break, unless torchrun kills it first): gc's job.
     gc_after_lease(str(tmp_path))
     assert len([f for f in os.listdir(path) if f.endswith(".safetensors")]) == 2
     assert loaded_generation(path) == (2 if committed else 1)
