@@ -240,3 +240,105 @@ def test_auto_interval_leaves_warmup_after_a_measured_save(tmp_path, use_async):
     warm, mgr, saved = run(tmp_path / "rarely", 100.0, 205)
     assert mgr.policy.step_interval(mgr.save_seconds, mgr.step_seconds) > 200
     assert saved == [100]
+
+
+def _corrupt_data(path) -> None:
+    f = next(p for p in path.iterdir() if p.name.endswith(".safetensors"))
+    b = bytearray(f.read_bytes())
+    b[-10] ^= 0xFF
+    f.write_bytes(b)
+
+
+def test_restore_raises_when_no_committed_checkpoint_loads(tmp_path):
+    """Committed checkpoints exist but none loads: restore raises, listing each step it
+    tried and why, instead of returning None (``mgr.restore(state) or 0`` would start
+    from step 0 with the corrupt checkpoint's bytes in the state)."""
+    mgr = dckpt.CheckpointManager(str(tmp_path), capture_rng=False)
+    assert mgr.restore(_state(0)) is None  # nothing committed at all: None
+    mgr.save(1, _state(1), force=True)
+    mgr.save(2, _state(2), force=True)
+    for s in (1, 2):
+        _corrupt_data(tmp_path / f"step-{s:08d}")
+    with pytest.raises(dckpt.CheckpointError) as info:
+        mgr.restore(_state(0))
+    msg = str(info.value)
+    assert "step 2: IntegrityError" in msg and "step 1: IntegrityError" in msg, msg
+    assert msg.index("step 2") < msg.index("step 1")  # newest first
+    # One good older step: it is restored, and wins over the corrupt newer ones.
+    mgr.save(0, _state(7), force=True)
+    t = _state(0)
+    assert mgr.restore(t) == 0 and torch.equal(t["w"], _state(7)["w"])
+
+
+def test_restore_skips_malformed_manifests(tmp_path):
+    """Valid JSON that is not a manifest (a number no float holds, deep nesting) is a
+    ManifestError: restore skips it and takes the older step."""
+    mgr = dckpt.CheckpointManager(str(tmp_path), capture_rng=False)
+    mgr.save(1, _state(1), force=True)
+    mgr.save(2, _state(2), force=True)
+    mgr.save(3, _state(3), force=True)
+    (tmp_path / "step-00000003" / "manifest.json").write_bytes(b"[" * 100_000 + b"]" * 100_000)
+    m2 = tmp_path / "step-00000002" / "manifest.json"
+    m2.write_bytes(m2.read_bytes().replace(b'"created":', b'"created":1' + b"0" * 400 + b',"x":'))
+    t = _state(0)
+    assert mgr.restore(t) == 1 and torch.equal(t["w"], _state(1)["w"])
+
+
+def test_rng_restore_with_other_devices_than_saved(tmp_path, monkeypatch):
+    """RNG state never fails a restore: a checkpoint saved with CUDA RNG states
+    restores where none are visible, and one saved without them restores where this
+    process would capture some (the job moved from CPU to GPUs)."""
+    from dckpt.state import rng
+
+    real = rng.capture
+    fake_cuda = [torch.arange(16, dtype=torch.uint8) + i for i in range(4)]
+    monkeypatch.setattr(rng, "capture", lambda: {**real(), "cuda": list(fake_cuda)})
+    a = dckpt.CheckpointManager(str(tmp_path / "with_cuda"))
+    a.save(1, _state(1), force=True)
+    monkeypatch.setattr(rng, "capture", real)
+    b = dckpt.CheckpointManager(str(tmp_path / "without_cuda"))
+    random.seed(5)
+    b.save(1, _state(1), force=True)  # no CUDA state in it
+    want = random.random()
+    # Saved with 4 CUDA states, restored with none visible.
+    assert dckpt.CheckpointManager(str(tmp_path / "with_cuda")).restore(_state(0)) == 1
+    # Saved without, restored by a process that would capture 4 CUDA states.
+    monkeypatch.setattr(rng, "capture", lambda: {**real(), "cuda": list(fake_cuda)})
+    random.seed(99)
+    t = _state(0)
+    assert dckpt.CheckpointManager(str(tmp_path / "without_cuda")).restore(t) == 1
+    assert random.random() == want  # the saved Python RNG state came back
+    assert torch.equal(t["w"], _state(1)["w"])
+
+
+def test_rewind_abandons_the_newer_timeline(tmp_path, caplog):
+    """restore(step=10) (rewinding past a loss spike) then a save of step 20: the step
+    30 of the old timeline is removed after that commit, and even where its removal
+    failed, restore() never picks it again."""
+    import time
+
+    mgr = dckpt.CheckpointManager(str(tmp_path), capture_rng=False)
+    for s in (10, 20, 30):
+        mgr.save(s, _state(s), force=True)
+    t = _state(0)
+    assert mgr.restore(t, step=10) == 10
+    time.sleep(0.01)  # the new timeline's commits are later than the old one's
+    with caplog.at_level(logging.WARNING, logger="dckpt.manager"):
+        mgr.save(20, _state(2000), force=True)
+    assert mgr.steps() == [10, 20]
+    assert "abandoned timeline" in caplog.text and "30" in caplog.text
+    t = _state(0)
+    assert mgr.restore(t) == 20 and torch.equal(t["w"], _state(2000)["w"])
+
+    # The crash window: step 30 committed long ago survives a failed removal.
+    other = tmp_path / "other"
+    m = dckpt.CheckpointManager(str(other), capture_rng=False)
+    for s in (10, 20, 30):
+        m.save(s, _state(s), force=True)
+    m.restore(_state(0), step=10)
+    time.sleep(0.01)
+    m.storage.remove_tree = lambda path: (_ for _ in ()).throw(PermissionError(13, "denied"))
+    m.save(20, _state(2000), force=True)
+    assert m.steps() == [10, 20, 30]  # could not be removed
+    t = _state(0)
+    assert m.restore(t) == 20 and torch.equal(t["w"], _state(2000)["w"])
