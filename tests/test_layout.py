@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import time
 
 import numpy as np
 import pytest
@@ -281,9 +282,9 @@ def test_dtensor_boxes_perturbed(layout, data):
 
 
 @st.composite
-def guillotine(draw, max_dim=6):
+def guillotine(draw, max_dim=6, max_ndim=3):
     """A random exact tiling by recursive cuts: usually not a grid."""
-    shape = tuple(draw(st.lists(st.integers(1, max_dim), min_size=1, max_size=3)))
+    shape = tuple(draw(st.lists(st.integers(1, max_dim), min_size=1, max_size=max_ndim)))
     out = []
 
     def cut(off, size, depth):
@@ -307,8 +308,8 @@ def guillotine(draw, max_dim=6):
 
 
 @st.composite
-def perturbed_tilings(draw):
-    shape, o, s = draw(guillotine())
+def perturbed_tilings(draw, max_dim=6, max_ndim=3):
+    shape, o, s = draw(guillotine(max_dim, max_ndim))
     o, s = o.copy(), s.copy()
     for _ in range(draw(st.integers(0, 2))):
         n = len(o)
@@ -355,6 +356,74 @@ def test_analyse_pairwise_fallback_matches_count_array(case):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(tiling, "_MAX_COVERAGE_CELLS", 0)
         _check_analyse(*case)
+
+
+@FEW
+@given(perturbed_tilings(max_dim=3, max_ndim=7), st.sampled_from(["count", "pairs", "pairs1"]))
+def test_analyse_both_disjointness_tests_match_count_array(case, how):
+    """Up to 7 dims, each disjointness test forced in turn: the coverage count (caps
+    lifted), and the pairwise test (in blocks of the default size, or of one pair so that
+    the block boundaries fall everywhere)."""
+    with pytest.MonkeyPatch.context() as mp:
+        if how == "count":
+            mp.setattr(tiling, "_MAX_CORNER_UPDATES", 1 << 40)
+            mp.setattr(tiling, "_MAX_COVERAGE_CELLS", 1 << 40)
+        else:
+            mp.setattr(tiling, "_MAX_COVERAGE_CELLS", 0)
+            if how == "pairs1":
+                mp.setattr(tiling, "_PAIR_BLOCK", 1)
+        _check_analyse(*case)
+
+
+def _deep_guillotine(ndim: int):
+    """Shape (2, 2, 1, ..., 1) in 3 boxes that are no grid: row 0 whole, row 1 cut in
+    two along dim 1."""
+    shape = (2, 2) + (1,) * (ndim - 2)
+    o = np.zeros((3, ndim), np.int64)
+    s = np.ones((3, ndim), np.int64)
+    o[1, 0] = o[2, 0] = o[2, 1] = 1
+    s[0, 1] = 2
+    return shape, o, s
+
+
+@pytest.mark.parametrize("ndim", [22, 40, 64])
+def test_analyse_is_polynomial_in_ndim(ndim):
+    """The coverage count was O(2**ndim) per box: 22 dims took 34 s and 400 MiB."""
+    shape, o, s = _deep_guillotine(ndim)
+    t0 = time.perf_counter()
+    t = tiling.analyse(shape, o, s)
+    assert t.error is None and t.grid is None
+    o[2, 1] = 0  # boxes 1 and 2 now coincide: the element count alone can't tell
+    assert "overlap" in tiling.analyse(shape, o, s).error
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_analyse_refuses_more_than_64_dims():
+    shape, o, s = _deep_guillotine(65)
+    assert "65 dims" in tiling.analyse(shape, o, s).error
+    one = np.zeros((1, 65), np.int64)
+    assert "65 dims" in tiling.analyse((1,) * 65, one, one + 1).error  # even a plain grid
+    # 64 dims is fine, grid or not
+    t = tiling.analyse((1,) * 64, np.zeros((1, 64), np.int64), np.ones((1, 64), np.int64))
+    assert t.error is None and t.grid == ((0, 1),) * 64 and t.order.tolist() == [0]
+
+
+def test_pairwise_many_boxes():
+    """1-D strips along dim 1 of a (1, n) tensor, shuffled: the pruning sort must find
+    the strips disjoint without testing n**2 pairs, and find one duplicate."""
+    n = 20_000
+    rng = np.random.default_rng(0)
+    perm = rng.permutation(n)
+    o = np.stack([np.zeros(n, np.int64), perm], 1)
+    s = np.ones((n, 2), np.int64)
+    lo = [o[:, 0], o[:, 1]]
+    hi = [lo[0] + 1, lo[1] + 1]
+    t0 = time.perf_counter()
+    assert tiling._disjoint_pairwise(np.stack(lo, 1), np.stack(hi, 1))
+    o2 = o.copy()
+    o2[5, 1] = o2[6, 1]
+    assert not tiling._disjoint_pairwise(o2, o2 + s)
+    assert time.perf_counter() - t0 < 2.0
 
 
 def test_brick_wall():

@@ -1,8 +1,9 @@
 """Pure check that a set of boxes tiles a tensor exactly once.
 
 Linear in the number of boxes for the layouts DTensor produces (the boxes are the cells
-of a grid: one breakpoint list per dim); a coverage count over the grid's cells, or a
-pairwise test, handles any other layout.
+of a grid: one breakpoint list per dim). Any other layout gets a disjointness test whose
+cost is polynomial in the number of boxes and dims: a coverage count over the cells of
+the boxes' breakpoints when that is small, else a pruned pairwise test.
 """
 from __future__ import annotations
 
@@ -11,7 +12,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-_MAX_COVERAGE_CELLS = 1 << 26
+# Tensors have at most this many dims (numpy's own limit is 64); a manifest or plan with
+# more is refused, so no cost below can grow with an attacker's choice of ndim.
+MAX_NDIM = 64
+# The coverage count allocates one int64 per cell of the breakpoint grid and does one
+# update per box corner (n * 2**ndim): both are capped, else the pairwise test runs.
+_MAX_COVERAGE_CELLS = 1 << 22
+_MAX_CORNER_UPDATES = 1 << 16
+# Candidate pairs tested per vectorised step of the pairwise test (bounds its memory).
+_PAIR_BLOCK = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -27,18 +36,25 @@ class Tiling:
 
 def analyse(shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray) -> Tiling:
     """Check that the boxes ``offsets``/``sizes`` ((n, ndim) int64) cover every element
-    of ``shape`` exactly once. Pure; O(n log n) for grid layouts."""
+    of ``shape`` exactly once. Pure; O(ndim * n log n) for grid layouts, at most
+    O(ndim * n**2) for any other. Refuses (as an error in the result, never raising) more
+    than ``MAX_NDIM`` dims."""
     ndim = len(shape)
+    if ndim > MAX_NDIM:
+        return Tiling(f"the tensor has {ndim} dims; at most {MAX_NDIM} are supported")
     n = len(offsets)
     offsets = np.asarray(offsets, np.int64).reshape(n, ndim)
     sizes = np.asarray(sizes, np.int64).reshape(n, ndim)
     numel = math.prod(shape)
+    # offsets > shape - sizes, not offsets + sizes > shape: the sum can wrap around int64
     if n and ((sizes <= 0).any() or (offsets < 0).any()
-              or (offsets + sizes > np.asarray(shape, np.int64)).any()):
+              or (offsets > np.asarray(shape, np.int64) - sizes).any()):
         return Tiling("a chunk is empty or lies outside the tensor")
     if numel == 0:
         return Tiling(None if n == 0 else "chunks given for an empty tensor")
-    covered = int(np.prod(sizes, axis=1).sum()) if n else 0
+    # each box lies inside, so its volume is <= numel; only the sum can overflow int64
+    vol = np.prod(sizes, axis=1) if n else np.zeros(0, np.int64)
+    covered = int(vol.sum()) if n * numel < 1 << 63 else sum(vol.tolist())
     if covered != numel:
         return Tiling(f"chunks cover {covered} elements of {numel} (overlap or gap)")
     if ndim == 0:
@@ -54,7 +70,10 @@ def analyse(shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray) -> T
     dims = tuple(len(b) - 1 for b in bps)
     one_cell = all(((h - l) == 1).all() for l, h in zip(lo, hi))
     if one_cell and math.prod(dims) == n:
-        lin = np.ravel_multi_index(tuple(lo), dims)
+        # the cells' C-order index; np.ravel_multi_index stops short of 64 dims
+        lin = np.zeros(n, np.int64)
+        for d in range(ndim):
+            lin = lin * dims[d] + lo[d]
         order = np.full(n, -1, np.int64)
         order[lin] = np.arange(n)
         if (order >= 0).all():
@@ -64,24 +83,60 @@ def analyse(shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray) -> T
 
 
 def _disjoint(lo: list[np.ndarray], hi: list[np.ndarray], dims: tuple[int, ...]) -> bool:
-    """True when no two boxes (given as cell-index ranges) share a cell."""
-    n = len(lo[0])
-    if math.prod(d + 1 for d in dims) <= _MAX_COVERAGE_CELLS:
-        # Difference array: +-1 at the 2**ndim corners of each box, then a prefix sum
-        # along every axis gives the number of boxes covering each cell.
-        diff = np.zeros([d + 1 for d in dims], np.int64)
-        ndim = len(dims)
-        for corner in range(1 << ndim):
-            idx = tuple(hi[d] if corner >> d & 1 else lo[d] for d in range(ndim))
-            sign = -1 if bin(corner).count("1") % 2 else 1
-            np.add.at(diff, idx, sign)
-        for d in range(ndim):
-            diff = np.cumsum(diff, axis=d)
-        return bool((diff[tuple(slice(0, d) for d in dims)] <= 1).all())
-    lo_a, hi_a = np.stack(lo, 1), np.stack(hi, 1)
-    for i in range(n):  # irregular and huge: pairwise, O(n^2), vectorised per row
-        overlap = ((np.maximum(lo_a[i], lo_a[i + 1:]) < np.minimum(hi_a[i], hi_a[i + 1:]))
-                   .all(axis=1))
-        if overlap.any():
+    """True when no two boxes (given as cell-index ranges, one array per dim) share a
+    cell. O(n * 2**ndim + cells) when both are small, else O(ndim * (n log n + pairs))."""
+    n, ndim = len(lo[0]), len(dims)
+    if n < 2:
+        return True
+    cells = math.prod(d + 1 for d in dims)  # Python ints: no overflow at 64 dims
+    if cells <= _MAX_COVERAGE_CELLS and n << ndim <= _MAX_CORNER_UPDATES:
+        return _disjoint_by_count(lo, hi, dims)
+    return _disjoint_pairwise(np.stack(lo, 1), np.stack(hi, 1))
+
+
+def _disjoint_by_count(lo: list[np.ndarray], hi: list[np.ndarray], dims: tuple[int, ...]) -> bool:
+    """Difference array: +-1 at the 2**ndim corners of each box, then a prefix sum along
+    every axis gives the number of boxes covering each cell."""
+    ndim, n = len(dims), len(lo[0])
+    ext = [d + 1 for d in dims]
+    corners = np.arange(1 << ndim)
+    pick_hi = (corners[:, None] >> np.arange(ndim)) & 1  # (corners, ndim): 1 = take hi
+    flat = np.zeros((len(corners), n), np.int64)
+    for d in range(ndim):
+        flat = flat * ext[d] + np.where(pick_hi[:, d, None] == 1, hi[d], lo[d])
+    sign = np.where(pick_hi.sum(axis=1) % 2 == 1, -1, 1)
+    diff = np.bincount(flat.ravel(), np.repeat(sign, n), minlength=math.prod(ext))
+    diff = diff.astype(np.int64).reshape(ext)  # float weights hold these small ints exactly
+    for d in range(ndim):
+        diff = np.cumsum(diff, axis=d)
+    return bool((diff[tuple(slice(0, d) for d in dims)] <= 1).all())
+
+
+def _disjoint_pairwise(lo: np.ndarray, hi: np.ndarray) -> bool:
+    """Pairwise test of (n, ndim) cell ranges, pruned by a sort on one dim: after sorting
+    by start on dim d, box k can only meet the boxes after it that start before it ends
+    there. The dim that leaves the fewest candidate pairs is used; O(n**2) pairs at worst
+    (a set of boxes that all overlap on every dim), tested _PAIR_BLOCK at a time."""
+    n, ndim = lo.shape
+    best = None
+    for d in range(ndim):
+        order = np.argsort(lo[:, d], kind="stable")
+        end = np.searchsorted(lo[order, d], hi[order, d], side="left")
+        count = np.maximum(end - np.arange(1, n + 1), 0)  # candidates after box k
+        total = int(count.sum())
+        if best is None or total < best[0]:
+            best = (total, order, count)
+        if total == 0:
+            return True
+    total, order, count = best
+    lo, hi = lo[order], hi[order]
+    first = np.cumsum(count) - count  # flat index of box k's first candidate pair
+    for p0 in range(0, total, _PAIR_BLOCK):
+        p = np.arange(p0, min(p0 + _PAIR_BLOCK, total))
+        row = np.searchsorted(first, p, side="right") - 1
+        # rows with no candidates share their `first` with the next row: searchsorted
+        # lands on the last of them, which is the one that owns pair p
+        col = row + 1 + (p - first[row])
+        if (np.maximum(lo[row], lo[col]) < np.minimum(hi[row], hi[col])).all(axis=1).any():
             return False
     return True
