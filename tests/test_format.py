@@ -29,7 +29,8 @@ def _n(k: int) -> int:
     return k * int(os.environ.get("DCKPT_TEST_EXAMPLES", "1"))
 
 
-GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "manifest_v1.json")
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "manifest_v1.json")  # version 1
+GOLDEN_V2 = os.path.join(os.path.dirname(__file__), "golden", "manifest_v2.json")
 I64 = st.integers(-(2**63), 2**63 - 1)
 
 
@@ -106,7 +107,9 @@ def _grid_chunks(grid, files):
     return mf.Chunks(o, s, np.asarray(files, np.int64), grid)
 
 
-def golden_manifest() -> mf.Manifest:
+def golden_manifest(non_finite: bool = False) -> mf.Manifest:
+    """The manifest both golden files hold; the version-2 one adds non-finite and
+    negative-zero values (``non_finite``), which version 1 could not write as JSON."""
     # names as docs/FORMAT.md gives them: data-<save_id>-<rank>.safetensors
     # 8 ranks; a file holds at most one chunk of each tensor (a format invariant)
     files = tuple(mf.FileEntry(f"data-0123456789abcdef-{r:05d}.safetensors", 4096 - 256 * r,
@@ -131,15 +134,47 @@ def golden_manifest() -> mf.Manifest:
             np.zeros((0, 2), np.int64), np.zeros((0, 2), np.int64), np.zeros(0, np.int64), None)),
     }
     values = {"epoch": 3, "name": "run-a", "none": None, "flag": True, "lr": 0.001}
+    if non_finite:
+        values.update({"nan": math.nan, "inf": math.inf, "ninf": -math.inf, "negzero": -0.0})
     meta = {"dckpt_version": "0.1.0", "save_seconds": 1.5}
     return mf.Manifest("0123456789abcdef", 8, 0.0, files, tensors, values, meta)
 
 
 def test_manifest_golden_bytes():
-    got = mf.to_json(golden_manifest())
-    with open(GOLDEN, "rb") as f:
+    got = mf.to_json(golden_manifest(non_finite=True))
+    with open(GOLDEN_V2, "rb") as f:
         want = f.read()
     assert got == want, "the manifest format changed: bump VERSION or fix the writer"
+
+
+def test_manifest_golden_v2_content():
+    with open(GOLDEN_V2, "rb") as f:
+        raw = f.read()
+    # the checksum prefix, then the compact JSON of the document without its "{"
+    head, rest = raw[:29], raw[29:]
+    assert head == b'{"checksum":"crc32:%08x",' % zlib.crc32(rest)
+    assert head == b'{"checksum":"crc32:a3a4aaf1",'
+
+    def refuse(name):
+        raise AssertionError(f"{name} is not JSON")
+    doc = json.loads(raw, parse_constant=refuse)
+    assert list(doc) == ["checksum", "format", "version", "save_id", "world_size", "created",
+                         "meta", "files", "tensors", "values"]
+    assert doc["version"] == 2 and mf.VERSION == 2
+    assert b'"save_id":"0123456789abcdef"' in raw  # dist/commit.py searches for it
+    v1 = golden_doc()
+    v1.update(version=2)
+    v1["values"].update({"nan": {"$float": "nan"}, "inf": {"$float": "inf"},
+                         "ninf": {"$float": "-inf"}, "negzero": -0.0})
+    assert {k: v for k, v in doc.items() if k != "checksum"} == v1  # otherwise as version 1
+    assert rest.endswith(b',"nan":{"$float":"nan"},"inf":{"$float":"inf"},'
+                         b'"ninf":{"$float":"-inf"},"negzero":-0.0}}')
+    m = mf.parse(raw)
+    want = golden_manifest(non_finite=True)
+    assert m.files == want.files and m.meta == want.meta and m.created == 0.0
+    assert math.isnan(m.values.pop("nan")) and want.values.pop("nan") is not None
+    assert m.values == want.values and math.copysign(1.0, m.values["negzero"]) == -1.0
+    assert mf.to_json(mf.parse(raw)) == raw  # parse . to_json is the identity
 
 
 def test_manifest_golden_content():
@@ -187,7 +222,8 @@ def test_manifest_golden_content():
     assert m.tensors["empty"].shape == (0, 3) and len(m.tensors["empty"].chunks) == 0
     assert m.tensors["empty"].nbytes == 0
     assert m.tensors["model.b"].nbytes == 12
-    assert mf.to_json(m) == raw  # parse . to_json is the identity on the golden file
+    # version 1 reads as the same manifest, and is written back as version 2
+    assert mf.to_json(m) == mf.to_json(golden_manifest())
 
 
 # ----------------------------------------------------------------------------- validation
@@ -231,7 +267,9 @@ def test_manifest_not_object(data):
 def test_manifest_format_and_version():
     _bad(_mut(lambda d: d.pop("format")), "not a dckpt manifest")
     _bad(_mut(lambda d: d.update(format="other")), "not a dckpt manifest")
-    _bad(_mut(lambda d: d.update(version=2)), "version 2", "upgrade")
+    # version 2 is checksummed: a document claiming it without the checksum is refused
+    _bad(_mut(lambda d: d.update(version=2)), "checksum mismatch")
+    _bad(_mut(lambda d: d.update(version=3)), "version 3", "upgrade")
     _bad(_mut(lambda d: d.pop("version")), "version None")
     _bad(_mut(lambda d: d.update(version="1")), "version '1'")
     _bad(_mut(lambda d: d.update(version=True)), "version True")
@@ -262,7 +300,7 @@ def test_manifest_bad_files():
     _bad(_mut(lambda d: d["files"][0].__setitem__(4, True)), "files[0].rank")
     _bad(_mut(lambda d: d["files"][1].__setitem__(0, d["files"][0][0])), "listed twice")
     _bad(_mut(lambda d: d["files"][0].pop()), "files[0] must be")
-    _bad(_mut(lambda d: d.update(files={"a": 1})), "wrong JSON types")
+    _bad(_mut(lambda d: d.update(files={"a": 1})), "'files'", "wrong JSON type")
     _bad(_mut(lambda d: d.pop("files")), "missing field", "files")
     _bad(_mut(lambda d: d.pop("tensors")), "missing field", "tensors")
     _bad(_mut(lambda d: d.pop("values")), "missing field", "values")
@@ -350,8 +388,8 @@ def test_manifest_bad_values():
     _bad(_mut(lambda d: d["values"].update(x=[1, 2])), "value 'x'", "scalar")
     _bad(_mut(lambda d: d["values"].update(x={"a": 1})), "value 'x'", "scalar")
     _bad(_mut(lambda d: d["values"].update({"model.w": 1})), "'model.w'", "both a tensor and a value")
-    _bad(_mut(lambda d: d.update(values=[1])), "wrong JSON types")
-    _bad(_mut(lambda d: d.update(tensors=[])), "wrong JSON types")
+    _bad(_mut(lambda d: d.update(values=[1])), "'values'", "wrong JSON type")
+    _bad(_mut(lambda d: d.update(tensors=[])), "'tensors'", "wrong JSON type")
 
 
 def test_manifest_bad_top_level_fields():
