@@ -177,26 +177,33 @@ def test_integrity(tmp_path, damage, match):
     assert not rep.ok and any(name in p for p in rep.problems)
 
 
-def _rewrite_manifest(path, fn):
+def _rewrite_manifest(path, fn, reseal=False):
+    """Edit the manifest's bytes; ``reseal`` recomputes its checksum after the edit, so
+    that the edited content (not the checksum) is what load refuses."""
+    from dckpt.format import manifest as mf
+
     p = os.path.join(path, "manifest.json")
     with open(p, "rb") as f:
         raw = f.read()
+    new = fn(raw)
     with open(p, "wb") as f:
-        f.write(fn(raw))
+        f.write(mf.seal(json.loads(new)) if reseal else new)
 
 
-@pytest.mark.parametrize("edit, match", [
-    (lambda raw: b"\x00garbage{", "not valid JSON"),
-    (lambda raw: b"[1, 2]", "not a dckpt manifest"),
-    (lambda raw: raw.replace(b'"version":1', b'"version":99'), "version 99"),
-    (lambda raw: raw.replace(b'"data-', b'"../../data-'), "plain file name"),
-    (lambda raw: raw.replace(b'"data-', b'"/etc/data-'), "plain file name"),
-    (lambda raw: raw.replace(b'"data-', b'"s3://bucket/data-'), "plain file name"),
-    (lambda raw: raw[: len(raw) // 2], "not valid JSON"),
+@pytest.mark.parametrize("edit, match, reseal", [
+    (lambda raw: b"\x00garbage{", "not valid JSON", False),
+    (lambda raw: b"[1, 2]", "not a dckpt manifest", False),
+    (lambda raw: raw.replace(b'"version":2', b'"version":99'), "version 99", True),
+    (lambda raw: raw.replace(b'"version":2', b'"version":99'), "checksum mismatch", False),
+    (lambda raw: raw.replace(b'"format":', b'"format" :'), "checksum mismatch", False),
+    (lambda raw: raw.replace(b'"data-', b'"../../data-'), "plain file name", True),
+    (lambda raw: raw.replace(b'"data-', b'"/etc/data-'), "plain file name", True),
+    (lambda raw: raw.replace(b'"data-', b'"s3://bucket/data-'), "plain file name", True),
+    (lambda raw: raw[: len(raw) // 2], "not valid JSON", False),
 ])
-def test_bad_manifests(tmp_path, edit, match):
+def test_bad_manifests(tmp_path, edit, match, reseal):
     path, sd = saved(tmp_path, {"a": torch.ones(3)})
-    _rewrite_manifest(path, edit)
+    _rewrite_manifest(path, edit, reseal)
     with pytest.raises(ManifestError, match=match):
         dckpt.load(zeros_like_state(sd), path)
 
@@ -204,7 +211,7 @@ def test_bad_manifests(tmp_path, edit, match):
 def test_manifest_lying_about_shapes(tmp_path):
     path, sd = saved(tmp_path, {"a": torch.ones(3)})
     _rewrite_manifest(path, lambda raw: raw.replace(b'"shape":[3]', b'"shape":[4]')
-                      .replace(b'"grid":[[0,3]]', b'"grid":[[0,4]]'))
+                      .replace(b'"grid":[[0,3]]', b'"grid":[[0,4]]'), reseal=True)
     with pytest.raises(IntegrityError, match="does not hold"):
         dckpt.load({"a": torch.zeros(4)}, path)
     from dckpt.verify import verify_checkpoint
@@ -230,7 +237,7 @@ def test_errors_are_exceptions():
 def test_manifest_is_json_not_pickle(tmp_path):
     path, _ = saved(tmp_path)
     doc = json.loads(open(os.path.join(path, "manifest.json"), "rb").read())
-    assert doc["format"] == "dckpt" and doc["version"] == 1
+    assert doc["format"] == "dckpt" and doc["version"] == 2
     import dckpt as pkg
     root = os.path.dirname(pkg.__file__)
     for dirpath, _, files in os.walk(root):
@@ -445,7 +452,8 @@ def test_absurd_sizes_in_a_manifest_are_refused_before_allocating(tmp_path):
     man = os.path.join(path, "manifest.json")
     doc = json.loads(open(man).read())
     doc["files"][0][1], doc["files"][0][2] = 1 << 51, 1 << 50  # size and header_len
-    with open(man, "w") as f:
-        json.dump(doc, f)
+    from dckpt.format import manifest as mf
+    with open(man, "wb") as f:
+        f.write(mf.seal(doc))  # a valid checksum: the sizes are what must be refused
     with pytest.raises(ManifestError, match="header_len .* over the"):
         dckpt.load(zeros_like_state(sd), path)

@@ -1,6 +1,7 @@
 """The dckpt command line: ls, inspect, verify, gc."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -111,9 +112,10 @@ def test_gc_never_touches_a_checkpoint_it_cannot_read(tmp_path, capsys):
     man = os.path.join(newer, "manifest.json")
     with open(man) as f:
         text = f.read()
-    assert '"version":1' in text
-    with open(man, "w") as f:
-        f.write(text.replace('"version":1', '"version":2', 1))
+    assert '"version":2' in text
+    from dckpt.format import manifest as mf
+    with open(man, "wb") as f:  # resealed: a valid manifest of a version this dckpt can't read
+        f.write(mf.seal(json.loads(text.replace('"version":2', '"version":3', 1))))
     with open(os.path.join(broken, "manifest.json"), "w") as f:
         f.write("{not json")
     before = {d: sorted(os.listdir(d)) for d in (newer, broken)}

@@ -278,8 +278,14 @@ def test_restore_skips_malformed_manifests(tmp_path):
     mgr.save(2, _state(2), force=True)
     mgr.save(3, _state(3), force=True)
     (tmp_path / "step-00000003" / "manifest.json").write_bytes(b"[" * 100_000 + b"]" * 100_000)
+    import json
+
+    from dckpt.format.manifest import seal
+
     m2 = tmp_path / "step-00000002" / "manifest.json"
-    m2.write_bytes(m2.read_bytes().replace(b'"created":', b'"created":1' + b"0" * 400 + b',"x":'))
+    doc = json.loads(m2.read_bytes())
+    doc["created"] = 10 ** 400  # resealed: the checksum holds, the value does not
+    m2.write_bytes(seal(doc))
     t = _state(0)
     assert mgr.restore(t) == 1 and torch.equal(t["w"], _state(1)["w"])
 
