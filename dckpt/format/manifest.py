@@ -10,7 +10,6 @@ tile it, and malformed JSON of any kind raises ManifestError, never another exce
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import re
 import sys
@@ -21,8 +20,8 @@ import numpy as np
 
 from ..errors import ManifestError
 from ..layout import tiling
-from . import intarray
-from .checksum import crc32
+from . import intarray, sealed
+from .sealed import seal  # noqa: F401  (public here: tools and tests reseal with it)
 from .dtypes import ITEMSIZE
 from .shards import MAX_HEADER
 
@@ -37,16 +36,6 @@ MAX_NDIM = tiling.MAX_NDIM
 _SMALL = 64  # below this many values, plain Python is faster than numpy
 SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}$")
 _I64_MAX = (1 << 63) - 1
-# Version 2 starts with exactly these bytes; the CRC32 covers every byte after them.
-_CHECKSUM_HEAD = b'{"checksum":"crc32:'
-_CHECKSUM_PREFIX = re.compile(rb'\{"checksum":"crc32:([0-9a-f]{8})",')
-_PREFIX_LEN = len(_CHECKSUM_HEAD) + len('01234567",')
-_MISMATCH = ("manifest checksum mismatch: the manifest was modified or damaged after it was "
-             "written; the checkpoint is corrupt (load an older one)")
-# JSON has no NaN or infinity: a non-finite float among the values or in meta is written
-# as {"$float": name}. Values are otherwise scalars, so an object there is unambiguous.
-_FLOAT_TAG = "$float"
-_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 _MAX_META_DEPTH = 32
 
 JsonLeaf = None | bool | int | float | str
@@ -154,31 +143,6 @@ def _grid_dim(obj: Any, key: str, d: int, extent: int, nfiles: int) -> tuple[int
 
 # ----------------------------------------------------------------------------- writing
 
-def _json_safe(obj: Any) -> Any:
-    """``obj`` with every non-finite float replaced by its {"$float": name} tag. O(size)."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return {_FLOAT_TAG: "nan" if math.isnan(obj) else "inf" if obj > 0 else "-inf"}
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return obj
-
-
-def seal(doc: dict[str, Any]) -> bytes:
-    """Serialise a manifest document (the dict :func:`to_json` builds; a "checksum" key
-    is dropped) as version-2 bytes: ``{"checksum":"crc32:<8 hex>",`` then the compact
-    JSON of the document without its opening brace, which the CRC32 covers. For tools
-    and tests that rewrite a manifest on purpose. O(size), no I/O. Raises ValueError on
-    NaN/infinity (JSON has none), TypeError on values JSON cannot encode."""
-    body = json.dumps({k: v for k, v in doc.items() if k != "checksum"},
-                      separators=(",", ":"), allow_nan=False).encode()
-    rest = body[1:]
-    if rest == b"}":
-        raise ValueError("an empty manifest document cannot be sealed")
-    return b'{"checksum":"crc32:%08x",' % crc32(rest) + rest
-
-
 def to_json(m: Manifest) -> bytes:
     """Serialise a manifest as version 2 (checksummed, strict JSON: non-finite floats in
     ``values`` and ``meta`` are tagged objects). Cost: O(tensors + chunk-table size), no
@@ -199,26 +163,20 @@ def to_json(m: Manifest) -> bytes:
         "save_id": m.save_id,
         "world_size": m.world_size,
         "created": m.created,
-        "meta": _json_safe(m.meta),
+        "meta": sealed.tag_floats(m.meta),
         "files": [[f.name, f.size, f.header_len, f.header_crc32, f.rank] for f in m.files],
         "tensors": tensors,
-        "values": {k: _json_safe(v) for k, v in m.values.items()},
+        "values": {k: sealed.tag_floats(v) for k, v in m.values.items()},
     }
-    return seal(doc)
+    return sealed.seal(doc)
 
 
 # ----------------------------------------------------------------------------- parsing
 # Helpers raise ManifestError naming the field; parse() prefixes the file (``where``).
 
-def _short(x: Any, limit: int = 60) -> str:
-    """repr of a (possibly huge, hostile) value, cut for an error message."""
-    r = repr(x)
-    return r if len(r) <= limit else r[:limit] + "..."
-
-
 def _int(x: Any, what: str, lo: int = 0, hi: int = _I64_MAX) -> int:
     if type(x) is not int or not lo <= x <= hi:
-        raise ManifestError(f"{what} must be an integer in [{lo}, {hi}], got {_short(x)}")
+        raise ManifestError(f"{what} must be an integer in [{lo}, {hi}], got {sealed.short(x)}")
     return x
 
 
@@ -228,7 +186,7 @@ def _parse_file(i: int, f: Any) -> FileEntry:
     name = f[0]
     if not isinstance(name, str) or not SAFE_NAME.fullmatch(name) or ".." in name:
         raise ManifestError(
-            f"files[{i}] name {_short(name)} is not a plain file name inside the "
+            f"files[{i}] name {sealed.short(name)} is not a plain file name inside the "
             "checkpoint (absolute paths, '..', separators and URLs are refused)")
     size = _int(f[1], f"files[{i}].size")
     hlen = _int(f[2], f"files[{i}].header_len", 1)
@@ -297,19 +255,10 @@ def _parse_tensor(key: str, t: Any, nfiles: int) -> TensorEntry:
     return TensorEntry(key, t["dtype"], shape, _parse_chunks(key, shape, t.get("chunks"), nfiles))
 
 
-def _float_tag(v: Any) -> float | None:
-    """The float a {"$float": "nan" | "inf" | "-inf"} tag stands for, else None."""
-    if isinstance(v, dict) and len(v) == 1:
-        name = v.get(_FLOAT_TAG)
-        if isinstance(name, str) and name in _NON_FINITE:
-            return _NON_FINITE[name]
-    return None
-
-
 def _parse_value(key: str, v: Any) -> JsonLeaf:
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
-    x = _float_tag(v)
+    x = sealed.untag_float(v)
     if x is None:
         raise ManifestError(f"value {key!r} is not a JSON scalar (null, bool, number, string) "
                             'nor a non-finite float {"$float": "nan" | "inf" | "-inf"}')
@@ -321,36 +270,11 @@ def _parse_meta(obj: Any, depth: int = 0) -> Any:
     if depth > _MAX_META_DEPTH:
         raise ManifestError(f"meta is nested deeper than {_MAX_META_DEPTH} levels")
     if isinstance(obj, dict):
-        x = _float_tag(obj)
+        x = sealed.untag_float(obj)
         return x if x is not None else {k: _parse_meta(v, depth + 1) for k, v in obj.items()}
     if isinstance(obj, list):
         return [_parse_meta(v, depth + 1) for v in obj]
     return obj
-
-
-def _load_json(data: bytes) -> tuple[Any, list[str]]:
-    """The decoded document and the NaN/Infinity constants it used (not JSON; version 1
-    wrote them for non-finite values)."""
-    constants: list[str] = []
-
-    def constant(name: str) -> float:
-        constants.append(name)
-        return float(name)  # float() reads NaN, Infinity and -Infinity
-
-    try:
-        return json.loads(data, parse_constant=constant), constants
-    except RecursionError:
-        raise ManifestError("not valid JSON (nested too deeply to decode); the checkpoint "
-                            "is corrupt") from None
-    except ValueError as e:  # also UnicodeDecodeError and integers over 4300 digits
-        raise ManifestError(f"not valid JSON ({_short(str(e), 200)}); the checkpoint is "
-                            "corrupt") from None
-
-
-def _check_checksum(data: bytes) -> None:
-    m = _CHECKSUM_PREFIX.match(data)
-    if m is None or int(m.group(1), 16) != crc32(memoryview(data)[_PREFIX_LEN:]):
-        raise ManifestError(_MISMATCH)
 
 
 def _field(doc: dict, name: str, kind: type) -> Any:
@@ -363,21 +287,21 @@ def _field(doc: dict, name: str, kind: type) -> Any:
 
 def _parse_doc(data: bytes, at: list[str]) -> Manifest:
     """parse() without the file name; ``at[0]`` names the part being read."""
-    doc, constants = _load_json(data)
+    doc, constants = sealed.load_json(data)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ManifestError('not a dckpt manifest (no "format": "dckpt")')
     # A version-2 document is checksummed: the version it states is trusted only once the
     # checksum matches, so a damaged prefix or version can never pass as version 1.
-    sealed = data.startswith(_CHECKSUM_HEAD) or "checksum" in doc
-    if sealed:
-        _check_checksum(data)
+    is_sealed = data.startswith(sealed.CHECKSUM_HEAD) or "checksum" in doc
+    if is_sealed:
+        sealed.check_checksum(data)
     version = doc.get("version")
     if type(version) is not int or version not in READABLE_VERSIONS:
-        raise ManifestError(f"manifest version {_short(version)} is not supported by this dckpt "
+        raise ManifestError(f"manifest version {sealed.short(version)} is not supported by this dckpt "
                             f"(reads versions {', '.join(map(str, READABLE_VERSIONS))}); "
                             "upgrade dckpt")
-    if version >= 2 and not sealed:
-        raise ManifestError(_MISMATCH + ' (no "checksum" prefix)')
+    if version >= 2 and not is_sealed:
+        raise ManifestError(sealed.MISMATCH + ' (no "checksum" prefix)')
     if version >= 2 and constants:
         raise ManifestError(f"holds {constants[0]}, which is not JSON (version 2 writes "
                             'non-finite floats as {"$float": ...})')
@@ -404,13 +328,13 @@ def _parse_doc(data: bytes, at: list[str]) -> Manifest:
     created = doc.get("created", 0.0)
     # abs() <= max, not math.isfinite: an integer over 1e308 makes that raise
     if type(created) not in (int, float) or not abs(created) <= sys.float_info.max:
-        raise ManifestError(f"created must be a finite number, got {_short(created)}")
+        raise ManifestError(f"created must be a finite number, got {sealed.short(created)}")
     save_id = doc.get("save_id", "")
     if not isinstance(save_id, str):
-        raise ManifestError(f"save_id must be a string, got {_short(save_id)}")
+        raise ManifestError(f"save_id must be a string, got {sealed.short(save_id)}")
     meta = doc.get("meta", {})
     if not isinstance(meta, dict):
-        raise ManifestError(f"meta must be an object, got {_short(meta)}")
+        raise ManifestError(f"meta must be an object, got {sealed.short(meta)}")
     at[0] = "meta"
     return Manifest(
         save_id=save_id,
@@ -444,4 +368,4 @@ def parse(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
         raise
     except Exception as e:  # noqa: BLE001 - a case the checks above missed: still malformed
         raise ManifestError(f"{where}: {at[0]} cannot be read ({type(e).__name__}: "
-                            f"{_short(str(e), 200)}); the checkpoint is corrupt") from e
+                            f"{sealed.short(str(e), 200)}); the checkpoint is corrupt") from e
