@@ -103,7 +103,7 @@ def flatten(state: Any) -> Flat:
                 raise UnsupportedValueError(
                     f"the int at key {key!r} has {obj.bit_length()} bits (over about 3900 "
                     "decimal digits): JSON cannot carry it; store it as a str or a tensor")
-            leaf(key, obj, values)  # NaN/inf are written as Python's json writes them
+            leaf(key, obj, values)  # NaN/inf: tagged objects in the manifest (format/sealed.py)
         else:
             raise UnsupportedValueError(
                 f"value at key {key or '<root>'!r} is a {type(obj).__module__}."
