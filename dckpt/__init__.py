@@ -8,8 +8,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .dist.commit import CheckpointInfo, save
-from .dist.restore import load
+from .protocol.commit import CheckpointInfo, save
+from .protocol.restore import load
 from .engine.async_save import SaveHandle, async_save
 from .manager import CheckpointManager
 from .state.training import TrainingState

@@ -6,8 +6,8 @@ import os
 import time
 from dataclasses import dataclass
 
-from .dist.commit import DATA_FILE, TEMP_MANIFEST
-from .dist.intent import INTENT_FILE, live_save_ids
+from .protocol.commit import DATA_FILE, TEMP_MANIFEST
+from .protocol.intent import INTENT_FILE, live_save_ids
 from .errors import CheckpointError
 from .format import manifest as mf
 from .storage.fsspec_storage import FsspecStorage, make_storage
@@ -55,7 +55,7 @@ def _shown_join(shown: str, name: str) -> str:
 
 def _read(storage, path: str, shown: str | None = None):
     """(manifest or None, summary or None): None, None when ``path`` has no manifest."""
-    from .dist.restore import read_manifest
+    from .protocol.restore import read_manifest
 
     try:
         m, _ = read_manifest(storage, path)

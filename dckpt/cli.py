@@ -49,7 +49,7 @@ def cmd_ls(args) -> int:
 
 def cmd_inspect(args) -> int:
     from .catalog import sharding
-    from .dist.restore import read_manifest
+    from .protocol.restore import read_manifest
     from .storage.fsspec_storage import make_storage
 
     storage, root = make_storage(args.path, _opts(args))

@@ -7,11 +7,11 @@ import signal
 import time
 from typing import Any
 
-from .dist.collectives import Comm, on_rank0
-from .dist.commit import save as _save
-from .dist.intent import live_save_ids
-from .dist.restore import load as _load
-from .dist.restore import read_manifest
+from .protocol.collectives import Comm, on_rank0
+from .protocol.commit import save as _save
+from .protocol.intent import live_save_ids
+from .protocol.restore import load as _load
+from .protocol.restore import read_manifest
 from .engine.async_save import SaveHandle
 from .engine.async_save import async_save as _async_save
 from .errors import CheckpointError, IntegrityError, NotCommittedError

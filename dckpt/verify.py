@@ -34,7 +34,7 @@ def verify_checkpoint(path: str, storage_options: dict | None = None) -> VerifyR
     Single process; blocking I/O of the whole checkpoint; memory bounded by one 64 MiB
     buffer. Never raises for a damaged checkpoint: problems are listed in the report
     (NotCommittedError / ManifestError become a one-line problem too)."""
-    from .dist.restore import read_manifest
+    from .protocol.restore import read_manifest
 
     storage, root = make_storage(path, storage_options)
     report = VerifyReport(root)

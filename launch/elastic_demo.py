@@ -13,7 +13,7 @@
 
 Each phase checks what it shows and the script exits 1 with the reason on the first
 expectation that fails. Full logs are written under --workdir. The process helpers
-(Agent, free_port, rdzv_args, ...) are shared with tests/dist/test_elastic.py.
+(Agent, free_port, rdzv_args, ...) are shared with tests/multirank/test_elastic.py.
 """
 from __future__ import annotations
 

@@ -181,7 +181,7 @@ def test_a_save_whose_files_vanished_fails(where, monkeypatch):
 
 def test_stale_intent_of_a_dead_save_is_collected(where):
     """A save that died (its lease ran out) leaves files that gc does remove."""
-    from dckpt.dist.intent import intent_name
+    from dckpt.protocol.intent import intent_name
 
     path, opts = where
     parent = path.rsplit("/", 1)[0] if "://" in path else os.path.dirname(path)
@@ -191,7 +191,7 @@ def test_stale_intent_of_a_dead_save_is_collected(where):
     s.touch(s.join(root, intent_name(sid)), b"{}")
     s.touch(s.join(root, f"data-{sid}-00000.safetensors"), b"partial")
     assert collect_garbage(parent, min_age_s=0.0, storage_options=opts) == []
-    import dckpt.dist.intent as intent
+    import dckpt.protocol.intent as intent
 
     old = intent.LEASE_S
     intent.LEASE_S = 0.0  # the lease ran out

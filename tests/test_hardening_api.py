@@ -72,7 +72,7 @@ def test_small_checkpoint_loads_under_a_tight_address_space_limit(tmp_path):
     code = (
         "import os, resource\n"
         "from dckpt.storage.local import LocalStorage\n"
-        "from dckpt.dist.restore import read_manifest_bytes\n"
+        "from dckpt.protocol.restore import read_manifest_bytes\n"
         "vm = int(open('/proc/self/statm').read().split()[0]) * os.sysconf('SC_PAGE_SIZE')\n"
         "resource.setrlimit(resource.RLIMIT_AS, (vm + (512 << 20), resource.RLIM_INFINITY))\n"
         f"print(len(read_manifest_bytes(LocalStorage(), {str(path)!r})))\n")

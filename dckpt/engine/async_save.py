@@ -5,7 +5,7 @@ thread per process, over a gloo group of its own, created once per training grou
 training's own group is never used from that thread, so the training loop's collectives
 (all_reduce, barrier, FSDP's all-gathers) cannot interleave with the checkpoint's.
 
-That group is dckpt's own (:class:`~dckpt.dist.collectives.OwnGroup`, not registered
+That group is dckpt's own (:class:`~dckpt.protocol.collectives.OwnGroup`, not registered
 with torch.distributed): a ``destroy_process_group()`` while a save is in flight does not
 break it, so the save still commits (or fails) identically on every rank and
 ``result()`` returns its outcome. ``DCKPT_COLLECTIVE_TIMEOUT_S`` (default 1800) bounds
@@ -22,8 +22,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..dist.collectives import OwnGroup, drop_dead
-from ..dist.commit import CheckpointInfo, save
+from ..protocol.collectives import OwnGroup, drop_dead
+from ..protocol.commit import CheckpointInfo, save
 from .staging import StagingPool
 
 log = logging.getLogger(__name__)

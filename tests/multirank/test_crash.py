@@ -95,7 +95,7 @@ def expected(gen: int) -> dict:
 def gc_after_lease(root: str, **kw):
     """gc as it runs once the killed save's lease has run out: its intent file (which
     the dead rank 0 can no longer renew) is aged past the lease first."""
-    from dckpt.dist.intent import INTENT_FILE, LEASE_S
+    from dckpt.protocol.intent import INTENT_FILE, LEASE_S
 
     old = time.time() - LEASE_S - 60
     for d, _, files in os.walk(root):
@@ -135,7 +135,7 @@ def test_sigkill_at_random_moment(tmp_path, victim, seed):
     assert job.last_saved() <= gen <= job.last_saved() + 1, (gen, job.last_saved())
     gc_after_lease(str(tmp_path))
     assert sorted(f for f in os.listdir(path) if f.endswith(".safetensors")) == sorted(
-        f.name for f in dckpt.dist.restore.read_manifest(
+        f.name for f in dckpt.protocol.restore.read_manifest(
             dckpt.storage.local.LocalStorage(), path)[0].files)
     assert loaded_generation(path) == gen
 

@@ -49,7 +49,7 @@ def _dstate(world: int, seed: int = 0) -> tuple[dict, dict]:
 
 def _roundtrip(path: str) -> dict:
     import dckpt
-    from dckpt.dist.restore import read_manifest
+    from dckpt.protocol.restore import read_manifest
     from dckpt.storage.local import LocalStorage
 
     world = dist.get_world_size()

@@ -11,7 +11,7 @@ Call order (all collective over the group; rank 0 coordinates):
      removes the files of the checkpoint it replaced, and broadcasts the outcome; every
      rank returns the same CheckpointInfo or raises the same error.
 
-Rank 0 holds a lease on the save (an intent file, see :mod:`dckpt.dist.intent`) from
+Rank 0 holds a lease on the save (an intent file, see :mod:`dckpt.protocol.intent`) from
 before any data file exists until after the commit, so gc never removes a save in
 progress.
 """
