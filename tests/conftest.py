@@ -21,3 +21,16 @@ def ranks():
     yield get
     for p in pools.values():
         p.close()
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """A real S3-compatible server (moto's, on loopback) for this test session, or a
+    skip where the s3 extra is not installed (.ci/run installs it)."""
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto.server")
+    from s3server import S3Server
+
+    server = S3Server().start()
+    yield server
+    server.stop()

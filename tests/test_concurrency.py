@@ -22,9 +22,14 @@ from dckpt.storage.fsspec_storage import make_storage
 from dckpt.verify import verify_checkpoint
 
 
-@pytest.fixture(params=["local-direct", "local-buffered", "memory"])
+@pytest.fixture(params=["local-direct", "local-buffered", "memory", "s3"])
 def where(request, tmp_path):
-    """(checkpoint path or URL, storage_options) on each backend."""
+    """(checkpoint path or URL, storage_options) on each backend ("s3": a real
+    S3-compatible server on loopback, where the exclusive commit is a conditional PUT)."""
+    if request.param == "s3":
+        server = request.getfixturevalue("s3")
+        yield server.url("concurrency") + "/ckpt", server.options
+        return
     if request.param == "memory":
         url = f"memory://concurrency-{uuid.uuid4().hex}"
         yield url + "/ckpt", None

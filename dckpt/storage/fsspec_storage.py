@@ -74,8 +74,15 @@ class FsspecWriter:
         self.f.close()  # an object store completes its upload here
 
     def abort(self) -> None:
+        # discard(): an object store's file aborts its multipart upload (parts already
+        # sent are dropped, nothing becomes visible); close() would complete it.
         try:
-            self.f.close()
+            discard = getattr(self.f, "discard", None)
+            if discard is not None:
+                discard()
+                self.f.closed = True  # else its finaliser would try to upload what is left
+            else:
+                self.f.close()
         except Exception:
             pass
         try:
@@ -127,14 +134,25 @@ class FsspecStorage:
         return "/".join(p.rstrip("/") for p in parts[:-1]) + "/" + parts[-1] if len(parts) > 1 else parts[0]
 
     def exists(self, path: str) -> bool:
+        self.fs.invalidate_cache(path)
         return self.fs.exists(path)
 
     def makedirs(self, path: str) -> None:
         self.fs.makedirs(path, exist_ok=True)
 
     def listdir(self, path: str) -> list[Entry]:
+        """Entries of ``path``, listed afresh (fsspec caches listings per process; other
+        ranks' writes would not show). On an object store a prefix with no objects is
+        an empty directory, not a missing one."""
         out = []
-        for info in self.fs.ls(path, detail=True):
+        self.fs.invalidate_cache(path)
+        try:
+            infos = self.fs.ls(path, detail=True)
+        except FileNotFoundError:
+            if self.one_put:
+                return []
+            raise
+        for info in infos:
             name = info["name"].rstrip("/").rsplit("/", 1)[-1]
             link = bool(info.get("islink"))
             out.append(Entry(name, int(info.get("size") or 0), entry_mtime(info),
@@ -142,13 +160,24 @@ class FsspecStorage:
         return out
 
     def size(self, path: str) -> int:
+        self.fs.invalidate_cache(path)
         return int(self.fs.size(path))
 
     def read(self, path: str, start: int = 0, length: int | None = None) -> bytes:
+        if length == 0:
+            return b""
         end = None if length is None else start + length
-        return self.fs.cat_file(path, start=start, end=end)
+        try:
+            return self.fs.cat_file(path, start=start, end=end)
+        except OSError as e:
+            # An object store refuses a range that starts at or past the end (HTTP 416);
+            # the protocol's answer there is a short (empty) read.
+            if isinstance(e, FileNotFoundError) or start < self.size(path):
+                raise
+            return b""
 
     def read_file(self, path: str, cap: int) -> bytes:
+        self.fs.invalidate_cache(path)
         info = self.fs.info(path)
         if info.get("type") == "directory":
             raise IsADirectoryError(path)
