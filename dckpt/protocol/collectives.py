@@ -244,22 +244,24 @@ def agree(comm: Comm, exc: BaseException | None, what: str) -> None:
         raise_gathered(errors, what, exc)
 
 
-def on_rank0(comm: Comm, fn, what: str) -> Any:
-    """Run ``fn()`` on rank 0 only and hand its JSON-able result to every rank; if it
-    raises anything, every rank raises the same error (typed like the original when it
-    is a CheckpointError, else RankFailure). Collective: one broadcast."""
+def rank0_bytes(comm: Comm, fn, what: str) -> bytes:
+    """Run ``fn()`` (returning bytes) on rank 0 only and hand its result to every rank;
+    if it raises anything, every rank raises the same error (typed like the original
+    when it is a CheckpointError, else RankFailure), as "``what`` failed on rank 0".
+    Collective: one broadcast (two small ones and the payload)."""
     reply = None
     if comm.rank == 0:
         try:
-            reply = b"\x00" + json.dumps(fn()).encode()
+            reply = b"\x00" + fn()
         except Exception as e:
             log.debug("%s failed on rank 0", what, exc_info=True)
             reply = b"\x01" + json.dumps(error_payload(e)).encode()
-            if comm.size == 1:
-                if isinstance(e, CheckpointError):
-                    raise
-                raise_gathered({0: error_payload(e)}, what, e)
     payload = comm.broadcast_bytes(reply)
     if payload[:1] == b"\x01":
         raise_gathered({0: json.loads(payload[1:])}, what)
-    return json.loads(payload[1:])
+    return payload[1:]
+
+
+def on_rank0(comm: Comm, fn, what: str) -> Any:
+    """:func:`rank0_bytes` for a JSON-able result."""
+    return json.loads(rank0_bytes(comm, lambda: json.dumps(fn()).encode(), what))

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from .. import _faults
-from ..errors import AlreadyExistsError, IntegrityError
+from ..errors import AlreadyExistsError, CheckpointError, IntegrityError
 from ..format import manifest as mf
 from ..format import shards
 from ..layout import localplan, plan as gplan
@@ -240,9 +240,11 @@ class _Coordinator:
     def _manifest_is_ours(self) -> bool:
         """After a failed commit: did the manifest land anyway (e.g. the directory fsync
         failed after the rename)? Then this save's files must stay."""
+        from .restore import read_manifest_bytes
+
         try:
-            data = self.storage.read(self.storage.join(self.root, mf.MANIFEST_NAME))
-        except OSError:
+            data = read_manifest_bytes(self.storage, self.root)  # bounded, regular file only
+        except (OSError, CheckpointError):
             return False
         return f'"save_id":"{self.save_id}"'.encode() in data
 

@@ -22,7 +22,7 @@ from ..state.tensors import describe
 from ..storage.base import FileTooLargeError, NotRegularFileError
 from ..storage.fsspec_storage import make_storage
 from ..reader import DEFAULT_READ_BUDGET, ChunkReader
-from .collectives import Comm, agree, error_payload, raise_gathered
+from .collectives import Comm, agree, error_payload, raise_gathered, rank0_bytes
 
 log = logging.getLogger(__name__)
 MAX_MANIFEST = 1 << 30  # a manifest of 10^5 tensors in 10^4 chunks each is a few hundred MB
@@ -93,19 +93,14 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
 
     # Rank 0 reads the bytes; every rank parses them at once (parsing is deterministic,
     # so a bad manifest fails identically everywhere without another collective).
-    reply = None
-    if comm.rank == 0:
-        try:
-            if setup_err is not None:
-                raise setup_err
-            reply = b"\x00" + read_manifest_bytes(storage, root)
-        except Exception as e:
-            reply = b"\x01" + json.dumps(error_payload(e)).encode()
-    payload = comm.broadcast_bytes(reply)
-    if payload[:1] == b"\x01":
-        raise_gathered({0: json.loads(payload[1:])}, f"load from {path}")
+    def manifest_bytes() -> bytes:
+        if setup_err is not None:
+            raise setup_err
+        return read_manifest_bytes(storage, root)
+
+    payload = rank0_bytes(comm, manifest_bytes, f"load from {path}")
     try:
-        manifest = mf.parse(payload[1:], where)
+        manifest = mf.parse(payload, where)
     except CheckpointError as e:
         raise type(e)(f"load from {path} failed: {e}") from None
 
