@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -42,9 +41,7 @@ def _open_root(root: str, storage_options: dict | None):
     storage, base = make_storage(root, storage_options)
     if not storage.exists(base):
         raise CheckpointError(f"{root} does not exist")
-    # fsspec lists a file as a one-entry directory of itself: ask explicitly
-    is_dir = storage.fs.isdir(base) if isinstance(storage, FsspecStorage) else os.path.isdir(base)
-    if not is_dir:
+    if not storage.is_dir(base):
         raise CheckpointError(f"{root} is not a directory")
     return storage, base, _shown_root(root, storage, base)
 

@@ -137,6 +137,11 @@ class FsspecStorage:
         self.fs.invalidate_cache(path)
         return self.fs.exists(path)
 
+    def is_dir(self, path: str) -> bool:
+        # asked explicitly: fsspec lists a file as a one-entry directory of itself
+        self.fs.invalidate_cache(path)
+        return self.fs.isdir(path)
+
     def makedirs(self, path: str) -> None:
         self.fs.makedirs(path, exist_ok=True)
 

@@ -173,6 +173,9 @@ class LocalStorage:
     def exists(self, path: str) -> bool:
         return os.path.exists(path)
 
+    def is_dir(self, path: str) -> bool:
+        return os.path.isdir(path)
+
     def makedirs(self, path: str) -> None:
         """Create ``path`` and its missing parents, fsyncing each new directory's parent
         so that the new entries survive a power loss (a checkpoint whose directory entry
