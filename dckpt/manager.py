@@ -18,6 +18,7 @@ from .errors import CheckpointError, IntegrityError, NotCommittedError
 from .format import manifest as mf
 from .policy import RetentionPolicy, SavePolicy
 from .state import rng
+from .tiers.fast import FastTier, fallback_worthy
 from .storage.fsspec_storage import make_storage
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,8 @@ class CheckpointManager:
                  keep_every: int | None = None, async_save: bool = False,
                  process_group: Any = None, storage_options: dict | None = None,
                  capture_rng: bool = True, mtbf_hours: float | None = None,
-                 save_on_sigterm: bool = False) -> None:
+                 save_on_sigterm: bool = False, local_root: str | None = None,
+                 keep_last_local: int = 1, durable_every_steps: int | None = None) -> None:
         self.policy = SavePolicy(every_steps, every_seconds, mtbf_hours)
         self.retention = RetentionPolicy(keep_last, keep_every)
         self.async_save, self.capture_rng = async_save, capture_rng
@@ -78,8 +80,16 @@ class CheckpointManager:
         self._sigterm = False
         if save_on_sigterm:
             signal.signal(signal.SIGTERM, self._on_sigterm)  # main thread only, as Python requires
+        self._requested = False
+        self.restored_from: str | None = None  # "local" or "durable" after a restore
         on_rank0(self.comm, lambda: self.storage.makedirs(self.root),
                  f"CheckpointManager: create {root}")
+        self.tier: FastTier | None = None
+        if local_root is not None:
+            self.tier = FastTier(local_root, keep_last_local=keep_last_local,
+                                 durable_every=durable_every_steps, group=process_group,
+                                 comm=self.comm, durable_path=self.path,
+                                 storage_options=storage_options, on_durable=self._after_commit)
 
     # ------------------------------------------------------------------ paths, listing
     def path(self, step: int) -> str:
@@ -99,9 +109,16 @@ class CheckpointManager:
                 (committed if done else partial).append(int(m.group(1)))
         return sorted(committed), sorted(partial)
 
-    def steps(self) -> list[int]:
-        """Committed steps, ascending. Collective: rank 0 lists, every rank gets its list
-        (or the same error, whatever rank 0 met: an OSError such as EACCES too)."""
+    def steps(self, tier: str = "durable") -> list[int]:
+        """Committed steps, ascending. Collective. ``tier="durable"`` (the default): the
+        steps under ``root``; rank 0 lists, every rank gets its list (or the same error,
+        whatever rank 0 met: an OSError such as EACCES too). ``tier="local"``: the steps
+        every rank holds in its own fast tier, from one save (each rank reads only its
+        own ``local_root``; one all-gather)."""
+        if tier == "local":
+            return self.tier.common_steps() if self.tier is not None else []
+        if tier != "durable":
+            raise CheckpointError(f"unknown tier {tier!r}: use 'durable' or 'local'")
         return on_rank0(self.comm, lambda: self._local_steps()[0],
                         f"list checkpoints under {self._root_arg}")
 
@@ -122,23 +139,41 @@ class CheckpointManager:
     def _on_sigterm(self, signum, frame) -> None:
         self._sigterm = True
 
-    def _preempted(self) -> bool:
-        votes = self.comm.all_gather_bytes(b"1" if self._sigterm else b"0")
-        return b"1" in votes
+    def request_save(self) -> None:
+        """Ask for a save at the next :meth:`save` call (a preemption notice, a node
+        health check). Not collective: call it on any rank, from any thread (a signal
+        handler too); the next :meth:`save` on every rank agrees on it (one small
+        all-gather per call) and saves that step, in every tier."""
+        self._requested = True
+
+    def _votes(self) -> tuple[bool, bool]:
+        """(preempted, save requested), agreed by every rank. One all-gather of a byte."""
+        flags = (1 if self._sigterm and self.save_on_sigterm else 0) | (2 if self._requested else 0)
+        self._requested = False
+        votes = self.comm.all_gather_bytes(bytes([flags]))
+        every = 0
+        for v in votes:
+            every |= v[0]
+        return bool(every & 1), bool(every & 2)
 
     def save(self, step: int, state: Any, *, force: bool = False) -> bool:
         """Save ``state`` as ``step`` when the policy says so (or ``force``); returns
         whether a save started. Synchronous mode returns after the commit; async mode
         after the snapshot. Waits for a previous async save first. A failed async
         save is logged here and raised by :meth:`wait`."""
-        if self.save_on_sigterm and self._preempted():
+        preempted, requested = self._votes()
+        if preempted:
             log.warning("preempted (SIGTERM): writing a final checkpoint of step %d", step)
             self._finish_inflight(raise_error=False)
             self.save_on_sigterm = self.async_save = False  # one final, synchronous save
             if self._last_step != step:
                 self.save(step, state, force=True)
+            if self.tier is not None:
+                self.tier.wait(raise_error=False)  # the final save is durable before exit
             raise SystemExit(0)
-        if not self._decide(step, force):
+        if requested:
+            log.info("a save was requested: saving step %d", step)
+        if not self._decide(step, force or requested):
             return False
         self._finish_inflight(raise_error=False)
         full: dict[str, Any] = {"state": state}
@@ -146,7 +181,11 @@ class CheckpointManager:
             full["rng"] = {f"rank{self.comm.rank}": rng.capture()}
         t0 = time.perf_counter()
         path = self.path(step)
-        if self.async_save:
+        if self.tier is not None:
+            durable = self.tier.durable_due(step, force or requested)
+            self.tier.save(step, full, durable=durable, async_=self.async_save)
+            blocked = time.perf_counter() - t0
+        elif self.async_save:
             h = _async_save(full, path, process_group=self.group,
                             storage_options=self.storage_options, overwrite=True)
             self._inflight = (step, h)
@@ -210,11 +249,21 @@ class CheckpointManager:
         return bool(live_save_ids(entries))
 
     def wait(self) -> None:
-        """Block until the save in flight (if any) has committed; raise its error."""
-        self._finish_inflight(raise_error=True)
+        """Block until every save so far has committed in every tier it is meant for;
+        raise the first error (a failed durable copy included)."""
+        try:
+            self._finish_inflight(raise_error=True)
+        finally:
+            if self.tier is not None:
+                self.tier.wait()
 
     def close(self) -> None:
-        self.wait()
+        """:meth:`wait`, then stop the background threads."""
+        try:
+            self.wait()
+        finally:
+            if self.tier is not None:
+                self.tier.close()
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -233,21 +282,44 @@ class CheckpointManager:
         """Restore the newest committed checkpoint that loads and verifies (or exactly
         ``step``) into ``state`` in place; returns its step. Collective.
 
-        A checkpoint whose manifest or data fails its checks is skipped with a warning
-        naming the problem, and the next newest is tried; steps of an abandoned
-        timeline are never tried (see the class docstring). Returns None only when
-        there is no committed checkpoint at all; when there are some and none loads, it
-        raises CheckpointError listing each step tried and why (``state`` is then
-        undefined: a failed load may have overwritten part of it). Waits for a save in
-        flight first."""
+        With a fast tier, the newest step every rank holds locally (from one save, at
+        this world size) is tried first, unless the durable tier has a newer one; if
+        that load fails anywhere (a file missing or corrupt on some node, a changed
+        layout), every rank falls back to the durable tier. :attr:`restored_from` says
+        which tier was used (``"local"`` or ``"durable"``).
+
+        In the durable tier, a checkpoint whose manifest or data fails its checks is
+        skipped with a warning naming the problem, and the next newest is tried; steps
+        of an abandoned timeline are never tried (see the class docstring). Returns None
+        only when there is no committed checkpoint at all; when there are some and none
+        loads, it raises CheckpointError listing each step tried and why (``state`` is
+        then undefined: a failed load may have overwritten part of it). Waits for the
+        saves in flight first."""
         self._finish_inflight(raise_error=False)
+        if self.tier is not None:
+            self.tier.wait(raise_error=False)
+        self.restored_from = None
+        durable = on_rank0(self.comm, self._candidates, f"list checkpoints under {self._root_arg}")
+        if step is not None:
+            durable = [s for s in durable if s == step] or [step]
+        tried: list[str] = []
+        if self.tier is not None:
+            local = [s for s in self.tier.common_steps() if step is None or s == step]
+            if local and (not durable or local[-1] >= durable[0]):
+                s = local[-1]
+                try:
+                    self.tier.load(s, lambda p, name: self._load(s, state, p, name))
+                    return self._restored(s, "local")
+                except Exception as e:
+                    if not fallback_worthy(e):
+                        raise
+                    log.warning("step %d in the fast tier could not be restored, using the "
+                                "durable tier: %s", s, e)
+                    tried.append(f"step {s} (local): {type(e).__name__}: {e}")
         if step is not None:
             self._load(step, state)
-            self._last_step, self._last_time = step, time.monotonic()
-            return step
-        candidates = on_rank0(self.comm, self._candidates, f"list checkpoints under {self._root_arg}")
-        tried: list[str] = []
-        for s in candidates:
+            return self._restored(step, "durable")
+        for s in durable:
             try:
                 self._load(s, state)
             except (IntegrityError, NotCommittedError) as e:
@@ -255,14 +327,22 @@ class CheckpointManager:
                             s, self._root_arg, e)
                 tried.append(f"step {s}: {type(e).__name__}: {e}")
                 continue
-            self._last_step, self._last_time = s, time.monotonic()
-            return s
+            return self._restored(s, "durable")
         if tried:
             raise CheckpointError(
                 f"no checkpoint under {self._root_arg} could be restored ({len(tried)} "
                 "tried, newest first); the state may hold part of a failed load:\n  "
                 + "\n  ".join(tried))
         return None
+
+    def _restored(self, step: int, tier: str) -> int:
+        self.restored_from = tier
+        self._last_step, self._last_time = step, time.monotonic()
+        if self.tier is not None:
+            self.tier.last_durable = step
+        if self.comm.rank == 0:
+            log.info("restored step %d from the %s tier", step, tier)
+        return step
 
     def _candidates(self) -> list[int]:
         """Rank 0: committed steps newest first, without those of an abandoned timeline
@@ -287,8 +367,9 @@ class CheckpointManager:
             out.append(s)
         return out[::-1]
 
-    def _load(self, step: int, state: Any) -> None:
-        path = self.path(step)
+    def _load(self, step: int, state: Any, path: str | None = None,
+              manifest_name: str | None = None) -> None:
+        path = path or self.path(step)
         rank = self.comm.rank
         target: dict[str, Any] = {"state": state}
         found: dict[str, Any] = {}
@@ -302,8 +383,10 @@ class CheckpointManager:
             found["sd"] = rng.saved_target(m, src)
             return {"rng": {f"rank{src}": found["sd"]}}
 
-        _load(target, path, process_group=self.group, storage_options=self.storage_options,
-              ignore_prefixes=("rng.",), extra=rng_target if self.capture_rng else None)
+        _load(target, path, process_group=self.group,
+              storage_options=None if manifest_name else self.storage_options,
+              ignore_prefixes=("rng.",), extra=rng_target if self.capture_rng else None,
+              manifest_name=manifest_name)
         if "sd" in found:
             if rank < found["world"]:
                 rng.restore(found["sd"])

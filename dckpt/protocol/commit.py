@@ -93,23 +93,8 @@ def save(state_dict: Any, path: str, *, process_group: Any = None,
     comm = Comm(process_group)
     storage, root = None, path
 
-    # 1. local plan. Everything up to the first collective runs inside this try (the
-    # storage set-up and the plan's encoding too): any rank's error must reach every
-    # rank through the coordinator, never leave the others waiting in the gather.
-    pieces: list = []
-    try:
-        storage, root = make_storage(path, storage_options)
-        flat = flatten(state_dict)
-        values = flat.values
-        pieces = [describe(k, t) for k, t in flat.tensors.items()]
-        boxes = np.fromiter((x for p in pieces for x in (*p.box.offsets, *p.box.sizes)),
-                            np.int64)
-        local = localplan.LocalPlan([(p.key, p.dtype, p.shape) for p in pieces], boxes, values)
-        _faults.fault("plan", comm.rank)
-        blob = localplan.encode(local)
-    except Exception as e:  # reported to every rank through the coordinator
-        blob = localplan.encode(localplan.LocalPlan(error=error_payload(e)))
-        log.debug("rank %d: local plan failed", comm.rank, exc_info=True)
+    # 1. local plan (its errors travel to every rank through the coordinator)
+    storage, root, pieces, blob = local_plan(state_dict, path, storage_options, comm.rank)
     blobs = comm.gather_bytes(blob)
 
     coord = _Coordinator(storage, root, overwrite, comm.size) if comm.rank == 0 else None
@@ -124,8 +109,8 @@ def save(state_dict: Any, path: str, *, process_group: Any = None,
         # 3. write this rank's shard file
         vote: dict[str, Any]
         try:
-            vote = _write(storage, root, save_id, comm.rank,
-                          [p for p, w in zip(pieces, mask) if w])
+            vote = write_file(storage, root, data_name(save_id, comm.rank), comm.rank,
+                              [p for p, w in zip(pieces, mask) if w])
             _faults.fault("vote", comm.rank)
         except Exception as e:
             vote = {"error": error_payload(e)}
@@ -149,6 +134,54 @@ def save(state_dict: Any, path: str, *, process_group: Any = None,
     return info
 
 
+def local_plan(state_dict: Any, path: str, storage_options: dict | None,
+               rank: int) -> tuple[Any, str, list, bytes]:
+    """This rank's side of step 1: (storage, root, pieces, encoded plan). Never raises:
+    everything up to the first collective (the storage set-up and the plan's encoding
+    too) runs inside this try, and an error is encoded in the plan, so it reaches every
+    rank through the coordinator instead of leaving the others waiting in the gather.
+    No I/O, no collective."""
+    storage, root, pieces = None, path, []
+    try:
+        storage, root = make_storage(path, storage_options)
+        flat = flatten(state_dict)
+        pieces = [describe(k, t) for k, t in flat.tensors.items()]
+        boxes = np.fromiter((x for p in pieces for x in (*p.box.offsets, *p.box.sizes)),
+                            np.int64)
+        local = localplan.LocalPlan([(p.key, p.dtype, p.shape) for p in pieces], boxes,
+                                    flat.values)
+        _faults.fault("plan", rank)
+        blob = localplan.encode(local)
+    except Exception as e:
+        blob = localplan.encode(localplan.LocalPlan(error=error_payload(e)))
+        log.debug("rank %d: local plan failed", rank, exc_info=True)
+    return storage, root, pieces, blob
+
+
+def validate_plans(blobs: list[bytes], where: str) -> tuple[gplan.GlobalPlan | None, dict]:
+    """Rank 0: decode and validate every rank's plan. Returns (plan, {}) or (None,
+    {rank: error payload}) for the ranks whose planning failed. Raises
+    StateMismatchError (ranks disagree). Pure CPU, no I/O."""
+    cache: dict = {}  # byte-identical key tables are decoded once
+    plans = [localplan.decode(b, cache) for b in blobs]
+    errors = {r: p.error for r, p in enumerate(plans) if p.error}
+    if errors:
+        return None, errors
+    gp = gplan.plan_global(plans)
+    if gp.conflicts:
+        k, r = next(iter(gp.conflicts.items()))
+        log.warning(
+            "save to %s: %d value(s) differ between ranks, e.g. %r on rank %d; the "
+            "lowest rank's value is saved. Give rank-local values a key per rank.",
+            where, len(gp.conflicts), k, r)
+    return gp, {}
+
+
+def data_name(save_id: str, rank: int) -> str:
+    """The name of ``rank``'s shard file of save ``save_id``."""
+    return f"data-{save_id}-{rank:05d}.safetensors"
+
+
 class _Coordinator:
     """Rank 0's side of one save: validates plans, then commits or rolls back."""
 
@@ -162,29 +195,24 @@ class _Coordinator:
     def plan(self, blobs: list[bytes]) -> bytes:
         """Decode and validate every rank's plan; take the save's lease (intent file);
         reply with the save id and write masks."""
-        cache: dict = {}
         try:
-            plans = [localplan.decode(b, cache) for b in blobs]
-            errors = {r: p.error for r, p in enumerate(plans) if p.error}
+            self.gp, errors = validate_plans(blobs, self.root)
             if errors:
                 return _pack({"errors": errors})
             st = self.storage
             if not self.overwrite and st.exists(st.join(self.root, mf.MANIFEST_NAME)):
                 raise self._exists()  # early and cheap; the commit itself is exclusive
-            self.gp = gplan.plan_global(plans)
-            if self.gp.conflicts:
-                k, r = next(iter(self.gp.conflicts.items()))
-                log.warning(
-                    "save to %s: %d value(s) differ between ranks, e.g. %r on rank %d; the "
-                    "lowest rank's value is saved. Give rank-local values a key per rank.",
-                    self.root, len(self.gp.conflicts), k, r)
-            st.makedirs(self.root)
-            self.save_id = uuid.uuid4().hex[:16]
-            # Before any rank writes a data file: gc leaves a save with a live intent alone.
-            self.intent = Intent(st, self.root, self.save_id).start()
+            self.begin(uuid.uuid4().hex[:16])
             return _pack({"save_id": self.save_id}, gplan.encode_writes(self.gp))
         except Exception as e:
             return _pack({"errors": {0: error_payload(e)}})
+
+    def begin(self, save_id: str) -> None:
+        """Create the directory and take the save's lease (an intent file), before any
+        rank writes a data file: gc leaves a save with a live intent alone. I/O."""
+        self.storage.makedirs(self.root)
+        self.save_id = save_id
+        self.intent = Intent(self.storage, self.root, save_id).start()
 
     def _exists(self) -> AlreadyExistsError:
         return AlreadyExistsError(
@@ -195,18 +223,24 @@ class _Coordinator:
         """Write the manifest if every rank wrote its file and every file is still
         there; else remove this save's files. After a commit, remove the files of the
         checkpoint it replaced, and nothing else."""
-        st, root, gp = self.storage, self.root, self.gp
         errors = {r: v["error"] for r, v in enumerate(votes) if v.get("error")}
+        if errors:
+            return _pack({"errors": errors})
         try:
-            if errors:
-                return _pack({"errors": errors})
-            files = [mf.FileEntry(v["file"], v["size"], v["hlen"], v["crc"], r)
-                     for r, v in enumerate(votes) if v.get("file")]
-            m = gplan.to_manifest(gp, files, self.save_id, self.world, {
+            m = gplan.to_manifest(self.gp, vote_files(votes), self.save_id, self.world, {
                 "dckpt_version": _version(), "save_seconds": round(time.perf_counter() - t0, 3)})
+        except Exception as e:
+            return _pack({"errors": {0: error_payload(e)}})
+        return self.commit_manifest(m, t0)
+
+    def commit_manifest(self, m: mf.Manifest, t0: float) -> bytes:
+        """Check that every file ``m`` names is there, put ``m`` (THE commit point), then
+        remove the files of the checkpoint it replaced. Returns the packed outcome."""
+        st, root = self.storage, self.root
+        try:
             data = mf.to_json(m)
             _faults.fault("commit", 0)
-            _check_files(st, root, files)
+            _check_files(st, root, list(m.files))
             replaced = _current_files(st, root) if self.overwrite else set()
             try:
                 st.put_atomic(st.join(root, mf.MANIFEST_NAME), data,  # THE commit point
@@ -217,7 +251,7 @@ class _Coordinator:
             _faults.fault("committed", 0)
             keep = {f.name for f in m.files}
             _remove_files(st, root, lambda n: n in replaced and n not in keep)
-            return _pack({"bytes": m.total_bytes, "files": len(files),
+            return _pack({"bytes": m.total_bytes, "files": len(m.files),
                           "seconds": time.perf_counter() - t0})
         except Exception as e:
             if not self.committed and self._manifest_is_ours():
@@ -247,6 +281,12 @@ class _Coordinator:
         except (OSError, CheckpointError):
             return False
         return f'"save_id":"{self.save_id}"'.encode() in data
+
+
+def vote_files(votes: list[dict]) -> list[mf.FileEntry]:
+    """The files the ranks' votes report, in rank order."""
+    return [mf.FileEntry(v["file"], v["size"], v["hlen"], v["crc"], r)
+            for r, v in enumerate(votes) if v.get("file")]
 
 
 def _check_files(storage, root: str, files: list) -> None:
@@ -279,13 +319,15 @@ def _current_files(storage, root: str) -> set[str]:
     return {f.name for f in m.files}
 
 
-def _write(storage, root: str, save_id: str, rank: int, pieces: list) -> dict:
+def write_file(storage, root: str, name: str, rank: int, pieces: list) -> dict:
+    """Write ``pieces`` as the shard file ``root/name`` and fsync it. Returns this rank's
+    vote ({"file", "size", "hlen", "crc"}, or {"file": None} when there is nothing to
+    write). Blocking I/O; raises OSError; a partial file is removed."""
     if not pieces:
         return {"file": None}
     buffers = [as_bytes(p.local) for p in pieces]
     entries = [(p.key, p.dtype, p.box.sizes, len(b)) for p, b in zip(pieces, buffers)]
     order = shards.order_entries(entries)
-    name = f"data-{save_id}-{rank:05d}.safetensors"
     writer = storage.open_write(storage.join(root, name))
     try:
         progress = Progress(f"save {root} (rank {rank})", sum(len(b) for b in buffers), log)

@@ -28,16 +28,16 @@ log = logging.getLogger(__name__)
 MAX_MANIFEST = 1 << 30  # a manifest of 10^5 tensors in 10^4 chunks each is a few hundred MB
 
 
-def read_manifest_bytes(storage, root: str) -> bytes:
-    """The raw bytes of ``root/manifest.json``. Blocking I/O of the file's size only.
+def read_manifest_bytes(storage, root: str, name: str = mf.MANIFEST_NAME) -> bytes:
+    """The raw bytes of ``root/manifest.json`` (or ``root/name``). Blocking I/O of the file's size only.
     Raises NotCommittedError, ManifestError (not a regular file: a FIFO, a link to a
     device; or over MAX_MANIFEST bytes: not something a save writes), OSError."""
-    where = storage.join(root, mf.MANIFEST_NAME)
+    where = storage.join(root, name)
     try:
         return storage.read_file(where, MAX_MANIFEST)
     except FileNotFoundError:
         raise NotCommittedError(
-            f"{root} holds no committed checkpoint (no {mf.MANIFEST_NAME}): the save that "
+            f"{root} holds no committed checkpoint (no {name}): the save that "
             "wrote it did not finish, or the path is wrong") from None
     except IsADirectoryError:
         raise NotCommittedError(f"{where} is a directory, not a manifest") from None
@@ -59,7 +59,8 @@ def read_manifest(storage, root: str) -> tuple[mf.Manifest, bytes]:
 def load(state_dict: dict, path: str, *, process_group: Any = None,
          storage_options: dict | None = None, strict: bool = True,
          read_budget: int = DEFAULT_READ_BUDGET, ignore_prefixes: tuple[str, ...] = (),
-         extra: Callable[[mf.Manifest], dict] | None = None) -> dict:
+         extra: Callable[[mf.Manifest], dict] | None = None,
+         manifest_name: str | None = None) -> dict:
     """Fill ``state_dict`` in place from the checkpoint at ``path`` and return it.
     Collective: call on every rank.
 
@@ -79,7 +80,11 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
     A failed load may leave the destination tensors partly overwritten: bytes are read
     straight into them and verified in place, so a checksum failure is detected after
     some of them changed. Treat the state as undefined after an error: load another
-    checkpoint into it (CheckpointManager.restore does) or rebuild it."""
+    checkpoint into it (CheckpointManager.restore does) or rebuild it.
+
+    ``manifest_name`` (the fast tier, :mod:`dckpt.tiers.local`): every rank reads its own
+    manifest of that name under ``path`` instead of rank 0's ``manifest.json``; the ranks
+    agree on any error reading or parsing it (one more small collective)."""
     t0 = time.perf_counter()
     comm = Comm(process_group)
     # A storage set-up error (an fsspec protocol missing on one node) is reported through
@@ -89,20 +94,30 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
         storage, root = make_storage(path, storage_options)
     except Exception as e:
         setup_err = e
-    where = storage.join(root, mf.MANIFEST_NAME) if storage else f"{path}/{mf.MANIFEST_NAME}"
+    name = manifest_name or mf.MANIFEST_NAME
+    where = storage.join(root, name) if storage else f"{path}/{name}"
 
-    # Rank 0 reads the bytes; every rank parses them at once (parsing is deterministic,
-    # so a bad manifest fails identically everywhere without another collective).
     def manifest_bytes() -> bytes:
         if setup_err is not None:
             raise setup_err
-        return read_manifest_bytes(storage, root)
+        return read_manifest_bytes(storage, root, name)
 
-    payload = rank0_bytes(comm, manifest_bytes, f"load from {path}")
-    try:
-        manifest = mf.parse(payload, where)
-    except CheckpointError as e:
-        raise type(e)(f"load from {path} failed: {e}") from None
+    if manifest_name is None:
+        # Rank 0 reads the bytes; every rank parses them at once (parsing is
+        # deterministic, so a bad manifest fails identically everywhere without
+        # another collective).
+        payload = rank0_bytes(comm, manifest_bytes, f"load from {path}")
+        try:
+            manifest = mf.parse(payload, where)
+        except CheckpointError as e:
+            raise type(e)(f"load from {path} failed: {e}") from None
+    else:
+        manifest, read_err = None, None
+        try:
+            manifest = mf.parse(manifest_bytes(), where)
+        except Exception as e:
+            read_err = e
+        agree(comm, read_err, f"load from {path}")
 
     t_manifest = time.perf_counter()
     # Phase 1: match the target against the manifest before touching any tensor.

@@ -1,0 +1,203 @@
+"""FastTier: the manager's fast tier and its background staging, wired together.
+
+One object per CheckpointManager with ``local_root``. It owns the node-local storage,
+two background threads with a gloo group each (one for asynchronous local saves, one
+for staging to the durable tier, so a slow or failing durable store never holds up a
+local save) and the set of steps being staged (never deleted locally). Every
+collective of a background job runs on that job's own group, in the same order on
+every rank: jobs are queued in save order, which every rank shares.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import os
+import threading
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from ..errors import CheckpointError, CommunicationError
+from ..policy import RetentionPolicy
+from ..protocol.collectives import Comm, OwnGroup, agree
+from ..engine.staging import StagingPool
+from ..storage.fsspec_storage import make_storage
+from . import chooser, local, stager
+
+log = logging.getLogger(__name__)
+
+
+class FastTier:
+    """See the module docstring. Construct on every rank together (collective: makes
+    the background groups, creates each rank's ``local_root``). Raises CheckpointError
+    when ``local_root`` is not a local path or cannot be created on some rank."""
+
+    def __init__(self, local_root: str, *, keep_last_local: int, durable_every: int | None,
+                 group: Any, comm: Comm, durable_path: Callable[[int], str],
+                 storage_options: dict | None, on_durable: Callable[[int], None]) -> None:
+        if "://" in local_root and not local_root.startswith("file://"):
+            raise CheckpointError(f"local_root must be a node-local path (e.g. /dev/shm/job "
+                                  f"or a local NVMe directory), not the URL {local_root!r}")
+        if durable_every is not None and (not isinstance(durable_every, int) or durable_every < 1):
+            raise CheckpointError(f"durable_every_steps must be a positive int, got {durable_every!r}")
+        self.storage, self.root = make_storage(local_root)
+        self.retention = RetentionPolicy(keep_last_local)
+        self.durable_every = durable_every
+        self.comm, self.durable_path, self.on_durable = comm, durable_path, on_durable
+        self.storage_options = storage_options
+        self.last_durable: int | None = None  # the last step queued for the durable tier
+        self.pool = StagingPool()
+        self._lock = threading.Lock()
+        self._staging: set[int] = set()
+        self._local_job: cf.Future | None = None
+        self._stage_jobs: list[cf.Future] = []
+        self._errors: list[BaseException] = []
+        err = None
+        try:
+            self.storage.makedirs(self.root)
+        except OSError as e:
+            err = CheckpointError(f"cannot create local_root {self.root}: {e}")
+        agree(comm, err, f"create local_root {local_root}")
+        self._local_exec = cf.ThreadPoolExecutor(1, thread_name_prefix="dckpt-local")
+        self._stage_exec = cf.ThreadPoolExecutor(1, thread_name_prefix="dckpt-stage")
+        self._local_group = self._stage_group = None
+        if dist.is_available() and dist.is_initialized():
+            # Made now, on every rank together, so the first save pays nothing for them.
+            timeout = float(os.environ.get("DCKPT_COLLECTIVE_TIMEOUT_S", "1800"))
+            self._local_group = OwnGroup.create(group, timeout)
+            self._stage_group = OwnGroup.create(group, timeout)
+
+    # ------------------------------------------------------------------ saving
+    def step_dir(self, step: int) -> str:
+        return self.storage.join(self.root, local.step_name(step))
+
+    def durable_due(self, step: int, force: bool) -> bool:
+        """Whether the local save of ``step`` also goes durable: every save when
+        ``durable_every_steps`` is None; else forced saves, multiples of it, and any step
+        at least that many steps after the last durable one. Pure, the same on every
+        rank."""
+        d = self.durable_every
+        due = (d is None or force or step % d == 0
+               or step - (self.last_durable or 0) >= d)
+        if due:
+            self.last_durable = step
+        return due
+
+    def save(self, step: int, state: Any, *, durable: bool, async_: bool) -> None:
+        """Commit ``state`` as ``step`` in every rank's fast tier, then queue its staging
+        when ``durable``. Collective. Synchronous: returns after the local commit (and
+        raises its error). Asynchronous: returns after the snapshot into host buffers;
+        the local commit runs in the background, its error is raised by :meth:`wait`.
+        Waits for the previous local save first (its buffers are reused)."""
+        self.wait_local()
+        if not async_:
+            self._save_local(step, state, self.comm, durable)
+            return
+        try:
+            snap, _ = self.pool.snapshot(state)
+        except Exception as e:  # join the collective save anyway: it fails everywhere
+            from ..engine.async_save import _Unstageable
+            snap = {"state": _Unstageable(e)}
+        comm = Comm(self._local_group)
+        self._local_job = self._local_exec.submit(self._save_local, step, snap, comm, durable)
+
+    def _save_local(self, step: int, state: Any, comm: Comm, durable: bool) -> local.LocalCommit:
+        commit = local.save_local(state, step, self.step_dir(step), self.storage, comm)
+        if comm.rank == 0:
+            log.info("step %d committed in the fast tier %s in %.2f s", step, self.root,
+                     commit.seconds)
+        if durable:
+            with self._lock:
+                self._staging.add(step)
+            self._stage_jobs.append(self._stage_exec.submit(self._stage, commit))
+        self.cleanup(step)
+        return commit
+
+    def _stage(self, commit: local.LocalCommit) -> None:
+        comm = Comm(self._stage_group)
+        try:
+            stager.stage(commit, self.storage, self.durable_path(commit.step), comm,
+                         self.storage_options)
+            self.on_durable(commit.step)
+        except Exception as e:
+            # Training goes on with the fast tier; the next durable save tries again.
+            log.error("rank %d: durable copy of step %d failed (training goes on; the next "
+                      "durable save tries again): %s", comm.rank, commit.step, e)
+            raise
+        finally:
+            with self._lock:
+                self._staging.discard(commit.step)
+
+    def cleanup(self, step: int) -> None:
+        """This rank, after ``step`` committed locally: remove its part of the local
+        steps retention drops (never ``step`` nor one being staged), of steps newer than
+        ``step`` (an abandoned timeline) and of older failed saves. Own files only; no
+        collective; never raises."""
+        try:
+            held, partial = [], []
+            for e in self.storage.listdir(self.root):
+                m = local.STEP_DIR.match(e.name)
+                if not (m and e.is_dir):
+                    continue
+                s = int(m.group(1))
+                view = self.storage.join(self.root, e.name, local.view_name(self.comm.rank))
+                (held if self.storage.exists(view) else partial).append(s)
+            with self._lock:
+                protected = {step} | self._staging
+            doomed = [s for s in held if s > step] + [s for s in partial if s < step]
+            doomed += self.retention.to_delete([s for s in held if s <= step], protected)
+        except Exception as e:
+            log.warning("fast-tier cleanup after step %d skipped: %s", step, e)
+            return
+        for s in doomed:
+            if s not in protected:
+                local.drop_step(self.storage, self.step_dir(s), self.comm.rank)
+
+    # ------------------------------------------------------------------ waiting
+    def wait_local(self) -> None:
+        """Wait for the local save in flight; its error is kept for :meth:`wait`."""
+        job, self._local_job = self._local_job, None
+        if job is not None:
+            e = job.exception()
+            if e is not None:
+                log.error("local checkpoint failed: %s", e)
+                self._errors.append(e)
+
+    def wait(self, raise_error: bool = True) -> None:
+        """Block until every save so far is committed in every tier it is meant for;
+        raise the first error (then forget them all)."""
+        self.wait_local()
+        jobs, self._stage_jobs = self._stage_jobs, []
+        for job in jobs:
+            e = job.exception()
+            if e is not None:
+                self._errors.append(e)
+        if raise_error and self._errors:
+            first, self._errors = self._errors[0], []
+            raise first
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._local_exec.shutdown(wait=False)
+            self._stage_exec.shutdown(wait=False)
+
+    # ------------------------------------------------------------------ restoring
+    def common_steps(self) -> list[int]:
+        """Steps every rank holds in its fast tier from one save, ascending.
+        Collective (one all-gather); reads only this rank's own directory."""
+        mine = local.own_steps(self.storage, self.root, self.comm.rank, self.comm.size)
+        return chooser.agree_local_steps(self.comm, mine)
+
+    def load(self, step: int, loader: Callable[[str, str], None]) -> None:
+        """Load ``step`` from the fast tier through ``loader(path, manifest_name)`` (the
+        manager's load, RNG handling included). Collective; raises what the load raises."""
+        loader(self.step_dir(step), local.view_name(self.comm.rank))
+
+
+def fallback_worthy(e: BaseException) -> bool:
+    """Whether a failed fast-tier restore should fall back to the durable tier: any
+    checkpoint error except a broken group (a dead rank breaks the durable load too)."""
+    return isinstance(e, CheckpointError) and not isinstance(e, CommunicationError)
+

@@ -1,0 +1,267 @@
+"""The fast tier: a checkpoint committed under each node's own ``local_root``.
+
+A local save runs the same plan -> write -> vote -> manifest protocol as
+:func:`dckpt.save`, with two differences that make every rank able to restore from its
+own node, without reading or listing another node's files:
+
+* every rank writes everything it holds. The chunks the global plan gives it go to its
+  ``data-<id>-<rank>.safetensors`` file (exactly the file a durable save would write);
+  the replicated chunks the plan gives to another rank go to its
+  ``replica-<id>-<rank>.safetensors`` file, which never leaves the node;
+* there is no shared ``manifest.json``: rank 0 builds the global manifest (the one the
+  stager later commits in the durable tier) and sends it to every rank; each rank then
+  writes its own view of it, ``manifest-<rank>.json``, in which the chunks it holds
+  point at its own files. The ranks agree that every view was written: a local
+  checkpoint exists for step N when every rank holds a view of the same save id (see
+  :mod:`dckpt.tiers.chooser`); a crash half-way leaves views of different save ids or
+  missing ones, and the step is not used.
+
+Ranks of one node may share one ``local_root``: every name carries its rank.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import _faults
+from ..errors import CheckpointError, ManifestError
+from ..format import manifest as mf
+from ..layout import plan as gplan
+from ..protocol.collectives import Comm, agree, error_payload, raise_gathered, rank0_bytes
+from ..protocol.commit import (_pack, _unpack, data_name, local_plan, validate_plans,
+                               vote_files, write_file)
+from ..protocol.restore import MAX_MANIFEST
+
+log = logging.getLogger(__name__)
+STEP_DIR = re.compile(r"^step-(\d+)$")
+_OWN_FILE = re.compile(r"^(?:data|replica)-[0-9a-f]{16}-(\d{5,})\.safetensors$|^manifest-(\d{5,})\.json$")
+
+
+def step_name(step: int) -> str:
+    return f"step-{int(step):08d}"
+
+
+def view_name(rank: int) -> str:
+    """The name of ``rank``'s manifest view in a local step directory."""
+    return f"manifest-{rank:05d}.json"
+
+
+def replica_name(save_id: str, rank: int) -> str:
+    return f"replica-{save_id}-{rank:05d}.safetensors"
+
+
+@dataclass(frozen=True)
+class LocalCommit:
+    """A committed local save, as each rank sees it."""
+
+    step: int
+    step_dir: str
+    save_id: str
+    manifest: bytes  # the global manifest: what the durable tier commits
+    files: tuple[str, ...]  # this rank's data files (what it uploads when staging)
+    bytes_written: int  # this rank's bytes, replicas included
+    seconds: float
+
+
+def save_local(state_dict: Any, step: int, step_dir: str, storage, comm: Comm) -> LocalCommit:
+    """Save ``state_dict`` under ``step_dir`` on every rank's own node. Collective over
+    ``comm``: four small collectives plus the manifest's broadcast. Blocking I/O of this
+    rank's bytes (its share and its replicas), into its own directory only.
+
+    Raises on every rank alike what :func:`dckpt.save` raises for a bad state, a failed
+    write or a dead rank. On failure every rank removes the files of this save it wrote;
+    a local checkpoint of another step (or an earlier one of this step) is untouched
+    until this save's views are all written."""
+    t0 = time.perf_counter()
+    r = comm.rank
+    _, _, pieces, blob = local_plan(state_dict, step_dir, None, r)
+    blobs = comm.gather_bytes(blob)
+    gp = None
+    reply = None
+    if r == 0:
+        try:
+            gp, errors = validate_plans(blobs, step_dir)
+            reply = (_pack({"errors": errors}) if errors else
+                     _pack({"save_id": uuid.uuid4().hex[:16]}, gplan.encode_writes(gp)))
+        except Exception as e:
+            reply = _pack({"errors": {0: error_payload(e)}})
+    doc, tail = _unpack(comm.broadcast_bytes(reply))
+    if doc.get("errors"):
+        raise_gathered({int(k): v for k, v in doc["errors"].items()}, f"local save to {step_dir}")
+    save_id = doc["save_id"]
+    mask = gplan.decode_writes(tail, r)
+    mine = [p for p, w in zip(pieces, mask) if w]
+    replicas = [p for p, w in zip(pieces, mask) if not w and all(s > 0 for s in p.box.sizes)]
+
+    ok = False
+    try:
+        vote: dict[str, Any]
+        try:
+            storage.makedirs(step_dir)
+            vote = write_file(storage, step_dir, data_name(save_id, r), r, mine)
+            vote["replica"] = write_file(storage, step_dir, replica_name(save_id, r), r, replicas)
+            _faults.fault("vote", r)
+        except Exception as e:
+            vote = {"error": error_payload(e)}
+        votes = comm.gather_bytes(json.dumps(vote).encode())
+
+        def global_manifest() -> bytes:  # rank 0
+            vs = [json.loads(v) for v in votes]
+            errors = {i: v["error"] for i, v in enumerate(vs) if v.get("error")}
+            if errors:
+                raise_gathered(errors, f"local save to {step_dir}")
+            m = gplan.to_manifest(gp, vote_files(vs), save_id, comm.size,
+                                  {"dckpt_version": _version(), "step": step})
+            return mf.to_json(m)
+
+        data = rank0_bytes(comm, global_manifest, f"local save to {step_dir}")
+        err = None
+        try:
+            m = mf.parse(data, f"{step_dir} (global manifest)")
+            view = local_view(m, r, vote.get("replica") or {}, replicas)
+            storage.put_atomic(storage.join(step_dir, view_name(r)), mf.to_json(view))
+            _faults.fault("committed", r)
+        except Exception as e:
+            err = e
+        agree(comm, err, f"local save to {step_dir}")
+        ok = True
+    finally:
+        drop_save(storage, step_dir, r, save_id, failed=not ok)
+    nbytes = int(vote.get("size") or 0) + int((vote.get("replica") or {}).get("size") or 0)
+    files = (vote["file"],) if vote.get("file") else ()
+    return LocalCommit(step, step_dir, save_id, data, files, nbytes, time.perf_counter() - t0)
+
+
+def local_view(m: mf.Manifest, rank: int, replica_vote: dict, replicas: list) -> mf.Manifest:
+    """``m`` with the chunks ``rank`` holds as replicas pointing at its replica file
+    (an extra file entry). Pure. Raises ManifestError if a replica's box is not a
+    chunk of ``m`` (the plan and the manifest disagree: a bug, never silently)."""
+    if not replica_vote.get("file"):
+        return dataclasses.replace(m, meta={**m.meta, "view_of_rank": rank})
+    fidx = len(m.files)
+    files = (*m.files, mf.FileEntry(replica_vote["file"], replica_vote["size"],
+                                    replica_vote["hlen"], replica_vote["crc"], rank))
+    tensors = dict(m.tensors)
+    for p in replicas:
+        e = tensors[p.key]
+        c = e.chunks
+        o = np.asarray(p.box.offsets, np.int64)
+        s = np.asarray(p.box.sizes, np.int64)
+        hit = np.flatnonzero((c.offsets == o).all(1) & (c.sizes == s).all(1))
+        if len(hit) != 1:
+            raise ManifestError(f"rank {rank}: replica of {p.key!r} at {o.tolist()} is not a "
+                                "chunk of the global manifest")
+        file = c.file.copy()
+        file[hit[0]] = fidx
+        tensors[p.key] = dataclasses.replace(e, chunks=dataclasses.replace(c, file=file))
+    return dataclasses.replace(m, files=files, tensors=tensors,
+                               meta={**m.meta, "view_of_rank": rank})
+
+
+def own_steps(storage, local_root: str, rank: int, world: int) -> dict[int, str]:
+    """This rank's usable local steps: {step: save_id} for every step directory holding
+    its view, made by a save of ``world`` ranks, with its own files present at their
+    recorded sizes. Reads only this rank's directory (each view is small). A step that
+    fails a check is left out with an info log saying why; never raises."""
+    out: dict[int, str] = {}
+    try:
+        entries = storage.listdir(local_root)
+    except OSError:
+        return out
+    for e in entries:
+        m = STEP_DIR.match(e.name)
+        if not (m and e.is_dir):
+            continue
+        d = storage.join(local_root, e.name)
+        try:
+            view = mf.parse(storage.read_file(storage.join(d, view_name(rank)), MAX_MANIFEST),
+                            storage.join(d, view_name(rank)))
+            if view.world_size != world:
+                raise CheckpointError(f"saved by {view.world_size} ranks, not {world}")
+            sizes = {x.name: x.size for x in storage.listdir(d)}
+            for f in view.files:
+                if f.rank == rank and sizes.get(f.name) != f.size:
+                    raise CheckpointError(f"{f.name} is missing or has the wrong size")
+        except FileNotFoundError:
+            continue  # no view of this rank: not a step this rank holds
+        except (OSError, CheckpointError) as err:
+            log.info("rank %d: local checkpoint %s is not usable: %s", rank, d, err)
+            continue
+        out[int(m.group(1))] = view.save_id
+    return out
+
+
+def _own(storage, step_dir: str, rank: int) -> tuple[str | None, list[tuple[str, str]]]:
+    """This rank's view (or None) and its data files as (name, save id) in ``step_dir``."""
+    view, data = None, []
+    for e in storage.listdir(step_dir):
+        m = _OWN_FILE.match(e.name)
+        if not m or int(m.group(1) or m.group(2)) != rank:
+            continue
+        if m.group(2) is not None:
+            view = e.name
+        else:
+            data.append((e.name, e.name.split("-")[1]))
+    return view, data
+
+
+def _remove(storage, step_dir: str, names: list[str]) -> None:
+    for name in names:
+        try:
+            storage.remove(storage.join(step_dir, name))
+        except OSError as err:
+            log.debug("could not remove %s: %s", name, err)
+    try:
+        if not storage.listdir(step_dir):
+            storage.remove_tree(step_dir)
+    except OSError:
+        pass
+
+
+def drop_step(storage, step_dir: str, rank: int) -> None:
+    """Remove this rank's part of a local step: its view first (so the step stops
+    counting as held before any of its data goes), then its files; the directory when
+    it is empty. Never raises: a leftover is retried by the next cleanup."""
+    try:
+        view, data = _own(storage, step_dir, rank)
+    except OSError:
+        return
+    _remove(storage, step_dir, ([view] if view else []) + [n for n, _ in data])
+
+
+def drop_save(storage, step_dir: str, rank: int, save_id: str, *, failed: bool) -> None:
+    """After a local save of ``save_id``: if it ``failed``, remove this rank's files of
+    it (and its view if the view names it); else remove this rank's files of any other
+    save of the step (an earlier save its view replaced). Never raises."""
+    try:
+        view, data = _own(storage, step_dir, rank)
+    except OSError:
+        return
+    if failed:
+        names = [n for n, sid in data if sid == save_id]
+        if view and _view_save_id(storage, step_dir, view) == save_id:
+            names.insert(0, view)
+    else:
+        names = [n for n, sid in data if sid != save_id]
+    _remove(storage, step_dir, names)
+
+
+def _view_save_id(storage, step_dir: str, name: str) -> str | None:
+    try:
+        data = storage.read_file(storage.join(step_dir, name), MAX_MANIFEST)
+        return mf.parse(data, name).save_id
+    except (OSError, CheckpointError):
+        return None
+
+
+def _version() -> str:
+    from .. import __version__
+    return __version__

@@ -1,0 +1,121 @@
+"""Staging: copy a committed local checkpoint to the durable tier, with its own
+two-phase commit.
+
+Call order (collective over the group; rank 0 coordinates):
+  1. rank 0 creates the durable step directory and takes the save's lease there (an
+     intent file, as a direct save does), then tells every rank to go on, or why not;
+  2. every rank uploads its own data file(s) of the local save, from its own node, to
+     the durable directory, and votes (size, or its error);
+  3. rank 0 checks that every file is there at its size and PUTs the global manifest
+     it received at the local commit (THE durable commit point), removes the files of
+     the durable checkpoint it replaced, and broadcasts the outcome.
+
+The durable copy is an ordinary checkpoint: the same files, byte for byte, and the
+manifest a direct save of the same state would have written. Replica files never leave
+their node.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from .. import _faults
+from ..format import manifest as mf
+from ..protocol.collectives import Comm, error_payload, rank0_bytes
+from ..protocol.commit import CheckpointInfo, _Coordinator, _pack, _raise_if_error, _unpack
+from ..storage.fsspec_storage import make_storage
+from .local import LocalCommit
+
+log = logging.getLogger(__name__)
+COPY_BLOCK = 16 << 20  # bounded memory per upload; s3fs turns each block into parts
+
+
+def copy_file(src_storage, src: str, dst_storage, dst: str, block: int = COPY_BLOCK) -> int:
+    """Stream ``src`` to ``dst`` in ``block``-sized reads. Returns the bytes copied.
+    Blocking I/O; memory: one block. Raises OSError naming neither: callers add the
+    names. A failed copy leaves no ``dst`` (the writer is aborted: an object store's
+    multipart upload is discarded, never completed)."""
+    w = dst_storage.open_write(dst)
+    n = 0
+    try:
+        with src_storage.open_read(src) as r:
+            buf = bytearray(block)
+            view = memoryview(buf)
+            while True:
+                got = r.readv(n, [view])
+                if got <= 0:
+                    break
+                w.write(view[:got])
+                n += got
+                if got < block:
+                    break
+        w.commit()
+    except BaseException:
+        w.abort()
+        raise
+    return n
+
+
+def stage(commit: LocalCommit, local_storage, path: str, comm: Comm,
+          storage_options: dict | None = None) -> CheckpointInfo:
+    """Copy the local checkpoint ``commit`` to ``path`` (durable) and commit it there,
+    replacing a checkpoint already at ``path``. Collective over ``comm`` (the ranks of
+    the local save, in the same order); blocking network/disk I/O of this rank's data
+    files. Raises on every rank alike: RankFailure naming the rank and object of a
+    failed upload, IntegrityError (a file vanished before the commit),
+    CommunicationError. On failure nothing is committed and the uploaded files are
+    removed; the durable tier keeps what it had."""
+    t0 = time.perf_counter()
+    coord = None
+    dst, root, setup_err = None, path, None
+    try:
+        dst, root = make_storage(path, storage_options)
+    except Exception as e:
+        setup_err = e
+    try:
+        def begin() -> bytes:  # rank 0
+            nonlocal coord
+            if setup_err is not None:
+                raise setup_err
+            coord = _Coordinator(dst, root, True, comm.size)
+            coord.begin(commit.save_id)
+            return b""
+
+        rank0_bytes(comm, begin, f"stage {commit.step_dir} to {path}")
+        vote: dict
+        try:
+            if setup_err is not None:
+                raise setup_err
+            sizes = {}
+            for name in commit.files:
+                _faults.fault("stage", comm.rank)
+                try:
+                    sizes[name] = copy_file(local_storage, local_storage.join(commit.step_dir, name),
+                                            dst, dst.join(root, name))
+                except OSError as e:
+                    raise OSError(f"upload of {name} to {dst.join(root, name)} failed: {e}") from e
+            vote = {"sizes": sizes}
+        except Exception as e:
+            vote = {"error": error_payload(e)}
+        votes = comm.gather_bytes(json.dumps(vote).encode())
+        outcome = None
+        if coord is not None:
+            vs = [json.loads(v) for v in votes]
+            errors = {r: v["error"] for r, v in enumerate(vs) if v.get("error")}
+            if errors:
+                outcome = _pack({"errors": errors})
+            else:
+                outcome = coord.commit_manifest(mf.parse(commit.manifest, f"{path} (staged)"), t0)
+        result, _ = _unpack(comm.broadcast_bytes(outcome))
+    finally:
+        if coord is not None:
+            coord.finish()  # not committed: remove the uploads; always: end the lease
+    _raise_if_error(result, f"stage of step {commit.step} to {path}")
+    shown = path.rstrip("/") if "://" in path else root
+    info = CheckpointInfo(path=shown, bytes_written=result["bytes"], num_files=result["files"],
+                          seconds=result["seconds"], world_size=comm.size, save_id=commit.save_id)
+    if comm.rank == 0:
+        log.info("staged step %d to %s: %.1f MiB in %.2f s", commit.step, shown,
+                 info.bytes_written / 2**20, info.seconds)
+    return info
