@@ -5,13 +5,15 @@ import logging
 import time
 from dataclasses import dataclass
 
+from .protocol import intent as _intent
 from .protocol.commit import DATA_FILE, TEMP_MANIFEST
 from .protocol.intent import INTENT_FILE, live_save_ids
 from .errors import CheckpointError
 from .format import manifest as mf
-from .storage.fsspec_storage import FsspecStorage, make_storage
+from .storage.fsspec_storage import FsspecStorage, Upload, make_storage
 
 log = logging.getLogger(__name__)
+_now = time.time  # gc's clock (tests move it instead of aging files they cannot touch)
 
 
 @dataclass(frozen=True)
@@ -35,11 +37,16 @@ def _shown_root(root: str, storage, base: str) -> str:
     return base
 
 
-def _open_root(root: str, storage_options: dict | None):
+def _open_root(root: str, storage_options: dict | None, uploads_only: bool = False):
     """(storage, storage path, shown root) for a root that must be a directory. One or
-    two metadata calls. Raises CheckpointError (missing, not a directory)."""
+    two metadata calls. Raises CheckpointError (missing, not a directory). With
+    ``uploads_only``, an object-store prefix that holds no object but incomplete uploads
+    (a killed save's, once the rest is gone) counts as an (empty) directory."""
     storage, base = make_storage(root, storage_options)
     if not storage.exists(base):
+        lister = getattr(storage, "incomplete_uploads", None)
+        if uploads_only and lister is not None and lister(base):
+            return storage, base, _shown_root(root, storage, base)
         raise CheckpointError(f"{root} does not exist")
     if not storage.is_dir(base):
         raise CheckpointError(f"{root} is not a directory")
@@ -72,7 +79,15 @@ def list_checkpoints(root: str, storage_options: dict | None = None) -> list[Che
     """Committed checkpoints at ``root`` and in its direct subdirectories, sorted by
     path (``root`` as given, so an fsspec URL keeps its scheme). One listing plus one
     manifest read per subdirectory; no data file is read; links are not followed.
-    Raises CheckpointError when ``root`` does not exist or is not a directory."""
+    Raises CheckpointError when ``root`` does not exist or is not a directory, or naming
+    the object when the storage fails."""
+    try:
+        return _list_checkpoints(root, storage_options)
+    except OSError as e:
+        raise CheckpointError(f"listing {root} failed: {e}") from e
+
+
+def _list_checkpoints(root: str, storage_options: dict | None) -> list[CheckpointSummary]:
     storage, base, shown = _open_root(root, storage_options)
     out = []
     own = _summary(storage, base, shown)
@@ -105,6 +120,7 @@ class Leftover:
     bytes: int
     age_s: float
     where: str = ""  # the storage path (``path`` is as the user wrote the root)
+    upload_id: str = ""  # set for an incomplete multipart upload (S3), not a file
 
 
 def _leftover_kind(name: str) -> tuple[str, str | None] | None:
@@ -158,13 +174,25 @@ def find_leftovers(root: str, min_age_s: float = 3600.0,
     dckpt's own names (``data-<id>-<rank>.safetensors``, temp manifests, save intents
     whose lease ran out), older than ``min_age_s``, and never a file of a save whose
     intent is live. A file whose backend reports no modification time is never a
-    leftover (logged). I/O: one listing and one manifest read per directory. Raises
-    CheckpointError when ``root`` does not exist or is not a directory, OSError."""
-    storage, base, shown = _open_root(root, storage_options)
+    leftover (logged). On S3, also the incomplete multipart uploads of dckpt's names
+    there (a killed save's half-sent file: invisible, but billed), under the same rules
+    and started longer ago than the save lease (``upload_id`` set). I/O: one listing and
+    one manifest read per directory, one listing of the uploads (S3). Raises
+    CheckpointError when ``root`` does not exist or is not a directory, or naming the
+    object when the storage fails."""
+    try:
+        return _find_leftovers(root, min_age_s, storage_options)
+    except OSError as e:
+        raise CheckpointError(f"looking for leftovers under {root} failed: {e}") from e
+
+
+def _find_leftovers(root: str, min_age_s: float, storage_options: dict | None) -> list[Leftover]:
+    storage, base, shown = _open_root(root, storage_options, uploads_only=True)
     top = storage.listdir(base)
-    now = time.time()
+    now = _now()
     out: list[Leftover] = []
     no_time: list[str] = []
+    listed = {base: top}
     out += _dir_leftovers(storage, base, shown, top, min_age_s, now, no_time)
     for e in sorted(top, key=lambda e: e.name):
         if e.is_dir and not e.is_link:
@@ -173,8 +201,10 @@ def find_leftovers(root: str, min_age_s: float = 3600.0,
                 entries = storage.listdir(d)
             except FileNotFoundError:
                 continue  # removed since the listing of the root
+            listed[d] = entries
             out += _dir_leftovers(storage, d, _shown_join(shown, e.name), entries,
                                   min_age_s, now, no_time)
+    out += _upload_leftovers(storage, base, shown, listed, min_age_s, now, no_time)
     if no_time:
         log.warning("kept %d file(s) whose storage reports no modification time (their age "
                     "is unknown, so they may belong to a save in progress), e.g. %s",
@@ -182,16 +212,64 @@ def find_leftovers(root: str, min_age_s: float = 3600.0,
     return out
 
 
+def _upload_leftovers(storage, base: str, shown: str, listed: dict, min_age_s: float,
+                      now: float, no_time: list[str]) -> list[Leftover]:
+    """The incomplete multipart uploads under ``base`` that gc may abort: the key is one
+    of dckpt's names at ``base`` or in a direct subdirectory, no live save lease in that
+    directory claims it, and it started more than max(``min_age_s``, the lease) ago.
+
+    The uploads are listed after the directories (``listed``): an upload of a save
+    whose lease was not in those listings began after them (a save takes its lease
+    before it writes anything), so it is younger than the lease and stays, even when
+    gc's clock and the store's differ by up to a lease."""
+    lister = getattr(storage, "incomplete_uploads", None)  # only object stores have them
+    if lister is None:
+        return []
+    out = []
+    floor = max(min_age_s, _intent.LEASE_S)
+    live_by_dir: dict[str, set[str]] = {}
+    prefix = base.rstrip("/") + "/"
+    for up in lister(base):
+        if not up.path.startswith(prefix):
+            continue
+        rel = up.path[len(prefix):].split("/")
+        if len(rel) > 2 or not all(rel):
+            continue  # deeper than gc looks, or not a plain key
+        name = rel[-1]
+        d = base if len(rel) == 1 else storage.join(base, rel[0])
+        kind = _leftover_kind(name) or (("temp", None) if name == mf.MANIFEST_NAME else None)
+        if kind is None or kind[0] == "intent":
+            continue  # not dckpt's, or never uploaded in parts
+        if d not in live_by_dir:
+            live_by_dir[d] = live_save_ids(listed.get(d, []), now)
+        live = live_by_dir[d]
+        if live and (kind[1] is None or kind[1] in live):
+            continue  # a save in progress, whatever min_age_s says
+        where = shown if len(rel) == 1 else _shown_join(shown, rel[0])
+        path = _shown_join(where, name)
+        if up.initiated is None:
+            no_time.append(path)
+            continue
+        age = now - up.initiated
+        if age >= floor:
+            out.append(Leftover(path, up.size, age, up.path, up.upload_id))
+    return out
+
+
 def collect_garbage(root: str, *, dry_run: bool = False, min_age_s: float = 3600.0,
                     storage_options: dict | None = None) -> list[Leftover]:
-    """Remove (or with ``dry_run`` only list) :func:`find_leftovers`. Returns them.
-    A file that cannot be removed is logged and skipped. Raises as find_leftovers."""
+    """Remove (or with ``dry_run`` only list) :func:`find_leftovers`: files are deleted,
+    incomplete uploads aborted. Returns them. One that cannot be removed is logged and
+    skipped. Raises as find_leftovers."""
     storage, _ = make_storage(root, storage_options)  # no I/O: the same kind of storage
     found = find_leftovers(root, min_age_s, storage_options)
     if not dry_run:
         for lo in found:
             try:
-                storage.remove(lo.where)
+                if lo.upload_id:
+                    storage.abort_upload(Upload(lo.where, lo.upload_id, None, lo.bytes))
+                else:
+                    storage.remove(lo.where)
             except OSError as e:
                 log.warning("could not remove %s: %s", lo.path, e)
     return found

@@ -89,8 +89,12 @@ def cmd_gc(args) -> int:
                             storage_options=_opts(args))
     verb = "would remove" if args.dry_run else "removed"
     for lo in found:
-        print(f"{verb} {lo.path} ({_size(lo.bytes)}, {lo.age_s / 60:.0f} min old)")
-    print(f"{verb} {len(found)} leftover file(s), {_size(sum(lo.bytes for lo in found))}")
+        what = "incomplete upload, " if lo.upload_id else ""
+        print(f"{verb} {lo.path} ({what}{_size(lo.bytes)}, {lo.age_s / 60:.0f} min old)")
+    n = sum(1 for lo in found if lo.upload_id)
+    uploads = f" and {n} incomplete upload(s)" if n else ""
+    print(f"{verb} {len(found) - n} leftover file(s){uploads}, "
+          f"{_size(sum(lo.bytes for lo in found))}")
     return 0
 
 
@@ -131,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("verify", help="check every checksum; exit 1 listing failures")
     s.add_argument("path")
     s.set_defaults(fn=cmd_verify)
-    s = sub.add_parser("gc", help="remove leftovers of failed saves under ROOT")
+    s = sub.add_parser("gc", help="remove leftovers of failed saves under ROOT (on S3 also "
+                                  "abort their incomplete multipart uploads)")
     s.add_argument("root")
     s.add_argument("--dry-run", action="store_true", help="list, remove nothing")
     s.add_argument("--min-age", type=float, default=3600.0, metavar="SECONDS",

@@ -7,15 +7,26 @@ hdfs, smb, webdav, cache wrappers...) may truncate and rewrite a file in place, 
 manifest goes to a temp name first and is then moved, and replacing an existing
 manifest is refused (``atomic_replace`` False): there is no way to do it without a
 moment where the old one is gone.
+
+S3 (s3fs) gets bounded network behaviour by default (:func:`s3_options`): botocore's
+connect/read timeouts and its own "standard" retries, s3fs's nested retry loops off, and
+a deadline on every request, so a dead or frozen endpoint fails a call in minutes, never
+hangs it. Every failure other than a missing/existing file is a :class:`StorageIOError`
+naming the object (``s3://bucket/key``) and the operation.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import datetime as _dt
+import inspect
 import logging
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import fsspec
+from fsspec.spec import AbstractBufferedFile
 
 from .base import Entry, FileTooLargeError, NotRegularFileError, byte_views
 
@@ -59,36 +70,87 @@ def entry_mtime(info: dict) -> float | None:
     return None
 
 
+class StorageIOError(OSError):
+    """An fsspec/object-store call failed (after the client's own retries) for a reason
+    other than a missing or already existing file: the message names the operation and
+    the object (``s3://bucket/key``) and carries the client's error."""
+
+
+# Raised as they are: callers act on them (a missing file, an exclusive create that
+# lost, a size cap), and their messages already name the path.
+_PASS_THROUGH = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
+                 NotRegularFileError, FileTooLargeError, StorageIOError)
+
+
+def _url(fs: Any, path: str) -> str:
+    try:
+        return fs.unstrip_protocol(path)
+    except Exception:
+        return path
+
+
+@contextlib.contextmanager
+def _named(fs: Any, op: str, path: str):
+    """Re-raise a failure of ``op`` on ``path`` as StorageIOError naming the object."""
+    try:
+        yield
+    except _PASS_THROUGH:
+        raise
+    except Exception as e:
+        msg = " ".join(str(e).split()) or type(e).__name__
+        raise StorageIOError(f"{op} {_url(fs, path)} failed: {type(e).__name__}: {msg}") from e
+
+
 class FsspecWriter:
+    """A sequential upload. On an object store a file over the block size is a
+    multipart upload: ``commit`` completes it, ``abort`` aborts it (its parts are
+    dropped, nothing becomes visible). A writer dropped without either (a bug, an
+    interpreter exit) is marked closed without any I/O: fsspec's finaliser would
+    otherwise complete the upload of a partial file, and at interpreter exit wait
+    forever on fsspec's I/O thread, which is gone by then. Its multipart upload, if any,
+    stays incomplete until ``dckpt gc`` aborts it."""
+
     def __init__(self, fs: Any, path: str) -> None:
-        self.fs, self.path = fs, path
-        self.f = fs.open(path, "wb")
+        self.fs, self.path, self.done = fs, path, False
+        with _named(fs, "open for writing", path):
+            self.f = fs.open(path, "wb")
 
     def write(self, data) -> None:
-        self.f.write(memoryview(data).cast("B"))
+        with _named(self.fs, "upload to", self.path):
+            self.f.write(memoryview(data).cast("B"))
 
     def pwrite(self, data, offset: int) -> None:
         raise NotImplementedError("fsspec writers are sequential")
 
     def commit(self) -> None:
-        self.f.close()  # an object store completes its upload here
+        with _named(self.fs, "upload to", self.path):
+            self.f.close()  # an object store completes its upload here
+        self.done = True
 
     def abort(self) -> None:
         # discard(): an object store's file aborts its multipart upload (parts already
         # sent are dropped, nothing becomes visible); close() would complete it.
+        self.done = True
         try:
             discard = getattr(self.f, "discard", None)
             if discard is not None:
                 discard()
-                self.f.closed = True  # else its finaliser would try to upload what is left
             else:
                 self.f.close()
-        except Exception:
-            pass
+        except Exception as e:
+            log.debug("aborting the upload of %s: %s", self.path, e)
+        finally:
+            if isinstance(self.f, AbstractBufferedFile):
+                self.f.closed = True  # else its finaliser would upload what is left
         try:
             self.fs.rm(self.path)
         except Exception:
             pass
+
+    def __del__(self) -> None:
+        f = getattr(self, "f", None)
+        if not getattr(self, "done", True) and isinstance(f, AbstractBufferedFile):
+            f.closed = True  # no I/O here: see the class docstring
 
 
 class FsspecReader:
@@ -133,30 +195,37 @@ class FsspecStorage:
     def join(self, *parts: str) -> str:
         return "/".join(p.rstrip("/") for p in parts[:-1]) + "/" + parts[-1] if len(parts) > 1 else parts[0]
 
+    def _named(self, op: str, path: str):
+        return _named(self.fs, op, path)
+
     def exists(self, path: str) -> bool:
-        self.fs.invalidate_cache(path)
-        return self.fs.exists(path)
+        with self._named("check", path):
+            self.fs.invalidate_cache(path)
+            return self.fs.exists(path)
 
     def is_dir(self, path: str) -> bool:
         # asked explicitly: fsspec lists a file as a one-entry directory of itself
-        self.fs.invalidate_cache(path)
-        return self.fs.isdir(path)
+        with self._named("check", path):
+            self.fs.invalidate_cache(path)
+            return self.fs.isdir(path)
 
     def makedirs(self, path: str) -> None:
-        self.fs.makedirs(path, exist_ok=True)
+        with self._named("create directory", path):
+            self.fs.makedirs(path, exist_ok=True)
 
     def listdir(self, path: str) -> list[Entry]:
         """Entries of ``path``, listed afresh (fsspec caches listings per process; other
         ranks' writes would not show). On an object store a prefix with no objects is
         an empty directory, not a missing one."""
         out = []
-        self.fs.invalidate_cache(path)
-        try:
-            infos = self.fs.ls(path, detail=True)
-        except FileNotFoundError:
-            if self.one_put:
-                return []
-            raise
+        with self._named("list", path):
+            self.fs.invalidate_cache(path)
+            try:
+                infos = self.fs.ls(path, detail=True)
+            except FileNotFoundError:
+                if self.one_put:
+                    return []
+                raise
         for info in infos:
             name = info["name"].rstrip("/").rsplit("/", 1)[-1]
             link = bool(info.get("islink"))
@@ -165,33 +234,42 @@ class FsspecStorage:
         return out
 
     def size(self, path: str) -> int:
-        self.fs.invalidate_cache(path)
-        return int(self.fs.size(path))
+        with self._named("stat", path):
+            self.fs.invalidate_cache(path)
+            return int(self.fs.size(path))
 
     def read(self, path: str, start: int = 0, length: int | None = None) -> bytes:
         if length == 0:
             return b""
         end = None if length is None else start + length
-        try:
-            return self.fs.cat_file(path, start=start, end=end)
-        except OSError as e:
-            # An object store refuses a range that starts at or past the end (HTTP 416);
-            # the protocol's answer there is a short (empty) read.
-            if isinstance(e, FileNotFoundError) or start < self.size(path):
-                raise
-            return b""
+        with self._named(f"read of bytes {start}..{'' if end is None else end} of", path):
+            try:
+                return self.fs.cat_file(path, start=start, end=end)
+            except OSError as e:
+                # An object store refuses a range that starts at or past the end (HTTP
+                # 416); the protocol's answer there is a short (empty) read.
+                if isinstance(e, FileNotFoundError):
+                    raise
+                try:
+                    past_end = start >= int(self.fs.size(path))
+                except Exception:
+                    raise e from None  # the read's error, not the size check's
+                if not past_end:
+                    raise
+                return b""
 
     def read_file(self, path: str, cap: int) -> bytes:
-        self.fs.invalidate_cache(path)
-        info = self.fs.info(path)
-        if info.get("type") == "directory":
-            raise IsADirectoryError(path)
-        if info.get("type") not in (None, "file"):
-            raise NotRegularFileError(f"{path} is a {info.get('type')}, not a file")
-        size = int(info.get("size") or 0)
-        if size > cap:
-            raise FileTooLargeError(f"{path} holds {size} bytes, over the {cap}-byte cap")
-        return self.fs.cat_file(path, start=0, end=size) if size else b""
+        with self._named("read", path):
+            self.fs.invalidate_cache(path)
+            info = self.fs.info(path)
+            if info.get("type") == "directory":
+                raise IsADirectoryError(path)
+            if info.get("type") not in (None, "file"):
+                raise NotRegularFileError(f"{path} is a {info.get('type')}, not a file")
+            size = int(info.get("size") or 0)
+            if size > cap:
+                raise FileTooLargeError(f"{path} holds {size} bytes, over the {cap}-byte cap")
+            return self.fs.cat_file(path, start=0, end=size) if size else b""
 
     def open_read(self, path: str) -> "FsspecReader":
         return FsspecReader(self, path)
@@ -202,6 +280,10 @@ class FsspecStorage:
     def put_atomic(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
         """One PUT where that is atomic (conditional with ``exclusive``); elsewhere a
         temp object moved into place, and an existing ``path`` is never replaced."""
+        with self._named("write", path):
+            self._put_atomic(path, data, exclusive)
+
+    def _put_atomic(self, path: str, data: bytes, exclusive: bool) -> None:
         if self.one_put:
             # mode="create": If-None-Match on object stores, FileExistsError if present
             self.fs.pipe_file(path, data, mode="create" if exclusive else "overwrite")
@@ -224,18 +306,159 @@ class FsspecStorage:
             raise
 
     def touch(self, path: str, data: bytes = b"") -> None:
-        self.fs.pipe_file(path, data)  # a new PUT renews the modification time everywhere
+        with self._named("write", path):
+            self.fs.pipe_file(path, data)  # a new PUT renews the modification time everywhere
 
     def remove(self, path: str) -> None:
-        self.fs.rm(path)
+        with self._named("remove", path):
+            self.fs.rm(path)
 
     def remove_tree(self, path: str) -> None:
-        self.fs.rm(path, recursive=True)
+        with self._named("remove", path):
+            self.fs.rm(path, recursive=True)
+
+    # -- incomplete multipart uploads (S3 only; every other backend has none) ----------
+    def incomplete_uploads(self, path: str) -> list["Upload"]:
+        """The multipart uploads begun and never completed nor aborted under the
+        directory ``path`` (its whole subtree), each with the size of the parts it
+        holds. Empty on every backend but S3. Blocking I/O: one listing per 1000
+        uploads and one per upload for its parts. Raises StorageIOError."""
+        if not _is_s3fs(self.fs):
+            return []
+        out = []
+        with self._named("list the incomplete uploads under", path):
+            bucket, key, _ = self.fs.split_path(path)
+            prefix = key.rstrip("/") + "/" if key else ""
+            marker: dict = {}
+            while True:
+                page = self.fs.call_s3("list_multipart_uploads", Bucket=bucket,
+                                       Prefix=prefix, **marker)
+                for u in page.get("Uploads") or []:
+                    out.append(Upload(f"{bucket}/{u['Key']}", u["UploadId"],
+                                      _timestamp(u.get("Initiated")),
+                                      self._parts_size(bucket, u["Key"], u["UploadId"])))
+                if not page.get("IsTruncated"):
+                    return out
+                marker = {"KeyMarker": page.get("NextKeyMarker", ""),
+                          "UploadIdMarker": page.get("NextUploadIdMarker", "")}
+
+    def _parts_size(self, bucket: str, key: str, upload_id: str) -> int:
+        total, marker = 0, {}
+        while True:
+            try:
+                page = self.fs.call_s3("list_parts", Bucket=bucket, Key=key,
+                                       UploadId=upload_id, **marker)
+            except FileNotFoundError:
+                return total  # completed or aborted since the listing
+            total += sum(int(p.get("Size") or 0) for p in page.get("Parts") or [])
+            if not page.get("IsTruncated"):
+                return total
+            marker = {"PartNumberMarker": page.get("NextPartNumberMarker", 0)}
+
+    def abort_upload(self, upload: "Upload") -> None:
+        """Abort an incomplete multipart upload: its parts are deleted and no object
+        appears (an object already at that key is not touched). Already gone: done."""
+        if not _is_s3fs(self.fs):
+            return
+        with self._named(f"abort the incomplete upload {upload.upload_id[:16]}... of",
+                         upload.path):
+            bucket, key, _ = self.fs.split_path(upload.path)
+            try:
+                self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key,
+                                UploadId=upload.upload_id)
+            except FileNotFoundError:
+                pass  # NoSuchUpload: completed or aborted meanwhile
+
+
+@dataclass(frozen=True)
+class Upload:
+    """An incomplete multipart upload: ``path`` is its key as a storage path
+    (``bucket/key``), ``initiated`` the server's start time (None if not reported),
+    ``size`` the bytes of the parts it holds."""
+
+    path: str
+    upload_id: str
+    initiated: float | None
+    size: int = 0
+
+
+def _is_s3fs(fs: Any) -> bool:
+    protos = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return any(p in ("s3", "s3a") for p in protos) and callable(getattr(fs, "call_s3", None))
+
+
+# S3 client defaults, used where the storage options leave them unset (s3_options).
+S3_CONNECT_TIMEOUT_S = 10.0
+S3_READ_TIMEOUT_S = 30.0  # for the first byte of a response, and between two reads
+S3_RETRIES = {"max_attempts": 3, "mode": "standard"}  # botocore's: 3 retries after the try
+# A request's deadline: connect + read timeouts + its body at this (low) rate, so a
+# server that accepts a connection and never answers fails the request in bounded time.
+S3_MIN_RATE = 256 << 10  # bytes/s
+_SESSION_CLS: list = []
+
+
+def _deadline_session_cls():
+    """aiobotocore's aiohttp session with a deadline on each request (None where this
+    aiobotocore has no pluggable session). Why: aiohttp waits for the ``100 Continue``
+    that botocore asks for on every PUT with no timeout at all, and the read timeout
+    starts only once the body is sent, so a PUT to a server that accepts connections but
+    never answers (frozen, overloaded, a half-dead proxy) would wait forever. A request
+    past its deadline is a ReadTimeoutError, which botocore's retries handle."""
+    if _SESSION_CLS:
+        return _SESSION_CLS[0]
+    cls = None
+    try:
+        from aiobotocore.config import AioConfig
+        from aiobotocore.httpsession import AIOHTTPSession
+        from botocore.exceptions import ReadTimeoutError
+
+        if "http_session_cls" in inspect.signature(AioConfig.__init__).parameters:
+            class DeadlineSession(AIOHTTPSession):
+                async def send(self, request):
+                    t = self._timeout
+                    n = request.headers.get("Content-Length") or 0
+                    try:
+                        n = int(n)
+                    except (TypeError, ValueError):
+                        n = 0
+                    limit = ((t.sock_connect or S3_CONNECT_TIMEOUT_S)
+                             + (t.sock_read or S3_READ_TIMEOUT_S) + n / S3_MIN_RATE)
+                    try:
+                        return await asyncio.wait_for(super().send(request), limit)
+                    except asyncio.TimeoutError:
+                        raise ReadTimeoutError(
+                            endpoint_url=request.url,
+                            error=f"no response within {limit:.0f} s") from None
+
+            DeadlineSession.__qualname__ = DeadlineSession.__name__ = "DckptDeadlineSession"
+            cls = DeadlineSession
+    except Exception as e:  # an aiobotocore without these names: timeouts only
+        log.debug("no request deadline for S3: %s", e)
+    _SESSION_CLS.append(cls)
+    return cls
+
+
+def s3_options(opts: dict) -> dict:
+    """``opts`` (S3 storage options) with dckpt's client defaults wherever the user
+    set nothing: botocore connect/read timeouts, its "standard" retry mode, a deadline
+    per request. The endpoint and credentials are botocore's usual ones: the options
+    (``endpoint_url``, ``key``/``secret``), else ``AWS_ENDPOINT_URL`` /
+    ``AWS_ENDPOINT_URL_S3``, ``AWS_ACCESS_KEY_ID``... and the config files."""
+    out = dict(opts)
+    ck = dict(out.get("config_kwargs") or {})
+    ck.setdefault("connect_timeout", S3_CONNECT_TIMEOUT_S)
+    ck.setdefault("read_timeout", S3_READ_TIMEOUT_S)
+    ck.setdefault("retries", dict(S3_RETRIES))
+    session = _deadline_session_cls()
+    if session is not None:
+        ck.setdefault("http_session_cls", session)
+    out["config_kwargs"] = ck
+    return out
 
 
 def make_storage(path: str, storage_options: dict | None = None):
     """(Storage, normalised root path) for a local path or an fsspec URL. No I/O beyond
-    creating the fsspec file system object."""
+    creating the fsspec file system object. ``s3://`` URLs get :func:`s3_options`."""
     from .local import LocalStorage
     import os
 
@@ -244,7 +467,13 @@ def make_storage(path: str, storage_options: dict | None = None):
     if "://" not in path or path.startswith("file://"):
         local = path[len("file://"):] if path.startswith("file://") else path
         return LocalStorage(direct_io), os.path.abspath(local)
+    if path.split("://", 1)[0] in ("s3", "s3a"):
+        opts = s3_options(opts)
     fs, root = fsspec.core.url_to_fs(path, **opts)
     if getattr(fs, "protocol", None) in ("file", ("file", "local")):
         return LocalStorage(direct_io), root
+    if _is_s3fs(fs):
+        # s3fs wraps each call in retry loops of its own (nested: up to 25 tries of
+        # botocore's tries); botocore's retries (above) are the only ones dckpt wants.
+        fs.retries = 1
     return FsspecStorage(fs), root.rstrip("/")
