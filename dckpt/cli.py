@@ -10,6 +10,7 @@ import argparse
 import datetime as _dt
 import json
 import logging
+import re
 import sys
 import traceback
 
@@ -78,7 +79,7 @@ def cmd_verify(args) -> int:
         return 0
     print(f"FAILED {shown}: {len(r.problems)} problem(s)")
     for p in r.problems:
-        print(f"  - {p}")
+        print(f"  - {_as_typed(p, r.path, shown)}")
     return 1
 
 
@@ -104,6 +105,16 @@ def _shown(given: str, storage_path: str) -> str:
     if "://" not in given or given.startswith("file://"):
         return storage_path
     return given if given.endswith("://") else given.rstrip("/")
+
+
+def _as_typed(message: str, storage_path: str, shown: str) -> str:
+    """``message`` with the storage path of a URL checkpoint (``bucket/run/step``, the
+    scheme lost) written as the user typed it (``s3://bucket/run/step``)."""
+    if shown == storage_path:
+        return message
+    # not where it is already part of a URL or a longer path
+    return re.sub(r"(?<![\w:/.-])" + re.escape(storage_path.rstrip("/")), lambda _: shown,
+                  message)
 
 
 def _opts(args) -> dict | None:

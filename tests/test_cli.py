@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -183,3 +184,102 @@ def test_ls_keeps_the_url_scheme_so_printed_paths_load(capsys):
         assert capsys.readouterr().out.startswith(f"OK {url}/step-3:")
     finally:
         fsspec.filesystem("memory").rm(f"/{name}", recursive=True)
+
+
+def _dckpt_cli(*argv: str, env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "dckpt", *argv], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _done(p: subprocess.Popen) -> tuple[int, str, str]:
+    out, err = p.communicate(timeout=120)
+    return p.returncode, out, err
+
+
+def test_s3_urls_with_the_endpoint_from_the_environment(s3):
+    """ls, inspect, verify and gc as real processes on s3:// URLs, the endpoint and the
+    credentials only in the usual AWS variables (AWS_ENDPOINT_URL is honoured by
+    botocore itself): every printed path is the URL as typed, and gc aborts an
+    incomplete multipart upload a killed save left beside a stray data file."""
+    import boto3
+
+    root = s3.url("cli")
+    for step in (100, 200):
+        dckpt.save({"w": torch.full((8, 4), float(step)), "step": step},
+                   f"{root}/step-{step:08d}", storage_options=s3.options)
+    bucket, _, prefix = root[len("s3://"):].partition("/")
+    c = boto3.client("s3", endpoint_url=s3.endpoint)
+    stray = f"{prefix}/step-00000300/data-00000000000000ab-00000.safetensors"
+    c.put_object(Bucket=bucket, Key=stray, Body=b"half a shard")
+    upload = f"{prefix}/step-00000300/data-00000000000000ab-00001.safetensors"
+    uid = c.create_multipart_upload(Bucket=bucket, Key=upload)["UploadId"]
+    c.upload_part(Bucket=bucket, Key=upload, UploadId=uid, PartNumber=1, Body=b"x" * 100)
+    env = dict(os.environ, AWS_ENDPOINT_URL=s3.endpoint,
+               DCKPT_INTENT_LEASE_S="0")  # whatever time the server dates the upload
+    step = f"{root}/step-00000100"
+    # four processes at once (each imports torch); gc touches only step-00000300
+    ls, inspect, verify, gc = (_dckpt_cli("ls", root, env=env),
+                               _dckpt_cli("inspect", step, env=env),
+                               _dckpt_cli("verify", step, env=env),
+                               _dckpt_cli("gc", "--min-age", "0", root, env=env))
+    rc, out, err = _done(ls)
+    assert rc == 0, err
+    assert [r.split()[0] for r in out.strip().splitlines()[2:]] == [
+        f"{root}/step-00000100", f"{root}/step-00000200"], out
+    rc, out, err = _done(inspect)
+    assert rc == 0 and out.startswith(f"checkpoint {step}\n") and "8x4" in out, (out, err)
+    rc, out, err = _done(verify)
+    assert rc == 0 and out.startswith(f"OK {step}:"), (out, err)
+    rc, out, err = _done(gc)
+    assert rc == 0, err
+    assert f"removed s3://{bucket}/{stray} (" in out, out
+    assert f"removed s3://{bucket}/{upload} (incomplete upload, 100 B," in out, out
+    assert "removed 1 leftover file(s) and 1 incomplete upload(s)" in out, out
+    assert c.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", []) == []
+    t = {"w": torch.zeros(8, 4), "step": 0}
+    dckpt.load(t, step, storage_options=s3.options)
+    assert t["step"] == 100
+
+
+def test_s3_verify_names_the_damaged_object_as_typed(s3, capsys):
+    import boto3
+
+    step = s3.url("cli-bad") + "/step-1"
+    dckpt.save({"w": torch.arange(64.0)}, step, storage_options=s3.options)
+    bucket, _, prefix = step[len("s3://"):].partition("/")
+    c = boto3.client("s3", endpoint_url=s3.endpoint)
+    key = next(o["Key"] for o in c.list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]
+               if o["Key"].endswith(".safetensors"))
+    body = bytearray(c.get_object(Bucket=bucket, Key=key)["Body"].read())
+    body[-8] ^= 0x01
+    c.put_object(Bucket=bucket, Key=key, Body=bytes(body))
+    opts = json.dumps(s3.options)
+    assert main(["--storage-options", opts, "verify", step]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(f"FAILED {step}:") and f"s3://{bucket}/{key}" in out, out
+    assert "checksum" in out
+
+
+def test_s3_unreachable_endpoint_is_one_line_naming_the_object_and_exit_2(monkeypatch, capsys):
+    """A persistent failure (an endpoint, from AWS_ENDPOINT_URL, that accepts connections
+    and answers nothing) ends in bounded time with one line naming the object; the
+    user's client settings merge with dckpt's defaults."""
+    from s3server import CREDENTIALS
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(8)  # the kernel accepts; nobody answers
+    try:
+        for k, v in CREDENTIALS.items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{s.getsockname()[1]}")
+        opts = '{"config_kwargs": {"connect_timeout": 0.5, "read_timeout": 0.5, ' \
+               '"retries": {"max_attempts": 0, "mode": "standard"}}}'
+        t0 = time.monotonic()
+        assert main(["--storage-options", opts, "inspect", "s3://nobucket/run/step-1"]) == 2
+        assert time.monotonic() - t0 < 30
+        err = capsys.readouterr().err
+        assert err.startswith("dckpt inspect: ") and len(err.strip().splitlines()) == 1, err
+        assert "s3://nobucket/run/step-1/manifest.json" in err and "Timeout" in err, err
+    finally:
+        s.close()
