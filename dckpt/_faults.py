@@ -1,7 +1,9 @@
 """Fault injection for dckpt's own crash tests.
 
 ``DCKPT_FAULT="point:rank:action[;point:rank:action...]"`` makes ``rank`` fail at
-``point`` (one of plan, write, vote, commit, committed, load). ``action`` is ``raise``
+``point`` (one of plan, write, vote, commit, committed, load; stage and upload in the
+tiers' staging, where upload fires after the first block of a file is sent and its rank
+is -1: use ``*``). ``action`` is ``raise``
 (an OSError), ``kill`` (SIGKILL of the process) or ``sleep=SECONDS``. ``rank`` may be
 ``*``. Unset in normal use; the check is one environment lookup.
 """
@@ -11,7 +13,7 @@ import os
 import signal
 import time
 
-POINTS = ("plan", "write", "vote", "commit", "committed", "load")
+POINTS = ("plan", "write", "vote", "commit", "committed", "load", "stage", "upload")
 
 
 def fault(point: str, rank: int) -> None:

@@ -13,6 +13,7 @@ from .protocol.intent import live_save_ids
 from .protocol.restore import load as _load
 from .protocol.restore import read_manifest
 from .engine.async_save import SaveHandle
+from .engine.async_save import _saver
 from .engine.async_save import async_save as _async_save
 from .errors import CheckpointError, IntegrityError, NotCommittedError
 from .format import manifest as mf
@@ -176,9 +177,7 @@ class CheckpointManager:
         if not self._decide(step, force or requested):
             return False
         self._finish_inflight(raise_error=False)
-        full: dict[str, Any] = {"state": state}
-        if self.capture_rng:
-            full["rng"] = {f"rank{self.comm.rank}": rng.capture()}
+        full = self._full(state)
         t0 = time.perf_counter()
         path = self.path(step)
         if self.tier is not None:
@@ -198,6 +197,26 @@ class CheckpointManager:
         self.save_seconds = blocked
         self._last_step, self._last_time = step, time.monotonic()
         return True
+
+    def _full(self, state: Any) -> dict[str, Any]:
+        full: dict[str, Any] = {"state": state}
+        if self.capture_rng:
+            full["rng"] = {f"rank{self.comm.rank}": rng.capture()}
+        return full
+
+    def _prepare(self, state: Any) -> None:
+        """Async mode: allocate and touch the staging buffers now, so the first save
+        blocks no longer than later ones. Collective (the async saver's group is made
+        here on first use). Failures are only logged: the save will allocate then."""
+        if not self.async_save:
+            return
+        try:
+            pool = self.tier.pool if self.tier is not None else _saver(self.group).pool
+            nbytes = pool.prepare(self._full(state))
+            log.debug("staging buffers ready: %.1f MiB", nbytes / 2**20)
+        except Exception as e:
+            log.warning("could not prepare staging buffers (the first save allocates "
+                        "them): %s", e)
 
     def _finish_inflight(self, raise_error: bool) -> None:
         if self._inflight is not None:
@@ -309,7 +328,7 @@ class CheckpointManager:
                 s = local[-1]
                 try:
                     self.tier.load(s, lambda p, name: self._load(s, state, p, name))
-                    return self._restored(s, "local")
+                    return self._restored(s, "local", state)
                 except Exception as e:
                     if not fallback_worthy(e):
                         raise
@@ -318,7 +337,7 @@ class CheckpointManager:
                     tried.append(f"step {s} (local): {type(e).__name__}: {e}")
         if step is not None:
             self._load(step, state)
-            return self._restored(step, "durable")
+            return self._restored(step, "durable", state)
         for s in durable:
             try:
                 self._load(s, state)
@@ -327,15 +346,17 @@ class CheckpointManager:
                             s, self._root_arg, e)
                 tried.append(f"step {s}: {type(e).__name__}: {e}")
                 continue
-            return self._restored(s, "durable")
+            return self._restored(s, "durable", state)
         if tried:
             raise CheckpointError(
                 f"no checkpoint under {self._root_arg} could be restored ({len(tried)} "
                 "tried, newest first); the state may hold part of a failed load:\n  "
                 + "\n  ".join(tried))
+        self._prepare(state)
         return None
 
-    def _restored(self, step: int, tier: str) -> int:
+    def _restored(self, step: int, tier: str, state: Any) -> int:
+        self._prepare(state)
         self.restored_from = tier
         self._last_step, self._last_time = step, time.monotonic()
         if self.tier is not None:

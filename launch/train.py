@@ -61,6 +61,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ckpt-root", required=True)
     p.add_argument("--every", type=int, default=10, help="save every N steps")
     p.add_argument("--keep-last", type=int, default=3)
+    p.add_argument("--local-root", default=None,
+                   help="node-local fast tier (e.g. /dev/shm/run1): every save commits there "
+                        "first and is staged to --ckpt-root in the background")
+    p.add_argument("--durable-every", type=int, default=None,
+                   help="with --local-root: saves at least this many steps apart go durable "
+                        "(default: every save)")
+    p.add_argument("--keep-last-local", type=int, default=1)
     p.add_argument("--async-save", action="store_true")
     p.add_argument("--save-on-sigterm", action="store_true")
     p.add_argument("--width", type=int, default=64)
@@ -183,7 +190,9 @@ def main(argv=None) -> None:
         state["data"] = sampler  # saved through its state_dict, restored in place
     mgr = dckpt.CheckpointManager(args.ckpt_root, every_steps=args.every,
                                   keep_last=args.keep_last, async_save=args.async_save,
-                                  save_on_sigterm=args.save_on_sigterm)
+                                  save_on_sigterm=args.save_on_sigterm,
+                                  local_root=args.local_root, keep_last_local=args.keep_last_local,
+                                  durable_every_steps=args.durable_every)
     restored = mgr.restore(state)
     start = state["step"] if restored is not None else 0
     if restored is not None and sched.T_max != max(1, args.steps):
@@ -196,7 +205,8 @@ def main(argv=None) -> None:
         for g, base in zip(opt.param_groups, sched.base_lrs):
             g["lr"] = sched.eta_min + (base - sched.eta_min) * (1 + math.cos(math.pi * frac)) / 2
     log.info("world %d, %s; %s", world, device.type,
-             f"resumed from step {start}" if restored is not None else "starting fresh")
+             f"resumed from step {start} ({mgr.restored_from} tier)" if restored is not None
+             else "starting fresh")
     if sampler is not None:
         log.info("data position %d (epoch %d), %d samples per step", sampler.consumed,
                  sampler.epoch, world * args.batch)

@@ -51,7 +51,15 @@ class StagingPool:
             self.buffers[key] = b
         return b
 
-    def snapshot(self, state: Any) -> tuple[Any, int]:
+    def prepare(self, state: Any) -> int:
+        """Allocate and touch the buffers a snapshot of ``state`` needs, copying nothing,
+        so that the first snapshot costs what later ones do (page faults and pinning
+        happen here, off the critical path: the manager calls it during ``restore``).
+        Blocking CPU work of a memset of the state's size. Returns bytes prepared;
+        raises what :meth:`snapshot` raises."""
+        return self.snapshot(state, copy=False)[1]
+
+    def snapshot(self, state: Any, copy: bool = True) -> tuple[Any, int]:
         """A copy of ``state`` whose tensors live in this pool's buffers: same nesting,
         DTensors rebuilt around their staged local shards (no communication), Stateful
         objects replaced by their staged ``state_dict()``. Values dckpt cannot store are
@@ -106,7 +114,10 @@ class StagingPool:
         with torch.no_grad():
             for buf, src in copies:
                 cuda |= src.device.type == "cuda"
-                buf.copy_(src.detach(), non_blocking=src.device.type == "cuda")
+                if copy:
+                    buf.copy_(src.detach(), non_blocking=src.device.type == "cuda")
+                else:
+                    buf.zero_()  # touch every page now
                 total += buf.numel() * buf.element_size()
         if cuda:
             torch.cuda.synchronize()  # the snapshot is complete before the caller moves on

@@ -48,6 +48,7 @@ def copy_file(src_storage, src: str, dst_storage, dst: str, block: int = COPY_BL
                     break
                 w.write(view[:got])
                 n += got
+                _faults.fault("upload", -1)  # crash tests: a kill in mid-upload
                 if got < block:
                     break
         w.commit()

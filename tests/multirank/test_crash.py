@@ -26,13 +26,13 @@ pytestmark = pytest.mark.slow
 
 
 class Job:
-    def __init__(self, path: str, rundir: str, *args: str) -> None:
+    def __init__(self, path: str, rundir: str, *args: str, script: str = JOB) -> None:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         env.pop("DCKPT_FAULT", None)
         self.rundir = rundir
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-             "--max-restarts=0", JOB, path, rundir, *args],
+             "--max-restarts=0", script, path, rundir, *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
             start_new_session=True)
         self.lines: queue.Queue = queue.Queue()

@@ -78,3 +78,19 @@ def test_sigterm_writes_a_final_checkpoint(tmp_path):
     assert os.path.exists(tmp_path / f"step-{step:08d}" / "manifest.json")
     again = Run(2, "--steps", str(step + 2), "--ckpt-root", str(tmp_path), "--every", "100")
     assert again.finish() == 0 and f"resumed from step {step}" in again.text, again.text[-3000:]
+
+
+def test_fast_tier_restart_resumes_from_local_and_is_bitwise_identical(tmp_path):
+    """Two ranks share one node-local tier (as on a real node); the run is killed after
+    step 8 reached only the fast tier (durable every 12 steps) and resumes from it."""
+    ref = Run(2, "--steps", "12", "--ckpt-root", str(tmp_path / "a"), *COMMON)
+    assert ref.finish() == 0, ref.text[-3000:]
+    run = Run(2, "--steps", "12", "--ckpt-root", str(tmp_path / "b"), "--step-sleep", "0.3",
+              "--local-root", str(tmp_path / "shm"), "--durable-every", "12", *COMMON,
+              restarts=1)
+    run.wait_for(r"step 8 committed in the fast tier")
+    os.kill(run.worker_pids()[-1], signal.SIGKILL)  # torchrun restarts the workers
+    assert run.finish() == 0, run.text[-3000:]
+    assert "resumed from step 8 (local tier)" in run.text, run.text[-3000:]
+    assert sha(run) == sha(ref)
+    assert sorted(os.listdir(tmp_path / "b")) == ["step-00000012"]

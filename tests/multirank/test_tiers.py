@@ -174,3 +174,64 @@ def _requested(base: str) -> list[int]:
 
 def test_request_save_is_agreed_by_all_ranks(ranks, tmp_path):
     assert ranks(2).run(_requested, str(tmp_path)) == [[4]] * 2
+
+
+def _tier_job_state(step: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    full = torch.arange(1024 * 1024, dtype=torch.float32).reshape(1024, 1024) + step * 1e7
+    return {"w": distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None),
+            "rep": torch.full((1 << 16,), float(step)), "step": step}
+
+
+def _restart(root: str, rundir: str) -> tuple:
+    import dckpt
+
+    mgr = dckpt.CheckpointManager(root, every_steps=1, capture_rng=False,
+                                  local_root=os.path.join(rundir, f"node{dist.get_rank()}"))
+    st = _tier_job_state(0)
+    step = mgr.restore(st)
+    want = _tier_job_state(step)
+    ok = torch.equal(st["w"].to_local(), want["w"].to_local()) and torch.equal(st["rep"], want["rep"])
+    # Training goes on: the next save reaches the durable tier.
+    mgr.save(step + 1, _tier_job_state(step + 1))
+    mgr.close()
+    return step, mgr.restored_from, ok, mgr.steps()
+
+
+@pytest.mark.slow
+def test_sigkill_during_staging(ranks, tmp_path):
+    """The job is killed (SIGKILL, every process) while step 2 is being uploaded: the
+    durable tier still holds step 1, whole and verified, and no step 2; the restart
+    restores step 2 from the fast tier and the next save goes durable."""
+    import signal
+    import time
+
+    from tests.multirank.test_crash import Job, gc_after_lease
+
+    from dckpt.verify import verify_checkpoint
+
+    root, run = str(tmp_path / "durable"), str(tmp_path)
+    job = Job(root, run, "--steps", "3", "--fault-step", "2", "--fault", "upload:*:sleep=60",
+              script=os.path.join(os.path.dirname(__file__), "jobs", "tier_job.py"))
+    job.wait_for("local 2")
+    d2 = os.path.join(root, "step-00000002")
+    end = time.time() + 60
+    while time.time() < end and not any(n.startswith("data-") for n in
+                                        (os.listdir(d2) if os.path.isdir(d2) else [])):
+        time.sleep(0.05)  # until the upload has begun
+    for pid in (job.pid(0), job.pid(1), job.proc.pid):
+        os.kill(pid, signal.SIGKILL)
+    job.finish()
+    assert "durable 1" in "".join(job.output)
+    assert sorted(os.listdir(root)) == ["step-00000001", "step-00000002"]
+    assert "manifest.json" not in os.listdir(d2), "the killed staging became visible"
+    assert any(n.startswith("data-") for n in os.listdir(d2)), "killed before the upload"
+    assert verify_checkpoint(os.path.join(root, "step-00000001")).ok
+    gc_after_lease(root)
+    assert not os.path.exists(d2) or not os.listdir(d2)
+    step, tier, ok, durable = ranks(2).run(_restart, root, run)[0]
+    assert (step, tier, ok) == (2, "local", True)
+    assert durable == [1, 3]
