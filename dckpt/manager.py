@@ -17,7 +17,8 @@ from .engine.async_save import _saver
 from .engine.async_save import async_save as _async_save
 from .errors import CheckpointError, IntegrityError, NotCommittedError
 from .format import manifest as mf
-from .policy import RetentionPolicy, SavePolicy
+from .policy import RetentionPolicy, SavePolicy, estimate_mtbf_hours
+from . import failures
 from .state import rng
 from .tiers.fast import FastTier, fallback_worthy
 from .storage.fsspec_storage import make_storage
@@ -31,8 +32,9 @@ class CheckpointManager:
     retention policy says, and restores the newest checkpoint that loads.
 
     Every method is collective (call it on every rank, in the same order) except
-    :meth:`path`. ``every_steps`` (an int, or ``"auto"`` with ``mtbf_hours``: Young/Daly's
-    interval from the measured save blocking time, see :mod:`dckpt.policy`) and
+    :meth:`path`. ``every_steps`` (an int, or ``"auto"``: Young/Daly's interval from the
+    measured save blocking time and ``mtbf_hours``, or without it an MTBF estimated from
+    the restarts observed, see :mod:`dckpt.policy` and :mod:`dckpt.failures`) and
     ``every_seconds`` decide when :meth:`save` saves; time decisions are taken on rank 0
     and broadcast, so every rank saves the same step. ``keep_last`` / ``keep_every``
     decide what is kept; the newest committed checkpoint and one in flight are never
@@ -64,6 +66,8 @@ class CheckpointManager:
                  save_on_sigterm: bool = False, local_root: str | None = None,
                  keep_last_local: int = 1, durable_every_steps: int | None = None) -> None:
         self.policy = SavePolicy(every_steps, every_seconds, mtbf_hours)
+        if failures.restart_count():  # before any restore: torchelastic's count
+            self.policy.estimated_mtbf_hours = estimate_mtbf_hours(failures.restart_count(), 0.0)
         self.retention = RetentionPolicy(keep_last, keep_every)
         self.async_save, self.capture_rng = async_save, capture_rng
         self.group, self.storage_options = process_group, storage_options
@@ -327,7 +331,7 @@ class CheckpointManager:
             if local and (not durable or local[-1] >= durable[0]):
                 s = local[-1]
                 try:
-                    self.tier.load(s, lambda p, name: self._load(s, state, p, name))
+                    self.tier.load(s, lambda p, name, n: self._load(s, state, p, name, n))
                     return self._restored(s, "local", state)
                 except Exception as e:
                     if not fallback_worthy(e):
@@ -352,10 +356,22 @@ class CheckpointManager:
                 f"no checkpoint under {self._root_arg} could be restored ({len(tried)} "
                 "tried, newest first); the state may hold part of a failed load:\n  "
                 + "\n  ".join(tried))
+        self._observe_failures(False)
         self._prepare(state)
         return None
 
+    def _observe_failures(self, restored: bool) -> None:
+        """``every_steps="auto"`` without ``mtbf_hours``: update the MTBF estimate from
+        the failures observed (see :mod:`dckpt.failures`). Collective (rank 0 reads and
+        writes the small history file, every rank gets the estimate)."""
+        if self.policy.every_steps != "auto" or self.policy.mtbf_hours is not None:
+            return
+        self.policy.estimated_mtbf_hours = on_rank0(
+            self.comm, lambda: failures.observe(self.storage, self.root, restored),
+            "update the failure history")
+
     def _restored(self, step: int, tier: str, state: Any) -> int:
+        self._observe_failures(True)
         self._prepare(state)
         self.restored_from = tier
         self._last_step, self._last_time = step, time.monotonic()
@@ -389,7 +405,7 @@ class CheckpointManager:
         return out[::-1]
 
     def _load(self, step: int, state: Any, path: str | None = None,
-              manifest_name: str | None = None) -> None:
+              manifest_name: str | None = None, read_workers: int = 4) -> None:
         path = path or self.path(step)
         rank = self.comm.rank
         target: dict[str, Any] = {"state": state}
@@ -407,7 +423,7 @@ class CheckpointManager:
         _load(target, path, process_group=self.group,
               storage_options=None if manifest_name else self.storage_options,
               ignore_prefixes=("rng.",), extra=rng_target if self.capture_rng else None,
-              manifest_name=manifest_name)
+              manifest_name=manifest_name, read_workers=read_workers)
         if "sd" in found:
             if rank < found["world"]:
                 rng.restore(found["sd"])

@@ -18,22 +18,40 @@ def young_daly_interval(save_seconds: float, mtbf_seconds: float) -> float:
     return math.sqrt(2.0 * save_seconds * mtbf_seconds)
 
 
+def estimate_mtbf_hours(failures: int, hours_observed: float, prior_hours: float = 24.0) -> float:
+    """The mean time between failures, estimated from ``failures`` seen over
+    ``hours_observed`` hours of the job, with a prior of one failure per ``prior_hours``
+    (counted as one failure and ``prior_hours`` of observation): ``(hours + prior) /
+    (failures + 1)``. With no failure it starts at the prior and grows as the job runs
+    without one; failures coming quickly pull it down, so the interval shortens. Pure.
+
+    Worked example: 3 restarts in the first 6 h of a job: (6 + 24) / 4 = 7.5 h, against
+    24 h before any. Raises ValueError for negative inputs."""
+    if failures < 0 or hours_observed < 0 or prior_hours <= 0:
+        raise ValueError("failures and hours_observed must be >= 0, prior_hours > 0")
+    return (hours_observed + prior_hours) / (failures + 1)
+
+
 @dataclass
 class SavePolicy:
     """Save every ``every_steps`` steps and/or every ``every_seconds`` seconds.
     ``every_steps="auto"`` derives the step interval from :func:`young_daly_interval`
     with the save blocking time and step time measured as the job runs (until both
-    are known, it saves every ``auto_warmup_steps``)."""
+    are known, it saves every ``auto_warmup_steps``). With ``"auto"`` and no
+    ``mtbf_hours``, the owner (CheckpointManager) estimates it from the failures it
+    observes (:func:`estimate_mtbf_hours`) and sets ``estimated_mtbf_hours``."""
 
     every_steps: int | str | None = None
     every_seconds: float | None = None
     mtbf_hours: float | None = None
     auto_warmup_steps: int = 100
+    estimated_mtbf_hours: float = 24.0  # used when mtbf_hours is None
 
     def __post_init__(self) -> None:
         if self.every_steps == "auto":
-            if not self.mtbf_hours or self.mtbf_hours <= 0:
-                raise ValueError('every_steps="auto" needs mtbf_hours > 0')
+            if self.mtbf_hours is not None and self.mtbf_hours <= 0:
+                raise ValueError('every_steps="auto" needs mtbf_hours > 0 (or None: estimated '
+                                 'from the restarts observed)')
         elif self.every_steps is not None and (not isinstance(self.every_steps, int)
                                                or self.every_steps < 1):
             raise ValueError(f"every_steps must be a positive int or 'auto', got {self.every_steps!r}")
@@ -46,7 +64,8 @@ class SavePolicy:
             return self.every_steps  # type: ignore[return-value]
         if not save_seconds or not step_seconds:
             return self.auto_warmup_steps
-        seconds = young_daly_interval(save_seconds, self.mtbf_hours * 3600.0)
+        seconds = young_daly_interval(save_seconds, (self.mtbf_hours or self.estimated_mtbf_hours)
+                                      * 3600.0)
         return max(1, round(seconds / step_seconds))
 
     def due(self, step: int, last_step: int | None, elapsed_s: float | None,

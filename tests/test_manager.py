@@ -34,9 +34,23 @@ def test_save_policy_and_young_daly():
     assert a.step_interval(None, None) == 100  # warm-up until times are measured
     assert a.step_interval(20.0, 1.5) == round(1859.03 / 1.5)
     with pytest.raises(ValueError):
-        SavePolicy(every_steps="auto")
+        SavePolicy(every_steps="auto", mtbf_hours=0)
     with pytest.raises(ValueError):
         SavePolicy(every_steps=0)
+
+
+def test_failure_aware_interval_shortens_as_failures_come():
+    from dckpt.policy import estimate_mtbf_hours
+
+    assert estimate_mtbf_hours(0, 0.0) == 24.0
+    assert estimate_mtbf_hours(0, 48.0) == 72.0  # no failure yet: the estimate grows
+    assert estimate_mtbf_hours(3, 6.0) == 7.5
+    p = SavePolicy(every_steps="auto")
+    calm = p.step_interval(20.0, 1.5)
+    p.estimated_mtbf_hours = estimate_mtbf_hours(10, 2.0)
+    assert p.step_interval(20.0, 1.5) < calm / 3
+    with pytest.raises(ValueError):
+        estimate_mtbf_hours(-1, 1.0)
 
 
 def _state(step):
@@ -348,3 +362,29 @@ def test_rewind_abandons_the_newer_timeline(tmp_path, caplog):
     assert m.steps() == [10, 20, 30]  # could not be removed
     t = _state(0)
     assert m.restore(t) == 20 and torch.equal(t["w"], _state(2000)["w"])
+
+
+def test_auto_interval_learns_from_restores_recorded_in_the_root(tmp_path):
+    from dckpt.catalog import collect_garbage, list_checkpoints
+    from dckpt.failures import HISTORY
+
+    root = str(tmp_path / "run")
+    st = {"w": torch.zeros(4)}
+    first = dckpt.CheckpointManager(root, every_steps="auto", capture_rng=False)
+    assert first.restore(st) is None and first.policy.estimated_mtbf_hours == pytest.approx(24, rel=1e-3)
+    first.save(1, st, force=True)
+    ests = []
+    for _ in range(5):  # five restarts, each finding the checkpoint
+        m = dckpt.CheckpointManager(root, every_steps="auto", capture_rng=False)
+        assert m.restore(st) == 1
+        ests.append(m.policy.estimated_mtbf_hours)
+    assert ests == sorted(ests, reverse=True) and ests[-1] < 24 / 5
+    # The history is dckpt's own small file: listing and gc leave it alone.
+    assert [c.path for c in list_checkpoints(root)] == [os.path.join(root, "step-00000001")]
+    collect_garbage(root, min_age_s=0)
+    assert os.path.exists(os.path.join(root, HISTORY))
+    # An unreadable history is started afresh, never an error.
+    with open(os.path.join(root, HISTORY), "w") as f:
+        f.write("{garbage")
+    m = dckpt.CheckpointManager(root, every_steps="auto", capture_rng=False)
+    assert m.restore(st) == 1 and m.policy.estimated_mtbf_hours <= 24

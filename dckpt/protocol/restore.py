@@ -60,7 +60,7 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
          storage_options: dict | None = None, strict: bool = True,
          read_budget: int = DEFAULT_READ_BUDGET, ignore_prefixes: tuple[str, ...] = (),
          extra: Callable[[mf.Manifest], dict] | None = None,
-         manifest_name: str | None = None) -> dict:
+         manifest_name: str | None = None, read_workers: int = 4) -> dict:
     """Fill ``state_dict`` in place from the checkpoint at ``path`` and return it.
     Collective: call on every rank.
 
@@ -84,7 +84,8 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
 
     ``manifest_name`` (the fast tier, :mod:`dckpt.tiers.local`): every rank reads its own
     manifest of that name under ``path`` instead of rank 0's ``manifest.json``; the ranks
-    agree on any error reading or parsing it (one more small collective)."""
+    agree on any error reading or parsing it (one more small collective).
+    ``read_workers``: threads reading for this rank."""
     t0 = time.perf_counter()
     comm = Comm(process_group)
     # A storage set-up error (an fsspec protocol missing on one node) is reported through
@@ -153,7 +154,7 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
     try:
         _faults.fault("load", comm.rank)
         nbytes = ChunkReader(storage, root, manifest).fill_all(
-            pieces, budget=read_budget, what=f"load {root} (rank {comm.rank})")
+            pieces, workers=read_workers, budget=read_budget, what=f"load {root} (rank {comm.rank})")
         fill(state_dict, lambda k, old: manifest.values[k] if k in manifest.values else old,
              flat.stateful)
     except Exception as e:

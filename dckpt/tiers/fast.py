@@ -190,10 +190,23 @@ class FastTier:
         mine = local.own_steps(self.storage, self.root, self.comm.rank, self.comm.size)
         return chooser.agree_local_steps(self.comm, mine)
 
-    def load(self, step: int, loader: Callable[[str, str], None]) -> None:
-        """Load ``step`` from the fast tier through ``loader(path, manifest_name)`` (the
-        manager's load, RNG handling included). Collective; raises what the load raises."""
-        loader(self.step_dir(step), local.view_name(self.comm.rank))
+    def load(self, step: int, loader: Callable[[str, str, int], None]) -> None:
+        """Load ``step`` from the fast tier through ``loader(path, manifest_name,
+        read_workers)`` (the manager's load, RNG handling included). Collective; raises
+        what the load raises."""
+        loader(self.step_dir(step), local.view_name(self.comm.rank), self.read_workers())
+
+    def read_workers(self) -> int:
+        """Reader threads per rank for a local load. Reading node-local files (host
+        memory, a local disk's page cache) is CPU work: more threads than the cores a
+        rank has only contend, so each rank gets its share of the node's cores (ranks
+        per node from torchrun's LOCAL_WORLD_SIZE, else all ranks), between 1 and 4."""
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            cpus = os.cpu_count() or 1
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or self.comm.size
+        return max(1, min(4, cpus // max(1, per_node)))
 
 
 def fallback_worthy(e: BaseException) -> bool:
