@@ -235,3 +235,38 @@ def test_sigkill_during_staging(ranks, tmp_path):
     step, tier, ok, durable = ranks(2).run(_restart, root, run)[0]
     assert (step, tier, ok) == (2, "local", True)
     assert durable == [1, 3]
+
+
+def _s3_tiers(url: str, base: str, world_saved: int) -> tuple:
+    import dckpt
+
+    mk = lambda: dckpt.CheckpointManager(url, every_steps=1, keep_last=1, capture_rng=False,  # noqa: E731
+                                         local_root=os.path.join(base, f"node{dist.get_rank()}"))
+    if dist.get_world_size() == world_saved:
+        mgr = mk()
+        for s in (1, 2, 3):
+            assert mgr.save(s, _state(s))
+        mgr.close()
+        assert mgr.steps() == [3]  # durable retention on S3: keep_last=1
+        shutil.rmtree(os.path.join(base, f"node{dist.get_rank()}"))  # every node lost
+        dist.barrier()
+    mgr = mk()
+    st = _state(0)
+    step = mgr.restore(st)
+    mgr.close()
+    return step, mgr.restored_from, _same(st, _state(3))
+
+
+def test_fast_tier_staged_to_s3(ranks, tmp_path, s3):
+    """The durable tier on a real S3-compatible server (endpoint and keys from the AWS_*
+    environment, as a torchrun job gets them): staging, retention there, restore from it
+    after the fast tier is gone, also at another world size."""
+    from s3server import CREDENTIALS
+
+    from dckpt.verify import verify_checkpoint
+
+    env = dict(CREDENTIALS, AWS_ENDPOINT_URL=s3.endpoint)
+    url = s3.url("tiers")
+    assert ranks(2).run(_s3_tiers, url, str(tmp_path), 2, env=env, timeout=90) == [(3, "durable", True)] * 2
+    assert verify_checkpoint(url + "/step-00000003", s3.options).ok
+    assert ranks(3).run(_s3_tiers, url, str(tmp_path), 2, env=env, timeout=90) == [(3, "durable", True)] * 3
