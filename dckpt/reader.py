@@ -192,11 +192,15 @@ class ChunkReader:
 
     def _run(self, run: list, stop: threading.Event, progress: Progress) -> int:
         done = 0
+        coalesce = getattr(self.storage, "coalesce_reads", not self.storage.random_write)
+        group_end = -1
         with _Files(self.storage) as files:
-            for t in run:
+            for i, t in enumerate(run):
                 if stop.is_set():
                     break  # another worker failed; its error is the one raised
                 try:
+                    if coalesce and i > group_end:
+                        group_end = self._prefetch(run, i, files)
                     n = self.copy_one(t, files)
                     done += n
                     progress.add(n)
@@ -206,11 +210,41 @@ class ChunkReader:
         return done
 
 
+    def _prefetch(self, run: list, i: int, files: "_Files") -> int:
+        """Object stores: one ranged GET for the regions of ``run`` from ``i`` on that
+        lie in one file with gaps under COALESCE_GAP, up to COALESCE_MAX bytes; the
+        regions are then served from it. A request costs a round trip (and, on some
+        servers, work in proportion to the object), so many small tensors must not cost
+        one each. Returns the index of the group's last region. Blocking I/O."""
+        first = run[i]
+        path = self._path(self.m.files[first.item.file])
+        lo, hi, j = first.st.start + first.lo, first.st.start + first.hi, i
+        while j + 1 < len(run):
+            nxt = run[j + 1]
+            a, b = nxt.st.start + nxt.lo, nxt.st.start + nxt.hi
+            if nxt.item.file != first.item.file or a - hi > COALESCE_GAP or \
+                    max(b, hi) - lo > COALESCE_MAX:
+                break
+            hi, j = max(hi, b), j + 1
+        files.prefetched = None
+        if j > i:
+            buf = bytearray(hi - lo)
+            files.read_exact(path, lo, [buf], f"shard file {self.m.files[first.item.file].name}")
+            files.prefetched = (path, lo, memoryview(buf))
+        return j
+
+
+COALESCE_GAP = 1 << 20  # bytes an object-store read may skip over to join two regions
+COALESCE_MAX = 32 << 20  # and the largest joined read (one per reader thread in memory)
+
+
 class _Files:
-    """The files one reader thread has open, by path; all closed on exit."""
+    """The files one reader thread has open, by path; all closed on exit. A
+    ``prefetched`` span (path, offset, bytes) serves the reads that lie inside it."""
 
     def __init__(self, storage) -> None:
         self.storage, self.open = storage, {}
+        self.prefetched: tuple[str, int, memoryview] | None = None
 
     def read_exact(self, path: str, start: int, bufs: list, what: str) -> None:
         """Fill ``bufs``, in order, from the consecutive bytes at ``start`` of ``path``,
@@ -219,6 +253,14 @@ class _Files:
         short read or a vanished file."""
         want = sum(memoryview(b).nbytes for b in bufs)
         if not want:
+            return
+        p = self.prefetched
+        if p is not None and p[0] == path and p[1] <= start and start + want <= p[1] + len(p[2]):
+            pos = start - p[1]
+            for b in bufs:
+                v = memoryview(b).cast("B")
+                v[:] = p[2][pos:pos + len(v)]
+                pos += len(v)
             return
         try:
             f = self.open.get(path)
