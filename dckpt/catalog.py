@@ -44,8 +44,7 @@ def _open_root(root: str, storage_options: dict | None, uploads_only: bool = Fal
     (a killed save's, once the rest is gone) counts as an (empty) directory."""
     storage, base = make_storage(root, storage_options)
     if not storage.exists(base):
-        lister = getattr(storage, "incomplete_uploads", None)
-        if uploads_only and lister is not None and lister(base):
+        if uploads_only and _uploads_or_none(storage, base, root):
             return storage, base, _shown_root(root, storage, base)
         raise CheckpointError(f"{root} does not exist")
     if not storage.is_dir(base):
@@ -222,14 +221,14 @@ def _upload_leftovers(storage, base: str, shown: str, listed: dict, min_age_s: f
     whose lease was not in those listings began after them (a save takes its lease
     before it writes anything), so it is younger than the lease and stays, even when
     gc's clock and the store's differ by up to a lease."""
-    lister = getattr(storage, "incomplete_uploads", None)  # only object stores have them
-    if lister is None:
+    uploads = _uploads_or_none(storage, base, shown)
+    if not uploads:
         return []
     out = []
     floor = max(min_age_s, _intent.LEASE_S)
     live_by_dir: dict[str, set[str]] = {}
     prefix = base.rstrip("/") + "/"
-    for up in lister(base):
+    for up in uploads:
         if not up.path.startswith(prefix):
             continue
         rel = up.path[len(prefix):].split("/")
@@ -254,6 +253,20 @@ def _upload_leftovers(storage, base: str, shown: str, listed: dict, min_age_s: f
         if age >= floor:
             out.append(Leftover(path, up.size, age, up.path, up.upload_id))
     return out
+
+
+def _uploads_or_none(storage, base: str, shown: str) -> list[Upload]:
+    """The incomplete uploads under ``base`` (only object stores have any), or none when
+    they cannot be listed (a role without s3:ListBucketMultipartUploads): leaving them
+    is always safe, so that is a warning, not a failed gc."""
+    lister = getattr(storage, "incomplete_uploads", None)
+    if lister is None:
+        return []
+    try:
+        return lister(base)
+    except OSError as e:
+        log.warning("incomplete uploads under %s are left alone: %s", shown, e)
+        return []
 
 
 def collect_garbage(root: str, *, dry_run: bool = False, min_age_s: float = 3600.0,

@@ -269,3 +269,26 @@ def test_user_settings_win_over_dckpt_defaults():
     assert ck["read_timeout"] == 300 and ck["retries"] == {"max_attempts": 9}
     assert ck["connect_timeout"] == fsspec_storage.S3_CONNECT_TIMEOUT_S
     assert fsspec_storage.s3_options({})["config_kwargs"]["retries"]["mode"] == "standard"
+
+
+def test_uploads_that_cannot_be_listed_are_left_and_the_files_still_collected(
+        s3, monkeypatch, caplog):
+    """A role without s3:ListBucketMultipartUploads: gc warns, leaves the uploads (always
+    safe), and still removes the leftover files."""
+    import boto3
+
+    root = s3.url("nolist")
+    bucket, prefix = _key(root)
+    stray = f"{prefix}/step-1/data-{SID}-00000.safetensors"
+    boto3.client("s3", endpoint_url=s3.endpoint).put_object(Bucket=bucket, Key=stray, Body=b"x")
+
+    def denied(self, path):
+        raise StorageIOError(f"list the incomplete uploads under s3://{path} failed: "
+                             "PermissionError: Access Denied")
+
+    monkeypatch.setattr(fsspec_storage.FsspecStorage, "incomplete_uploads", denied)
+    monkeypatch.setattr(catalog, "_now", lambda: time.time() + 7200)
+    with caplog.at_level("WARNING", logger="dckpt"):
+        found = catalog.collect_garbage(root, storage_options=s3.options)
+    assert [lo.path for lo in found] == [f"s3://{bucket}/{stray}"]
+    assert "incomplete uploads under" in caplog.text and "Access Denied" in caplog.text
