@@ -86,27 +86,31 @@ def _load_error(path: str) -> str:
     return "loaded"
 
 
-@pytest.mark.parametrize("damage", ["flipped", "missing"])
-def test_damaged_or_missing_object_is_named_by_load_and_verify(ranks, s3, damage):
-    url = s3.url("damaged") + "/step-1"
+def test_damaged_or_missing_object_is_named_by_load_and_verify(ranks, s3):
+    """One shard object's bytes flipped (rewritten with boto3), another checkpoint's
+    shard object deleted: a load at 3 ranks raises the same IntegrityError on every rank
+    naming the object, and verify lists it. (3 ranks save too: one pool for the test.)"""
     env = _env(s3)
-    ranks(2).run(_save, url, env=env, timeout=90)
-    bucket, prefix = _split(url)
+    base = s3.url("damaged")
     c = _client(s3)
-    name = next(n for n in _objects(s3, url) if n.endswith("-00001.safetensors"))
-    key = f"{prefix}/{name}"
-    if damage == "flipped":
-        body = bytearray(c.get_object(Bucket=bucket, Key=key)["Body"].read())
-        body[len(body) // 2] ^= 0x10  # in the data, past the header
-        c.put_object(Bucket=bucket, Key=key, Body=bytes(body))
-    else:
-        c.delete_object(Bucket=bucket, Key=key)
-    errors = ranks(3).run(_load_error, url, env=env, timeout=90)
-    assert len(set(errors)) == 1, errors  # every rank raises the same error
-    assert errors[0].startswith("IntegrityError") and key in errors[0], errors[0]
-    assert ("checksum" if damage == "flipped" else "missing") in errors[0], errors[0]
-    report = verify_checkpoint(url, s3.options)
-    assert not report.ok and any(key in p for p in report.problems), report.problems
+    for damage in ("flipped", "missing"):
+        url = f"{base}/{damage}"
+        ranks(3).run(_save, url, env=env, timeout=90)
+        bucket, prefix = _split(url)
+        name = next(n for n in _objects(s3, url) if n.endswith("-00001.safetensors"))
+        key = f"{prefix}/{name}"
+        if damage == "flipped":
+            body = bytearray(c.get_object(Bucket=bucket, Key=key)["Body"].read())
+            body[len(body) // 2] ^= 0x10  # in the data, past the header
+            c.put_object(Bucket=bucket, Key=key, Body=bytes(body))
+        else:
+            c.delete_object(Bucket=bucket, Key=key)
+        errors = ranks(3).run(_load_error, url, env=env, timeout=90)
+        assert len(set(errors)) == 1, errors  # every rank raises the same error
+        assert errors[0].startswith("IntegrityError") and key in errors[0], errors[0]
+        assert ("checksum" if damage == "flipped" else "missing") in errors[0], errors[0]
+        report = verify_checkpoint(url, s3.options)
+        assert not report.ok and any(key in p for p in report.problems), report.problems
 
 
 # ------------------------------------------------------------- (b), (c) torchrun kills
