@@ -416,11 +416,7 @@ def _deadline_session_cls():
             class DeadlineSession(AIOHTTPSession):
                 async def send(self, request):
                     t = self._timeout
-                    n = request.headers.get("Content-Length") or 0
-                    try:
-                        n = int(n)
-                    except (TypeError, ValueError):
-                        n = 0
+                    n = _body_size(request)
                     limit = ((t.sock_connect or S3_CONNECT_TIMEOUT_S)
                              + (t.sock_read or S3_READ_TIMEOUT_S) + n / S3_MIN_RATE)
                     try:
@@ -431,11 +427,24 @@ def _deadline_session_cls():
                             error=f"no response within {limit:.0f} s") from None
 
             DeadlineSession.__qualname__ = DeadlineSession.__name__ = "DckptDeadlineSession"
-            cls = DeadlineSession
+            globals()["DckptDeadlineSession"] = cls = DeadlineSession  # picklable by name
     except Exception as e:  # an aiobotocore without these names: timeouts only
         log.debug("no request deadline for S3: %s", e)
     _SESSION_CLS.append(cls)
     return cls
+
+
+def _body_size(request) -> int:
+    """The bytes a botocore request sends (0 when unknown)."""
+    for h in ("Content-Length", "X-Amz-Decoded-Content-Length"):
+        try:
+            return int(request.headers.get(h) or "")
+        except (TypeError, ValueError):
+            pass
+    try:
+        return len(request.body or b"")
+    except TypeError:
+        return 0
 
 
 def s3_options(opts: dict) -> dict:
