@@ -9,6 +9,10 @@ final wait for an in-flight save excluded), medians over reps, and the overhead 
 the no-checkpoint loops of the same reps. Each run starts from an empty checkpoint root.
 
     python benchmarks/bench_manager.py [--nproc 2] [--steps 60] [--every 10 20] [--reps 3]
+    python benchmarks/bench_manager.py --kinds async tier --every 10 --steps 100 --durable-every 50
+
+``tier``: async saves to a fast tier on /dev/shm (``--local-root``), every
+``--durable-every`` steps staged to the durable root in the background.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ TRAIN = os.path.join(HERE, "..", "launch", "train.py")
 STEP_RE = re.compile(r"step (\d+) loss \S+ lr \S+ \(([0-9.]+) s/step\)")
 
 
-def run_job(a, root: str, every: int | None, async_save: bool) -> dict:
+def run_job(a, root: str, every: int | None, kind: str) -> dict:
     """One torchrun job; returns its mean step time and checkpoint figures."""
     shutil.rmtree(root, ignore_errors=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -36,12 +40,18 @@ def run_job(a, root: str, every: int | None, async_save: bool) -> dict:
            "--every", str(every or 10 ** 9), "--keep-last", "2", "--log-every", str(a.steps),
            "--width", str(a.width), "--depth", str(a.depth), "--batch", str(a.batch),
            "--seq", str(a.seq), "--vocab", str(a.vocab)]
-    if async_save:
+    if kind in ("async", "tier"):
         cmd.append("--async-save")
+    local = None
+    if kind == "tier":  # async saves to a /dev/shm fast tier, some staged to ``root``
+        local = tempfile.mkdtemp(prefix="dckpt-manager-shm-", dir=a.shm)
+        cmd += ["--local-root", local, "--durable-every", str(a.durable_every)]
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // a.nproc)))
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     wall = time.perf_counter() - t0
+    if local:
+        shutil.rmtree(local, ignore_errors=True)
     if p.returncode != 0:
         raise SystemExit(f"job failed ({' '.join(cmd)}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     steps = [(int(s), float(t)) for s, t in STEP_RE.findall(p.stdout + p.stderr)]
@@ -66,16 +76,20 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--dir", default=None, help="parent of the scratch dir (None: system temp)")
+    p.add_argument("--kinds", nargs="+", default=["sync", "async"],
+                   choices=["sync", "async", "tier"], help="checkpointing modes to run")
+    p.add_argument("--durable-every", type=int, default=50, help="tier: durable every N steps")
+    p.add_argument("--shm", default="/dev/shm", help="tier: parent of the fast tier")
     p.add_argument("--json", default=None, help="write results as JSON here")
     a = p.parse_args(argv)
     scratch = tempfile.mkdtemp(prefix="dckpt-manager-", dir=a.dir)
-    modes = [(kind, n) for n in a.every for kind in ("sync", "async")]
+    modes = [(kind, n) for n in a.every for kind in a.kinds]
     runs: list[dict] = []
     try:
         for rep in range(a.reps):
             k = rep % len(modes)
             for kind, n in [("none", 0), *modes[k:], *modes[:k], ("none", 0)]:
-                r = run_job(a, os.path.join(scratch, "ck"), n or None, kind == "async")
+                r = run_job(a, os.path.join(scratch, "ck"), n or None, kind)
                 r.update(mode=kind, every=n, rep=rep, load1=os.getloadavg()[0])
                 runs.append(r)
                 print(f"  rep {rep} {kind:5} /{n:<3} step {r['step_s'] * 1e3:7.1f} ms  "
