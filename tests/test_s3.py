@@ -154,7 +154,11 @@ def test_an_aborted_write_leaves_no_upload(s3):
 
 
 DROPPED = r"""
-import sys
+import sys, types
+# only the storage layer, without dckpt/__init__ (which imports torch: seconds per process)
+pkg = types.ModuleType("dckpt")
+pkg.__path__ = [sys.argv[3]]
+sys.modules["dckpt"] = pkg
 from dckpt.storage.fsspec_storage import make_storage
 st, root = make_storage(sys.argv[1], {"endpoint_url": sys.argv[2], "default_block_size": 5 << 20})
 w = st.open_write(root + "/data-00000000000000ab-00000.safetensors")
@@ -170,8 +174,9 @@ def test_a_dropped_writer_neither_hangs_exit_nor_completes(s3):
     then, so the process waits forever. dckpt's writer drops it without I/O: the
     process exits, nothing becomes visible, and gc can abort the upload."""
     root = s3.url("dropped")
-    p = subprocess.run([sys.executable, "-c", DROPPED, root, s3.endpoint], timeout=60,
-                       capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-c", DROPPED, root, s3.endpoint,
+                        os.path.dirname(dckpt.__file__)], timeout=30, capture_output=True,
+                       text=True)
     assert p.returncode == 0 and "written" in p.stdout, p.stderr[-2000:]
     st, base = make_storage(root, s3.options)
     assert st.listdir(base) == []  # not completed
