@@ -328,7 +328,10 @@ def write_file(storage, root: str, name: str, rank: int, pieces: list) -> dict:
     buffers = [as_bytes(p.local) for p in pieces]
     entries = [(p.key, p.dtype, p.box.sizes, len(b)) for p, b in zip(pieces, buffers)]
     order = shards.order_entries(entries)
-    writer = storage.open_write(storage.join(root, name))
+    # The header (names, shapes, checksums) is a small fraction: 1 MiB of slack covers
+    # it for any plausible state and keeps the hint an upper bound.
+    hint = sum(len(b) for b in buffers) + 64 * len(buffers) + (1 << 20)
+    writer = storage.open_write(storage.join(root, name), size_hint=hint)
     try:
         progress = Progress(f"save {root} (rank {rank})", sum(len(b) for b in buffers), log)
         writer = CountingWriter(_faults.wrap_writer(writer, rank), progress)

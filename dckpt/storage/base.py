@@ -82,7 +82,10 @@ class Storage(Protocol):
     def open_read(self, path: str) -> Reader:
         """A handle for many reads of ``path``; may raise FileNotFoundError here or at
         the first read."""
-    def open_write(self, path: str) -> Writer: ...
+    def open_write(self, path: str, size_hint: int | None = None) -> Writer:
+        """A new file at ``path``. ``size_hint``: about how many bytes will be written
+        (at least that many), when known; a backend may use it (one request instead of
+        a multipart upload)."""
     atomic_replace: bool
     """Whether ``put_atomic(..., exclusive=False)`` replaces an existing file in one step."""
 

@@ -101,6 +101,14 @@ def _named(fs: Any, op: str, path: str):
         raise StorageIOError(f"{op} {_url(fs, path)} failed: {type(e).__name__}: {msg}") from e
 
 
+ONE_PUT_MAX = 256 << 20  # files up to this size are uploaded in one request
+
+
+def _is_object_store(fs: Any) -> bool:
+    protos = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return any(p in ONE_PUT_PROTOCOLS and p != "memory" for p in protos)
+
+
 class FsspecWriter:
     """A sequential upload. On an object store a file over the block size is a
     multipart upload: ``commit`` completes it, ``abort`` aborts it (its parts are
@@ -110,10 +118,19 @@ class FsspecWriter:
     forever on fsspec's I/O thread, which is gone by then. Its multipart upload, if any,
     stays incomplete until ``dckpt gc`` aborts it."""
 
-    def __init__(self, fs: Any, path: str) -> None:
+    def __init__(self, fs: Any, path: str, size_hint: int | None = None) -> None:
         self.fs, self.path, self.done = fs, path, False
+        kw = {}
+        chosen = getattr(fs, "default_block_size", None) != getattr(type(fs), "default_block_size", None)
+        if size_hint is not None and size_hint <= ONE_PUT_MAX and _is_object_store(fs) \
+                and not chosen:  # a block size the user chose (storage_options) is kept
+            # A file that fits goes up as one PUT at commit (s3fs sends a file smaller
+            # than its block size in one request), not as sequential multipart parts:
+            # measured against the tests' server, 0.7-0.95 s instead of 1.3-1.8 s for
+            # 64 MiB. Costs a buffer of the file's size, hence the bound.
+            kw["block_size"] = max(int(size_hint) + 1, 5 << 20)
         with _named(fs, "open for writing", path):
-            self.f = fs.open(path, "wb")
+            self.f = fs.open(path, "wb", **kw)
 
     def write(self, data) -> None:
         with _named(self.fs, "upload to", self.path):
@@ -274,8 +291,10 @@ class FsspecStorage:
     def open_read(self, path: str) -> "FsspecReader":
         return FsspecReader(self, path)
 
-    def open_write(self, path: str) -> FsspecWriter:
-        return FsspecWriter(self.fs, path)
+    def open_write(self, path: str, size_hint: int | None = None) -> FsspecWriter:
+        """A sequential upload of ``path``; ``size_hint`` (about the bytes that will be
+        written, or more) lets a file that fits go up as one request."""
+        return FsspecWriter(self.fs, path, size_hint)
 
     def put_atomic(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
         """One PUT where that is atomic (conditional with ``exclusive``); elsewhere a

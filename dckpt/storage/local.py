@@ -246,9 +246,10 @@ class LocalStorage:
         """An open file for many reads. Raises OSError (FileNotFoundError)."""
         return LocalReader(path)
 
-    def open_write(self, path: str):
+    def open_write(self, path: str, size_hint: int | None = None):
         """A Writer for ``path``: direct I/O where enabled and the file system takes
-        it, else page-cache writes with early writeback. Raises OSError."""
+        it, else page-cache writes with early writeback. ``size_hint`` is not needed
+        here. Raises OSError."""
         if self.direct_io and direct.supported():
             try:
                 return direct.DirectWriter.open(path)

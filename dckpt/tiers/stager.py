@@ -36,7 +36,7 @@ def copy_file(src_storage, src: str, dst_storage, dst: str, block: int = COPY_BL
     Blocking I/O; memory: one block. Raises OSError naming neither: callers add the
     names. A failed copy leaves no ``dst`` (the writer is aborted: an object store's
     multipart upload is discarded, never completed)."""
-    w = dst_storage.open_write(dst)
+    w = dst_storage.open_write(dst, size_hint=src_storage.size(src))
     n = 0
     try:
         with src_storage.open_read(src) as r:
