@@ -26,8 +26,12 @@ pytestmark = pytest.mark.slow
 
 
 class Job:
-    def __init__(self, path: str, rundir: str, *args: str, script: str = JOB) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    """``torchrun --nproc-per-node=2 SCRIPT PATH RUNDIR ARGS...`` in its own session,
+    its output collected line by line; ``env`` is added to the environment."""
+
+    def __init__(self, path: str, rundir: str, *args: str, script: str = JOB,
+                 env: dict | None = None) -> None:
+        env = dict(os.environ, **(env or {}), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         env.pop("DCKPT_FAULT", None)
         self.rundir = rundir
         self.proc = subprocess.Popen(
@@ -57,6 +61,14 @@ class Job:
 
     def pid(self, rank: int) -> int:
         return int(open(os.path.join(self.rundir, f"pid.{rank}")).read())
+
+    def kill_all(self) -> None:
+        """The node is lost: the agent and every worker at once (SIGKILL)."""
+        for pid in (self.pid(0), self.pid(1), self.proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def finish(self, timeout: float = 120) -> int:
         try:

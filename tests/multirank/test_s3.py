@@ -7,11 +7,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import queue
-import signal
-import subprocess
-import sys
-import threading
 import time
 
 import pytest
@@ -22,7 +17,8 @@ from dckpt import catalog
 from dckpt.protocol import intent
 from dckpt.verify import verify_checkpoint
 
-from .test_reshard import SHAPES, _load, _save
+from .test_crash import Job as TorchrunJob
+from .test_reshard import _load, _save
 
 JOB = os.path.join(os.path.dirname(__file__), "jobs", "s3_job.py")
 _spec = importlib.util.spec_from_file_location("s3_job", JOB)
@@ -116,83 +112,11 @@ def test_damaged_or_missing_object_is_named_by_load_and_verify(ranks, s3):
 # ------------------------------------------------------------- (b), (c) torchrun kills
 
 
-class Job:
-    """``torchrun --nproc-per-node=2 s3_job.py``, endpoint and credentials in its env."""
-
-    def __init__(self, server, url: str, rundir: str, *args: str) -> None:
-        env = dict(os.environ, **_env(server), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        env.pop("DCKPT_FAULT", None)
-        self.rundir = rundir
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone",
-             "--nproc-per-node=2", "--max-restarts=0", JOB, url, rundir,
-             "--storage-options", json.dumps(PART), *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-            start_new_session=True)
-        self.lines: queue.Queue = queue.Queue()
-        self.output: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self.output.append(line)
-            self.lines.put(line)
-
-    def wait_for(self, text: str, timeout: float = 90) -> None:
-        end = time.time() + timeout
-        while time.time() < end:
-            try:
-                if text in self.lines.get(timeout=0.5):
-                    return
-            except queue.Empty:
-                if self.proc.poll() is not None and self.lines.empty():
-                    break
-        raise AssertionError(f"job never printed {text!r}:\n{''.join(self.output)[-3000:]}")
-
-    def pid(self, rank: int) -> int:
-        return int(open(os.path.join(self.rundir, f"pid.{rank}")).read())
-
-    def kill_all(self) -> None:
-        """The node is lost: the agent and every worker at once."""
-        for pid in (self.pid(0), self.pid(1), self.proc.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-    def finish(self, timeout: float = 90) -> int:
-        try:
-            rc = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            raise AssertionError("job did not end:\n" + "".join(self.output)[-3000:])
-        for rank in (0, 1):  # no worker may outlive the agent and go on writing
-            try:
-                pid = self.pid(rank)
-            except (OSError, ValueError):
-                continue
-            end = time.time() + 30
-            while _alive(pid) and time.time() < end:
-                time.sleep(0.1)
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
-                raise AssertionError(f"rank {rank} outlived its torchrun agent")
-        return rc
-
-    def last_saved(self) -> int:
-        return max((int(x.split()[1]) for x in self.output if x.startswith("saved ")), default=0)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
+def Job(server, url: str, rundir: str, *args: str):
+    """``torchrun --nproc-per-node=2 s3_job.py``, endpoint and credentials in its env
+    (test_crash's Job: output, kills and the end of every worker handled there)."""
+    return TorchrunJob(url, rundir, "--storage-options", json.dumps(PART), *args,
+                       script=JOB, env=_env(server))
 
 
 def _generation(server, url: str, rows: int = s3_job.ROWS) -> int:

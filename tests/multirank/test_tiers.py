@@ -206,10 +206,9 @@ def test_sigkill_during_staging(ranks, tmp_path):
     """The job is killed (SIGKILL, every process) while step 2 is being uploaded: the
     durable tier still holds step 1, whole and verified, and no step 2; the restart
     restores step 2 from the fast tier and the next save goes durable."""
-    import signal
     import time
 
-    from tests.multirank.test_crash import Job, gc_after_lease
+    from .test_crash import Job, gc_after_lease
 
     from dckpt.verify import verify_checkpoint
 
@@ -222,8 +221,7 @@ def test_sigkill_during_staging(ranks, tmp_path):
     while time.time() < end and not any(n.startswith("data-") for n in
                                         (os.listdir(d2) if os.path.isdir(d2) else [])):
         time.sleep(0.05)  # until the upload has begun
-    for pid in (job.pid(0), job.pid(1), job.proc.pid):
-        os.kill(pid, signal.SIGKILL)
+    job.kill_all()
     job.finish()
     assert "durable 1" in "".join(job.output)
     assert sorted(os.listdir(root)) == ["step-00000001", "step-00000002"]
