@@ -53,8 +53,8 @@ class CheckpointManager:
     One manager (one job) per root: two jobs saving under one root is not supported.
 
     ``save_on_sigterm`` (preemption): a SIGTERM handler notes the signal; the next
-    :meth:`save` call on every rank agrees on it (one small all-gather per call while
-    enabled), finishes the save in flight, writes a final synchronous checkpoint of
+    :meth:`save` call on every rank agrees on it (with :meth:`request_save`'s flag: one
+    all-reduce of two ints per call), finishes the save in flight, writes a final synchronous checkpoint of
     that step, and exits the process with status 0 (``SystemExit``).
     """
 
@@ -147,19 +147,17 @@ class CheckpointManager:
     def request_save(self) -> None:
         """Ask for a save at the next :meth:`save` call (a preemption notice, a node
         health check). Not collective: call it on any rank, from any thread (a signal
-        handler too); the next :meth:`save` on every rank agrees on it (one small
-        all-gather per call) and saves that step, in every tier."""
+        handler too); the next :meth:`save` on every rank agrees on it (one all-reduce
+        of two ints per call) and saves that step, in every tier."""
         self._requested = True
 
     def _votes(self) -> tuple[bool, bool]:
-        """(preempted, save requested), agreed by every rank. One all-gather of a byte."""
-        flags = (1 if self._sigterm and self.save_on_sigterm else 0) | (2 if self._requested else 0)
+        """(preempted, save requested), agreed by every rank: one all-reduce of two ints
+        per :meth:`save` call, O(1) in the number of ranks."""
+        mine = [self._sigterm and self.save_on_sigterm, self._requested]
         self._requested = False
-        votes = self.comm.all_gather_bytes(bytes([flags]))
-        every = 0
-        for v in votes:
-            every |= v[0]
-        return bool(every & 1), bool(every & 2)
+        preempted, requested = self.comm.any_of(mine)
+        return preempted, requested
 
     def save(self, step: int, state: Any, *, force: bool = False) -> bool:
         """Save ``state`` as ``step`` when the policy says so (or ``force``); returns

@@ -115,7 +115,26 @@ class Comm:
         else:
             self._run("broadcast", lambda: dist.broadcast(t, src=self._global(0), group=self.group))
 
+    def _all_reduce_max(self, t: torch.Tensor) -> None:
+        if self.own is not None:
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.MAX
+            self._run("all_reduce", lambda: self.own.pg.allreduce([t], opts).wait())
+        else:
+            self._run("all_reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX,
+                                                            group=self.group))
+
     # -- primitives: each is a blocking collective on every rank of the group ----------
+    def any_of(self, flags: list[bool]) -> list[bool]:
+        """For each flag, whether any rank set it: one all-reduce of ``len(flags)``
+        bytes-worth of ints, whatever the number of ranks (cheap enough for every
+        training step)."""
+        if self.size == 1:
+            return list(flags)
+        t = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32)
+        self._all_reduce_max(t)
+        return [bool(x) for x in t.tolist()]
+
     def _sizes(self, n: int) -> list[int]:
         t = torch.tensor([n], dtype=torch.int64)
         out = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
