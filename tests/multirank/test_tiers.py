@@ -213,7 +213,9 @@ def test_sigkill_during_staging(ranks, tmp_path):
     from dckpt.verify import verify_checkpoint
 
     root, run = str(tmp_path / "durable"), str(tmp_path)
-    job = Job(root, run, "--steps", "3", "--fault-step", "2", "--fault", "upload:*:sleep=60",
+    # --steps 2: the job ends in close(), waiting on step 2's stuck upload, so no later
+    # local save can race the kill and the restart must find step 2 exactly.
+    job = Job(root, run, "--steps", "2", "--fault-step", "2", "--fault", "upload:*:sleep=60",
               script=os.path.join(os.path.dirname(__file__), "jobs", "tier_job.py"))
     job.wait_for("local 2")
     d2 = os.path.join(root, "step-00000002")
