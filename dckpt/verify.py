@@ -8,7 +8,7 @@ from .errors import CheckpointError
 from .format import shards
 from .format.checksum import crc32
 from .progress import Progress
-from .reader import ChunkReader
+from .reader import ChunkReader, _Files, file_path
 from .storage.fsspec_storage import make_storage
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,10 @@ class VerifyReport:
 
 def verify_checkpoint(path: str, storage_options: dict | None = None) -> VerifyReport:
     """Read every file of the checkpoint at ``path`` and check sizes, header checksums,
-    every block checksum, and that each chunk the manifest lists is in its file.
+    every block checksum, and that each chunk the manifest lists is in its file; files
+    an incremental checkpoint references in its siblings are checked the same way (a
+    missing or corrupt one is named), and every block of an encoded chunk is decoded
+    and checked against its content hash.
 
     Single process; blocking I/O of the whole checkpoint; memory bounded by one 64 MiB
     buffer. Never raises for a damaged checkpoint: problems are listed in the report
@@ -51,11 +54,11 @@ def verify_checkpoint(path: str, storage_options: dict | None = None) -> VerifyR
             tensors, block = reader.header(fi)
             covered = 8 + f.header_len
             for name, st in sorted(tensors.items(), key=lambda kv: kv[1].start):
-                _check_tensor(storage, storage.join(root, f.name), st, block)
+                _check_tensor(storage, file_path(storage, root, f), st, block)
                 covered += st.nbytes
                 progress.add(st.nbytes)
             if covered != f.size:
-                raise CheckpointError(f"shard file {f.name}: {f.size - covered} bytes not "
+                raise CheckpointError(f"shard file {_name(f)}: {f.size - covered} bytes not "
                                       "described by its header")
             report.bytes_checked += f.size
         except (CheckpointError, OSError) as e:
@@ -63,6 +66,9 @@ def verify_checkpoint(path: str, storage_options: dict | None = None) -> VerifyR
         log.info("verified %d/%d files", fi + 1, len(m.files))
     for key, t in m.tensors.items():
         for ci, fi in enumerate(t.chunks.file.tolist()):
+            if t.encoded(ci) is not None:
+                _check_encoded(reader, t, ci, report)
+                continue
             try:
                 tensors, _ = reader.header(fi)
             except (CheckpointError, OSError):
@@ -73,6 +79,22 @@ def verify_checkpoint(path: str, storage_options: dict | None = None) -> VerifyR
                 report.problems.append(f"tensor {key!r} chunk {ci}: not in {m.files[fi].name} "
                                        "as the manifest says")
     return report
+
+
+def _name(f) -> str:
+    return f"{f.dir}/{f.name}" if f.dir else f.name
+
+
+def _check_encoded(reader: ChunkReader, t, ci: int, report: VerifyReport) -> None:
+    """Decode every block of encoded chunk ``ci`` (reading its references and anchors);
+    the first failure is reported."""
+    with _Files(reader.storage) as files:
+        for k in range(len(t.encoded(ci))):
+            try:
+                reader.raw_block(t, ci, k, files)
+            except (CheckpointError, OSError) as e:
+                report.problems.append(str(e))
+                return
 
 
 def _check_tensor(storage, path: str, st: shards.StoredTensor, block: int) -> None:

@@ -160,7 +160,7 @@ def test_manifest_golden_v2_content():
     doc = json.loads(raw, parse_constant=refuse)
     assert list(doc) == ["checksum", "format", "version", "save_id", "world_size", "created",
                          "meta", "files", "tensors", "values"]
-    assert doc["version"] == 2 and mf.VERSION == 2
+    assert doc["version"] == 2 and mf.VERSION == 3  # plain manifests are still written as version 2
     assert b'"save_id":"0123456789abcdef"' in raw  # protocol/commit.py searches for it
     v1 = golden_doc()
     v1.update(version=2)
@@ -269,7 +269,7 @@ def test_manifest_format_and_version():
     _bad(_mut(lambda d: d.update(format="other")), "not a dckpt manifest")
     # version 2 is checksummed: a document claiming it without the checksum is refused
     _bad(_mut(lambda d: d.update(version=2)), "checksum mismatch")
-    _bad(_mut(lambda d: d.update(version=3)), "version 3", "upgrade")
+    _bad(_mut(lambda d: d.update(version=4)), "version 4", "upgrade")
     _bad(_mut(lambda d: d.pop("version")), "version None")
     _bad(_mut(lambda d: d.update(version="1")), "version '1'")
     _bad(_mut(lambda d: d.update(version=True)), "version True")

@@ -75,7 +75,7 @@ def strict_loads(data: bytes):
 
 def test_v2_layout():
     raw = mf.to_json(small())
-    assert mf.VERSION == 2
+    assert mf.VERSION == 3  # written only with references or block tables; plain is 2
     assert raw.startswith(b'{"checksum":"crc32:')
     head, rest = raw[:29], raw[29:]
     assert head == b'{"checksum":"crc32:%08x",' % zlib.crc32(rest)
@@ -145,7 +145,7 @@ def test_v1_still_loads_and_is_rewritten_as_v2():
 
 def test_unknown_versions_are_refused():
     doc = v2_doc()
-    bad(seal(dict(doc, version=3)), "version 3", "upgrade")
+    bad(seal(dict(doc, version=4)), "version 4", "upgrade")
     bad(seal(dict(doc, version="2")), "version '2'")
     bad(seal(dict(doc, version=2.0)), "version 2.0")
     bad(seal(dict(doc, version=True)), "version True")

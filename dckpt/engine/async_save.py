@@ -84,7 +84,8 @@ def _saver(group: Any) -> _Saver:
 
 def async_save(state_dict: Any, path: str, *, process_group: Any = None,
                storage_options: dict | None = None, overwrite: bool = False,
-               staging_budget: int | None = None) -> SaveHandle:
+               staging_budget: int | None = None, base: str | None = None,
+               compression: str | None = None) -> SaveHandle:
     """Snapshot ``state_dict`` and persist it to ``path`` in the background.
 
     Collective (every rank calls it, in the same order). Blocks until the previous
@@ -93,7 +94,9 @@ def async_save(state_dict: Any, path: str, *, process_group: Any = None,
     into pinned ones with non-blocking copies and one synchronisation. The caller may
     change its tensors as soon as this returns. The commit has every guarantee of
     :func:`dckpt.save`; its outcome, or any rank's error, is on every rank's handle.
-    ``staging_budget`` caps the host memory of the staging buffers (bytes)."""
+    ``staging_budget`` caps the host memory of the staging buffers (bytes). ``base``
+    and ``compression`` are :func:`dckpt.save`'s (incremental and compressed saves):
+    the hashing, comparing and compressing run in the background, not in the call."""
     t0 = time.perf_counter()
     saver = _saver(process_group)
     if saver.inflight is not None:
@@ -111,7 +114,8 @@ def async_save(state_dict: Any, path: str, *, process_group: Any = None,
         snap, nbytes = {"state": _Unstageable(e)}, 0
     blocked = time.perf_counter() - t0
     fut = saver.executor.submit(save, snap, path, process_group=saver.group,
-                                storage_options=storage_options, overwrite=overwrite)
+                                storage_options=storage_options, overwrite=overwrite,
+                                base=base, compression=compression)
     handle = SaveHandle(fut, path, blocked, time.perf_counter() - t1)
     saver.inflight = handle
     log.debug("async save to %s: staged %.1f MiB in %.3f s", path, nbytes / 2**20, blocked)

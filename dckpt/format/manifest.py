@@ -9,6 +9,8 @@ tile it, and malformed JSON of any kind raises ManifestError, never another exce
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import itertools
 import math
 import re
@@ -22,12 +24,13 @@ from ..errors import ManifestError
 from ..layout import tiling
 from . import intarray, sealed
 from .sealed import seal  # noqa: F401  (public here: tools and tests reseal with it)
+from . import codec
 from .dtypes import ITEMSIZE
 from .shards import MAX_HEADER
 
 FORMAT = "dckpt"
-VERSION = 2
-READABLE_VERSIONS = (1, 2)
+VERSION = 3  # written when a manifest references sibling files or has block tables
+READABLE_VERSIONS = (1, 2, 3)
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 30
 MAX_NDIM = tiling.MAX_NDIM
@@ -51,6 +54,9 @@ class FileEntry:
     header_len: int
     header_crc32: int
     rank: int
+    # "" for a file of this checkpoint; else the sibling checkpoint directory (same
+    # parent) holding it: an incremental save references its base's files.
+    dir: str = ""
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,12 +74,36 @@ class Chunks:
         return len(self.file)
 
 
+TABLE_COLS = 8  # file, offset, length, codec, anchor file, offset, length, codec
+
+
+@dataclass(frozen=True, eq=False)
+class ChunkBlocks:
+    """One chunk cut into blocks of ``size`` raw bytes: ``hashes`` (16 bytes per block,
+    XXH3-128 of the raw block) and, for an encoded chunk, ``table`` (n, 8) int64: per
+    block the file index, offset inside that file's entry of this tensor's key, stored
+    length and codec flags, then the same four for its XOR anchor (-1 when none). A
+    chunk without a table is stored plain in ``chunks.file``."""
+
+    size: int
+    hashes: bytes
+    table: np.ndarray | None = None
+
+
 @dataclass(frozen=True)
 class TensorEntry:
     key: str
     dtype: str
     shape: tuple[int, ...]
     chunks: Chunks
+    blocks: tuple[ChunkBlocks, ...] | None = None  # per chunk; None: no hashes (plain)
+
+    def encoded(self, chunk: int) -> np.ndarray | None:
+        """The block table of ``chunk`` when it is encoded, else None."""
+        return self.blocks[chunk].table if self.blocks is not None else None
+
+    def chunk_nbytes(self, chunk: int) -> int:
+        return int(np.prod(self.chunks.sizes[chunk])) * ITEMSIZE[self.dtype]
 
     @property
     def nbytes(self) -> int:
@@ -94,7 +124,13 @@ class Manifest:
 
     @property
     def total_bytes(self) -> int:
-        return sum(f.size for f in self.files)
+        """Bytes of this checkpoint's own files (not those it references)."""
+        return sum(f.size for f in self.files if not f.dir)
+
+    @property
+    def referenced_bytes(self) -> int:
+        """Bytes of the sibling checkpoints' files this one references."""
+        return sum(f.size for f in self.files if f.dir)
 
 
 def grid_cells(grid: tuple[tuple[int, ...], ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -157,18 +193,34 @@ def to_json(m: Manifest) -> bytes:
             enc = {"offsets": c.offsets.tolist(), "sizes": c.sizes.tolist()}
         enc["file"] = intarray.encode(c.file)
         tensors[key] = {"dtype": t.dtype, "shape": list(t.shape), "chunks": enc}
+        if t.blocks is not None:
+            tensors[key]["blocks"] = _blocks_json(t.blocks)
+    new = any(f.dir for f in m.files) or any(t.blocks is not None for t in m.tensors.values())
     doc = {
         "format": FORMAT,
-        "version": VERSION,
+        "version": VERSION if new else 2,  # older readers still read plain checkpoints
         "save_id": m.save_id,
         "world_size": m.world_size,
         "created": m.created,
         "meta": sealed.tag_floats(m.meta),
-        "files": [[f.name, f.size, f.header_len, f.header_crc32, f.rank] for f in m.files],
+        "files": [[f.name, f.size, f.header_len, f.header_crc32, f.rank] + ([f.dir] if f.dir else [])
+                  for f in m.files],
         "tensors": tensors,
         "values": {k: sealed.tag_floats(v) for k, v in m.values.items()},
     }
     return sealed.seal(doc)
+
+
+def _blocks_json(blocks: tuple[ChunkBlocks, ...]) -> dict:
+    size = blocks[0].size if blocks else codec.HASH_BLOCK
+    # Column-major: offsets and lengths of a chunk's blocks form runs that encode short.
+    enc = {str(i): intarray.encode(b.table.T.ravel()) for i, b in enumerate(blocks)
+           if b.table is not None}
+    out: dict[str, Any] = {"size": size,
+                           "hash": base64.b64encode(b"".join(b.hashes for b in blocks)).decode()}
+    if enc:
+        out["enc"] = enc
+    return out
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -180,14 +232,25 @@ def _int(x: Any, what: str, lo: int = 0, hi: int = _I64_MAX) -> int:
     return x
 
 
-def _parse_file(i: int, f: Any) -> FileEntry:
-    if not (isinstance(f, list) and len(f) == 5):
-        raise ManifestError(f"files[{i}] must be [name, size, header_len, crc, rank]")
+def _plain_name(x: Any) -> bool:
+    return isinstance(x, str) and bool(SAFE_NAME.fullmatch(x)) and ".." not in x
+
+
+def _parse_file(i: int, f: Any, version: int) -> FileEntry:
+    if not (isinstance(f, list) and (len(f) == 5 or (len(f) == 6 and version >= 3))):
+        raise ManifestError(f"files[{i}] must be [name, size, header_len, crc, rank] "
+                            "(and, from version 3, a sibling directory)")
     name = f[0]
-    if not isinstance(name, str) or not SAFE_NAME.fullmatch(name) or ".." in name:
+    if not _plain_name(name):
         raise ManifestError(
             f"files[{i}] name {sealed.short(name)} is not a plain file name inside the "
             "checkpoint (absolute paths, '..', separators and URLs are refused)")
+    d = f[5] if len(f) == 6 else ""
+    if len(f) == 6 and not _plain_name(d):
+        raise ManifestError(
+            f"files[{i}] {name}: directory {sealed.short(d)} is not a sibling checkpoint "
+            "in the same parent (only a plain directory name is allowed: absolute paths, "
+            "'..', separators, URLs and other roots are refused)")
     size = _int(f[1], f"files[{i}].size")
     hlen = _int(f[2], f"files[{i}].header_len", 1)
     if hlen + 8 > size:
@@ -196,7 +259,7 @@ def _parse_file(i: int, f: Any) -> FileEntry:
         raise ManifestError(f"files[{i}] {name}: header_len {hlen} is over the "
                             f"{MAX_HEADER}-byte limit for shard headers")
     return FileEntry(name, size, hlen, _int(f[3], f"files[{i}].header_crc32", 0, 0xFFFFFFFF),
-                     _int(f[4], f"files[{i}].rank"))
+                     _int(f[4], f"files[{i}].rank"), d)
 
 
 def _parse_chunks(key: str, shape: tuple[int, ...], obj: Any, nfiles: int) -> Chunks:
@@ -252,7 +315,71 @@ def _parse_tensor(key: str, t: Any, nfiles: int) -> TensorEntry:
     shape = tuple(_int(s, f"tensor {key!r} shape") for s in raw_shape)
     if math.prod(shape) * ITEMSIZE[t["dtype"]] > _I64_MAX:
         raise ManifestError(f"tensor {key!r} of shape {list(shape)} is too large")
-    return TensorEntry(key, t["dtype"], shape, _parse_chunks(key, shape, t.get("chunks"), nfiles))
+    chunks = _parse_chunks(key, shape, t.get("chunks"), nfiles)
+    blocks = None
+    if "blocks" in t:
+        blocks = _parse_blocks(key, t["blocks"], chunks, ITEMSIZE[t["dtype"]], nfiles)
+    return TensorEntry(key, t["dtype"], shape, chunks, blocks)
+
+
+def _parse_blocks(key: str, obj: Any, chunks: Chunks, itemsize: int,
+                  nfiles: int) -> tuple[ChunkBlocks, ...]:
+    """Validate a tensor's block hashes and tables. Raises ManifestError."""
+    if not isinstance(obj, dict):
+        raise ManifestError(f"tensor {key!r}: blocks must be an object")
+    size = _int(obj.get("size"), f"tensor {key!r} block size", 1, 1 << 40)
+    counts = [codec.nblocks(int(np.prod(s)) * itemsize, size) for s in chunks.sizes]
+    try:
+        hashes = base64.b64decode(obj.get("hash", ""), validate=True)
+    except (binascii.Error, TypeError, ValueError):
+        raise ManifestError(f"tensor {key!r}: block hashes are not base64") from None
+    if len(hashes) != codec.HASH_BYTES * sum(counts):
+        raise ManifestError(f"tensor {key!r}: {len(hashes)} bytes of block hashes for "
+                            f"{sum(counts)} blocks")
+    enc = obj.get("enc", {})
+    if not isinstance(enc, dict):
+        raise ManifestError(f"tensor {key!r}: blocks.enc must be an object")
+    tables: dict[int, np.ndarray] = {}
+    for ci, flat in enc.items():
+        if not (isinstance(ci, str) and ci.isdigit() and int(ci) < len(counts)):
+            raise ManifestError(f"tensor {key!r}: encoded chunk {sealed.short(ci)} does not exist")
+        n = counts[int(ci)]
+        try:
+            table = intarray.decode(flat, f"tensor {key!r} chunk {ci} blocks", TABLE_COLS * n)
+        except (ValueError, TypeError) as e:
+            raise ManifestError(str(e)) from None
+        if len(table) != TABLE_COLS * n:
+            raise ManifestError(f"tensor {key!r} chunk {ci}: block table of {len(table)} "
+                                f"numbers for {n} blocks")
+        tables[int(ci)] = _check_table(key, int(ci), np.ascontiguousarray(
+            table.reshape(TABLE_COLS, n).T), nfiles)
+    out, pos = [], 0
+    for ci, n in enumerate(counts):
+        h = codec.HASH_BYTES * n
+        out.append(ChunkBlocks(size, hashes[pos:pos + h], tables.get(ci)))
+        pos += h
+    return tuple(out)
+
+
+def _check_table(key: str, ci: int, t: np.ndarray, nfiles: int) -> np.ndarray:
+    what = f"tensor {key!r} chunk {ci}"
+    if len(t) == 0:
+        return t
+    f, off, ln, fl = t[:, 0], t[:, 1], t[:, 2], t[:, 3]
+    af, aoff, aln, afl = t[:, 4], t[:, 5], t[:, 6], t[:, 7]
+    if (f < 0).any() or (f >= nfiles).any() or (off < 0).any() or (ln < 0).any():
+        raise ManifestError(f"{what}: a block's file, offset or length is out of range")
+    if ((fl & ~codec.VALID) != 0).any() or (fl < 0).any():
+        raise ManifestError(f"{what}: a block has an unknown codec")
+    delta = (fl & codec.XOR) != 0
+    if (af[delta] < 0).any() or (af[delta] >= nfiles).any() or (aoff[delta] < 0).any() \
+            or (aln[delta] < 0).any() or ((afl[delta] & (codec.XOR | codec.SPARSE)) != 0).any() \
+            or (afl[delta] < 0).any() or ((afl[delta] & ~codec.VALID) != 0).any():
+        raise ManifestError(f"{what}: a delta block's anchor is out of range (an anchor is "
+                            "never itself a delta)")
+    if (t[~delta, 4:] != -1).any():
+        raise ManifestError(f"{what}: a block that is not a delta names an anchor")
+    return t
 
 
 def _parse_value(key: str, v: Any) -> JsonLeaf:
@@ -311,8 +438,8 @@ def _parse_doc(data: bytes, at: list[str]) -> Manifest:
     files = []
     for i, f in enumerate(files_raw):
         at[0] = f"files[{i}]"
-        files.append(_parse_file(i, f))
-    if len({f.name for f in files}) != len(files):
+        files.append(_parse_file(i, f, version))
+    if len({(f.dir, f.name) for f in files}) != len(files):
         raise ManifestError("a file is listed twice")
     tensors: dict[str, TensorEntry] = {}
     for key, t in tensors_raw.items():

@@ -42,7 +42,8 @@ def block_crcs(buf: memoryview, block: int = BLOCK) -> list[int]:
     return [crc32(buf[i:i + block]) for i in range(0, len(buf), block)] or [0]
 
 
-def _header(entries, crcs: list[list[int]], block: int, align: int = 8) -> bytes:
+def _header(entries, crcs: list[list[int]], block: int, align: int = 8,
+            length: int | None = None) -> bytes:
     meta = {"format": "pt", "dckpt.block": str(block)}
     body: dict = {}
     pos = 0
@@ -51,6 +52,9 @@ def _header(entries, crcs: list[list[int]], block: int, align: int = 8) -> bytes
         body[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
         pos += nbytes
     raw = json.dumps({"__metadata__": meta, **body}, separators=(",", ":")).encode()
+    if length is not None:  # a header reserved before the sizes were known
+        assert len(raw) <= length, "header outgrew its reservation"
+        return raw + b" " * (length - len(raw))
     # Spaces pad the header (safetensors allows them) so that the data starts at a
     # multiple of ``align`` (8 at least, as safetensors writes; a direct-I/O writer
     # asks for its block size so the data can go out without a bounce copy).
@@ -74,7 +78,13 @@ def write_shard(writer, entries: list[tuple[str, str, tuple[int, ...], int]],
     ``entries[i] = (name, dtype, shape, nbytes)`` in file order, ``buffers[i]`` its bytes.
     With a random-access writer the data goes first while a thread computes checksums,
     then the header; otherwise checksums are computed first and the file is streamed.
-    Returns (file size, header length, header crc32). Blocking I/O; raises OSError."""
+    Returns (file size, header length, header crc32). Blocking I/O; raises OSError.
+
+    A buffer may instead be a callable returning the bytes (an encoded chunk, made
+    while the previous one is written); its entry's size is then an upper bound, and
+    the header, reserved for the bounds, is padded to the reservation."""
+    if any(callable(b) for b in buffers):
+        return _write_lazy(writer, entries, buffers, random_write, block)
     align = getattr(writer, "alignment", 8)
     placeholder = [[0] * max(1, -(-n // block)) for (_, _, _, n) in entries]
     hlen = len(_header(entries, placeholder, block, align))
@@ -99,6 +109,41 @@ def write_shard(writer, entries: list[tuple[str, str, tuple[int, ...], int]],
             pos += len(b)
     assert len(head) == data_start, "header length changed between layout and write"
     return pos, hlen, crc32(head)
+
+
+def _write_lazy(writer, entries, buffers, random_write: bool, block: int) -> tuple[int, int, int]:
+    entries = list(entries)
+    if not random_write:  # a stream: the header goes first, so everything is made first
+        bufs = [b() if callable(b) else b for b in buffers]
+        for i, b in enumerate(bufs):
+            if callable(buffers[i]):
+                entries[i] = (entries[i][0], entries[i][1], (len(b),), len(b))
+        return write_shard(writer, entries, [memoryview(b) for b in bufs], False, block)
+    align = getattr(writer, "alignment", 8)
+    # Upper bounds give the longest header: as many CRCs, offsets with as many digits.
+    bound = [[0xFFFFFFFF] * max(1, -(-n // block)) for (_, _, _, n) in entries]
+    hlen = len(_header(entries, bound, block, align))
+    pos = 8 + hlen
+    crcs: list = []
+    with ThreadPoolExecutor(2) as pool:
+        nxt = pool.submit(_make, buffers[0]) if buffers else None
+        for i in range(len(buffers)):
+            b = nxt.result()
+            if i + 1 < len(buffers):  # make the next one while this one is written
+                nxt = pool.submit(_make, buffers[i + 1])
+            if callable(buffers[i]):
+                entries[i] = (entries[i][0], entries[i][1], (len(b),), len(b))
+            crcs.append(pool.submit(block_crcs, b, block))
+            writer.pwrite(b, pos)
+            pos += len(b)
+        crcs = [f.result() for f in crcs]
+    head = _U64.pack(hlen) + _header(entries, crcs, block, align, hlen)
+    writer.pwrite(head, 0)
+    return pos, hlen, crc32(head)
+
+
+def _make(b) -> memoryview:
+    return memoryview(b() if callable(b) else b).cast("B")
 
 
 def parse_header(head: bytes, file: str, size: int) -> tuple[dict[str, StoredTensor], int]:

@@ -224,16 +224,18 @@ def decode_writes(data: bytes, rank: int) -> np.ndarray:
 
 
 def to_manifest(gp: GlobalPlan, files: list[mf.FileEntry], save_id: str, world: int,
-                meta: dict | None = None) -> mf.Manifest:
+                meta: dict | None = None, missing_ok: bool = False) -> mf.Manifest:
     """Assemble the manifest from the plan and the files the ranks reported
-    (``files[i].rank`` wrote file i). Pure, O(chunks)."""
+    (``files[i].rank`` wrote file i). Pure, O(chunks). With ``missing_ok``, a chunk
+    whose writer reported no file gets file -1 (an incremental save referenced it:
+    :func:`dckpt.layout.delta.attach` fills it in)."""
     index = np.full(world, -1, np.int64)
     for i, f in enumerate(files):
         index[f.rank] = i
     tensors = {}
     for k, t in gp.tensors.items():
         fidx = index[t.writer]
-        if (fidx < 0).any():
+        if (fidx < 0).any() and not missing_ok:
             raise StateMismatchError(f"tensor {k!r}: rank {int(t.writer[fidx < 0][0])} was to "
                                      "write a chunk but reported no file")
         tensors[k] = mf.TensorEntry(k, t.dtype, t.shape, mf.Chunks(t.offsets, t.sizes, fidx, t.grid))

@@ -26,13 +26,18 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 
 from .. import _faults
 from ..errors import AlreadyExistsError, CheckpointError, IntegrityError
 from ..format import manifest as mf
-from ..format import shards
-from ..layout import localplan, plan as gplan
+from ..format import codec, shards
+from ..layout import delta, localplan, plan as gplan
+from ..reader import ChunkReader, file_path
+from ..engine import encode
+from ..engine.encode import Encoding
 from ..progress import CountingWriter, Progress
 from ..state.flatten import flatten
 from ..state.tensors import as_bytes, describe
@@ -74,8 +79,19 @@ def _raise_if_error(doc: dict, what: str) -> None:
 
 
 def save(state_dict: Any, path: str, *, process_group: Any = None,
-         storage_options: dict | None = None, overwrite: bool = False) -> CheckpointInfo:
+         storage_options: dict | None = None, overwrite: bool = False,
+         base: str | None = None, compression: str | None = None) -> CheckpointInfo:
     """Save ``state_dict`` to ``path`` atomically. Collective: call on every rank.
+
+    ``base``: a committed checkpoint in the same parent directory (or prefix): the save
+    is incremental, writing only the blocks (1 MiB of a chunk's bytes) whose content
+    hash differs from the base's chunk at the same key and box, and referencing the
+    base's bytes for the rest; a block that changed sparsely is stored as a delta
+    against the base's when that is at most half its size.
+    ``compression``: None, "zstd" or "lz4" (``pip install dckpt[compress]``):
+    lossless, per block, bytes grouped by significance for floating-point dtypes; a
+    block that does not shrink is stored raw. ``bytes_written`` counts only the bytes
+    this save wrote. See docs/INCREMENTAL.md.
 
     Cost: each rank writes only its own shards (plus its share of replicated tensors),
     once, with fsync; four small collectives. Raises on every rank alike:
@@ -94,23 +110,29 @@ def save(state_dict: Any, path: str, *, process_group: Any = None,
     storage, root = None, path
 
     # 1. local plan (its errors travel to every rank through the coordinator)
-    storage, root, pieces, blob = local_plan(state_dict, path, storage_options, comm.rank)
+    flag = [codec.RAW]
+    storage, root, pieces, blob = local_plan(
+        state_dict, path, storage_options, comm.rank,
+        check=lambda: flag.__setitem__(0, codec.compression_flag(compression)))
     blobs = comm.gather_bytes(blob)
 
     coord = _Coordinator(storage, root, overwrite, comm.size) if comm.rank == 0 else None
     try:
-        # 2. coordinator: validate and assign writers
-        reply = coord.plan(blobs) if coord else None
+        # 2. coordinator: validate and assign writers (and read the base's manifest)
+        reply = coord.plan(blobs, base, storage_options) if coord else None
         doc, tail = _unpack(comm.broadcast_bytes(reply))
         _raise_if_error(doc, f"save to {path}")
         save_id = doc["save_id"]
-        mask = gplan.decode_writes(tail, comm.rank)
+        nbase = doc.get("base_len", 0)
+        mask = gplan.decode_writes(tail[nbase:], comm.rank)
+        enc = _encoding(flag[0], base, storage_options, tail[:nbase]) if nbase else \
+            Encoding(flag[0])
 
         # 3. write this rank's shard file
         vote: dict[str, Any]
         try:
             vote = write_file(storage, root, data_name(save_id, comm.rank), comm.rank,
-                              [p for p, w in zip(pieces, mask) if w])
+                              [p for p, w in zip(pieces, mask) if w], enc)
             _faults.fault("vote", comm.rank)
         except Exception as e:
             vote = {"error": error_payload(e)}
@@ -134,8 +156,31 @@ def save(state_dict: Any, path: str, *, process_group: Any = None,
     return info
 
 
+def _encoding(flag: int, base: str, storage_options: dict | None, data: bytes) -> Encoding:
+    """The Encoding of a save with a base whose manifest bytes rank 0 sent. Parsing is
+    deterministic, so a bad manifest fails alike on every rank (before any write)."""
+    bstorage, broot = make_storage(base, storage_options)
+    m = mf.parse(data, bstorage.join(broot, mf.MANIFEST_NAME))
+    return Encoding(flag, m, ChunkReader(bstorage, broot, m))
+
+
+def check_base(storage, root: str, base: str, storage_options: dict | None) -> tuple[Any, str]:
+    """(storage, root) of ``base``, which must be another checkpoint directory in the
+    same parent as ``root`` on the same storage: a manifest may only reference its
+    siblings. No I/O. Raises CheckpointError naming both."""
+    bstorage, broot = make_storage(base, storage_options)
+    parent, _, name = root.rstrip("/").rpartition("/")
+    bparent, _, bname = broot.rstrip("/").rpartition("/")
+    if type(bstorage) is not type(storage) or bparent != parent or not bname or bname == name:
+        raise CheckpointError(
+            f"base {base!r} must be another checkpoint in the same parent directory as "
+            f"{root!r} (an incremental checkpoint only references its siblings, as "
+            "CheckpointManager lays them out)")
+    return bstorage, broot
+
+
 def local_plan(state_dict: Any, path: str, storage_options: dict | None,
-               rank: int) -> tuple[Any, str, list, bytes]:
+               rank: int, check=None) -> tuple[Any, str, list, bytes]:
     """This rank's side of step 1: (storage, root, pieces, encoded plan). Never raises:
     everything up to the first collective (the storage set-up and the plan's encoding
     too) runs inside this try, and an error is encoded in the plan, so it reaches every
@@ -144,6 +189,8 @@ def local_plan(state_dict: Any, path: str, storage_options: dict | None,
     storage, root, pieces = None, path, []
     try:
         storage, root = make_storage(path, storage_options)
+        if check is not None:
+            check()
         flat = flatten(state_dict)
         pieces = [describe(k, t) for k, t in flat.tensors.items()]
         boxes = np.fromiter((x for p in pieces for x in (*p.box.offsets, *p.box.sizes)),
@@ -191,10 +238,14 @@ class _Coordinator:
         self.gp: gplan.GlobalPlan | None = None
         self.intent: Intent | None = None
         self.committed = False
+        self.base: mf.Manifest | None = None
+        self.base_dir = ""
 
-    def plan(self, blobs: list[bytes]) -> bytes:
-        """Decode and validate every rank's plan; take the save's lease (intent file);
-        reply with the save id and write masks."""
+    def plan(self, blobs: list[bytes], base: str | None = None,
+             storage_options: dict | None = None) -> bytes:
+        """Decode and validate every rank's plan; read the base's manifest; take the
+        save's lease (intent file); reply with the save id, the base's manifest bytes and
+        the write masks."""
         try:
             self.gp, errors = validate_plans(blobs, self.root)
             if errors:
@@ -202,8 +253,17 @@ class _Coordinator:
             st = self.storage
             if not self.overwrite and st.exists(st.join(self.root, mf.MANIFEST_NAME)):
                 raise self._exists()  # early and cheap; the commit itself is exclusive
+            base_bytes = b""
+            if base is not None:
+                from .restore import read_manifest_bytes
+
+                bstorage, broot = check_base(st, self.root, base, storage_options)
+                base_bytes = read_manifest_bytes(bstorage, broot)
+                self.base = mf.parse(base_bytes, bstorage.join(broot, mf.MANIFEST_NAME))
+                self.base_dir = broot.rstrip("/").rpartition("/")[2]
             self.begin(uuid.uuid4().hex[:16])
-            return _pack({"save_id": self.save_id}, gplan.encode_writes(self.gp))
+            return _pack({"save_id": self.save_id, "base_len": len(base_bytes)},
+                         base_bytes + gplan.encode_writes(self.gp))
         except Exception as e:
             return _pack({"errors": {0: error_payload(e)}})
 
@@ -227,8 +287,15 @@ class _Coordinator:
         if errors:
             return _pack({"errors": errors})
         try:
-            m = gplan.to_manifest(self.gp, vote_files(votes), self.save_id, self.world, {
-                "dckpt_version": _version(), "save_seconds": round(time.perf_counter() - t0, 3)})
+            meta = {"dckpt_version": _version(), "save_seconds": round(time.perf_counter() - t0, 3)}
+            reports = {r: [delta.ChunkReport.from_json(x) for x in v["chunks"]]
+                       for r, v in enumerate(votes) if "chunks" in v}
+            if self.base is not None:
+                meta["base"] = self.base_dir
+            m = gplan.to_manifest(self.gp, vote_files(votes), self.save_id, self.world, meta,
+                                  missing_ok=bool(reports))
+            if reports:
+                m = delta.attach(m, reports, self.base, self.base_dir)
         except Exception as e:
             return _pack({"errors": {0: error_payload(e)}})
         return self.commit_manifest(m, t0)
@@ -293,13 +360,21 @@ def _check_files(storage, root: str, files: list) -> None:
     """Every file the manifest will name is there with the size its rank reported (one
     listing). Raises IntegrityError naming the file and rank: something removed or
     rewrote it after it was written (a concurrent gc or save)."""
-    sizes = {e.name: e.size for e in storage.listdir(root)}
+    listings: dict[str, dict[str, int]] = {}
     for f in files:
+        d = file_path(storage, root, f).rpartition("/")[0] if f.dir else root
+        if d not in listings:
+            try:
+                listings[d] = {e.name: e.size for e in storage.listdir(d)}
+            except FileNotFoundError:
+                listings[d] = {}
+        sizes = listings[d]
         if sizes.get(f.name) != f.size:
+            whose = f"referenced in {f.dir}" if f.dir else f"rank {f.rank}"
             what = "is missing" if f.name not in sizes else (
-                f"holds {sizes[f.name]} bytes, not the {f.size} rank {f.rank} wrote")
+                f"holds {sizes[f.name]} bytes, not the {f.size} expected")
             raise IntegrityError(
-                f"{storage.join(root, f.name)} (rank {f.rank}) {what} at commit time: "
+                f"{file_path(storage, root, f)} ({whose}) {what} at commit time: "
                 "another process removed or rewrote it (a concurrent dckpt gc or save?); "
                 "nothing was committed")
 
@@ -319,21 +394,48 @@ def _current_files(storage, root: str) -> set[str]:
     return {f.name for f in m.files}
 
 
-def write_file(storage, root: str, name: str, rank: int, pieces: list) -> dict:
+def write_file(storage, root: str, name: str, rank: int, pieces: list,
+               enc: Encoding | None = None) -> dict:
     """Write ``pieces`` as the shard file ``root/name`` and fsync it. Returns this rank's
     vote ({"file", "size", "hlen", "crc"}, or {"file": None} when there is nothing to
-    write). Blocking I/O; raises OSError; a partial file is removed."""
-    if not pieces:
-        return {"file": None}
+    write). With ``enc``, every piece is hashed in blocks and written plain, encoded or
+    not at all (see dckpt.engine.encode), and the vote's "chunks" report each. Blocking
+    I/O (with a base, reads of the base's blocks for deltas); raises OSError; a partial
+    file is removed."""
+    reports = None
     buffers = [as_bytes(p.local) for p in pieces]
-    entries = [(p.key, p.dtype, p.box.sizes, len(b)) for p, b in zip(pieces, buffers)]
+    if enc is not None and pieces:
+        with ThreadPoolExecutor(2, thread_name_prefix="dckpt-encode") as pool:
+            plans = encode.plan_pieces(pieces, buffers, enc, pool)
+            reports = [pl.report.to_json() for pl in plans]
+            keep = [i for i, pl in enumerate(plans) if pl.write]
+            entries = [(pieces[i].key, "U8", (plans[i].max_bytes,), plans[i].max_bytes)
+                       if plans[i].produce else
+                       (pieces[i].key, pieces[i].dtype, pieces[i].box.sizes, len(buffers[i]))
+                       for i in keep]
+            vote = _write_entries(storage, root, name, rank, entries,
+                                  [plans[i].produce or buffers[i] for i in keep])
+            # the tables are complete once every producer ran
+            reports = [pl.report.to_json() for pl in plans]
+    else:
+        entries = [(p.key, p.dtype, p.box.sizes, len(b)) for p, b in zip(pieces, buffers)]
+        vote = _write_entries(storage, root, name, rank, entries, buffers)
+    if reports is not None:
+        vote["chunks"] = reports
+    return vote
+
+
+def _write_entries(storage, root: str, name: str, rank: int, entries: list,
+                   buffers: list) -> dict:
+    if not entries:
+        return {"file": None}
     order = shards.order_entries(entries)
     # The header (names, shapes, checksums) is a small fraction: 1 MiB of slack covers
     # it for any plausible state and keeps the hint an upper bound.
-    hint = sum(len(b) for b in buffers) + 64 * len(buffers) + (1 << 20)
+    hint = sum(e[3] for e in entries) + 64 * len(buffers) + (1 << 20)
     writer = storage.open_write(storage.join(root, name), size_hint=hint)
     try:
-        progress = Progress(f"save {root} (rank {rank})", sum(len(b) for b in buffers), log)
+        progress = Progress(f"save {root} (rank {rank})", sum(e[3] for e in entries), log)
         writer = CountingWriter(_faults.wrap_writer(writer, rank), progress)
         size, hlen, crc = shards.write_shard(writer, [entries[i] for i in order],
                                              [buffers[i] for i in order], storage.random_write)
