@@ -136,7 +136,7 @@ def _leftover_kind(name: str) -> tuple[str, str | None] | None:
 
 
 def _dir_leftovers(storage, d: str, shown: str, entries, min_age_s: float,
-                   now: float, no_time: list[str]) -> list[Leftover]:
+                   now: float, no_time: list[str], referenced: frozenset = frozenset()) -> list[Leftover]:
     """The leftovers among ``entries`` (the listing of ``d``, taken before this reads its
     manifest). Skips the directory when its manifest exists but cannot be read."""
     # Read the manifest only after listing: a save removes its intent only once its
@@ -146,7 +146,10 @@ def _dir_leftovers(storage, d: str, shown: str, entries, min_age_s: float,
     if s is not None and not s.committed:
         log.warning("skipping %s: unreadable manifest (%s)", shown, s.problem)
         return []
-    keep = {f.name for f in m.files} if m is not None else set()
+    # Its own files, and those a sibling's incremental checkpoint references.
+    keep = ({f.name for f in m.files if not f.dir} if m is not None else set()) | referenced
+    if _ALL in referenced:
+        keep |= {e.name for e in entries if DATA_FILE.match(e.name)}
     live = live_save_ids(entries, now)
     out = []
     for e in entries:
@@ -163,6 +166,25 @@ def _dir_leftovers(storage, d: str, shown: str, entries, min_age_s: float,
         age = now - e.mtime
         if age >= min_age_s:
             out.append(Leftover(_shown_join(shown, e.name), e.size, age, storage.join(d, e.name)))
+    return out
+
+
+_ALL = "*"  # in a referenced set: every file (references unknown)
+
+
+def _references(storage, dirs: list[str]) -> dict[str, set[str]]:
+    """{sibling directory name: its file names that a committed manifest among ``dirs``
+    references} (incremental checkpoints). One manifest read per directory."""
+    out: dict[str, set[str]] = {}
+    for d in dirs:
+        m, s = _read(storage, d)
+        if s is not None and not s.committed:  # unreadable: it may reference anything
+            log.warning("%s has an unreadable manifest: gc keeps every data file it could "
+                        "reference (fix or remove it to let gc clean)", d)
+            return {d2.rstrip("/").rpartition("/")[2]: {_ALL} for d2 in dirs}
+        for f in (m.files if m is not None else ()):
+            if f.dir:
+                out.setdefault(f.dir, set()).add(f.name)
     return out
 
 
@@ -193,16 +215,19 @@ def _find_leftovers(root: str, min_age_s: float, storage_options: dict | None) -
     no_time: list[str] = []
     listed = {base: top}
     out += _dir_leftovers(storage, base, shown, top, min_age_s, now, no_time)
+    subdirs = []
     for e in sorted(top, key=lambda e: e.name):
         if e.is_dir and not e.is_link:
             d = storage.join(base, e.name)
             try:
-                entries = storage.listdir(d)
+                listed[d] = storage.listdir(d)
             except FileNotFoundError:
                 continue  # removed since the listing of the root
-            listed[d] = entries
-            out += _dir_leftovers(storage, d, _shown_join(shown, e.name), entries,
-                                  min_age_s, now, no_time)
+            subdirs.append((e.name, d))
+    refs = _references(storage, [d for _, d in subdirs])
+    for name, d in subdirs:
+        out += _dir_leftovers(storage, d, _shown_join(shown, name), listed[d],
+                              min_age_s, now, no_time, frozenset(refs.get(name, ())))
     out += _upload_leftovers(storage, base, shown, listed, min_age_s, now, no_time)
     if no_time:
         log.warning("kept %d file(s) whose storage reports no modification time (their age "

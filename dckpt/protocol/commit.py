@@ -309,6 +309,8 @@ class _Coordinator:
             _faults.fault("commit", 0)
             _check_files(st, root, list(m.files))
             replaced = _current_files(st, root) if self.overwrite else set()
+            if replaced:  # an incremental sibling may still reference them
+                replaced -= referenced_by_siblings(st, root)
             try:
                 st.put_atomic(st.join(root, mf.MANIFEST_NAME), data,  # THE commit point
                               exclusive=not self.overwrite)
@@ -468,3 +470,33 @@ def _remove_files(storage, root: str, select) -> int:
 def _version() -> str:
     from .. import __version__
     return __version__
+
+
+def referenced_by_siblings(storage, root: str) -> set[str]:
+    """Names of ``root``'s files that a committed checkpoint in a sibling directory
+    references (incremental saves). One listing of the parent and one manifest read per
+    sibling. A sibling whose manifest cannot be read may reference anything: then every
+    file is reported referenced (kept for ``dckpt gc`` to decide later)."""
+    from .restore import read_manifest
+
+    parent, _, name = root.rstrip("/").rpartition("/")
+    out: set[str] = set()
+    try:
+        entries = storage.listdir(parent) if parent else []
+    except OSError as e:
+        log.warning("cannot list %s for references into %s (%s): keeping its files", parent, root, e)
+        return {e2.name for e2 in storage.listdir(root)}
+    for e in entries:
+        if not e.is_dir or e.is_link or e.name == name:
+            continue
+        d = storage.join(parent, e.name)
+        if not storage.exists(storage.join(d, mf.MANIFEST_NAME)):
+            continue
+        try:
+            m, _ = read_manifest(storage, d)
+        except Exception as err:  # noqa: BLE001 - unreadable: it may reference us
+            log.warning("cannot read %s (%s): keeping the files of %s it may reference",
+                        d, err, root)
+            return {e2.name for e2 in storage.listdir(root)}
+        out |= {f.name for f in m.files if f.dir == name}
+    return out
