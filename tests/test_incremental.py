@@ -210,11 +210,17 @@ def test_references_outside_the_parent_are_refused(tmp_path, evil):
         dckpt.load(_zeros(sd), str(tmp_path / "s1"))
 
 
-def test_overwriting_a_base_keeps_what_siblings_reference(tmp_path):
+def _base_and_child(tmp_path) -> dict:
+    """s0 full, s1 incremental on it (referencing most of s0's bytes); s1's state."""
     sd = {"w": torch.randn(256, 256), "x": torch.randn(8)}
     dckpt.save(sd, str(tmp_path / "s0"))
     sd["x"] += 1
     dckpt.save(sd, str(tmp_path / "s1"), base=str(tmp_path / "s0"))
+    return sd
+
+
+def test_overwriting_a_base_keeps_what_siblings_reference(tmp_path):
+    sd = _base_and_child(tmp_path)
     dckpt.save({"w": torch.zeros(3)}, str(tmp_path / "s0"), overwrite=True)
     _loads_as(str(tmp_path / "s1"), sd)
     assert verify_checkpoint(str(tmp_path / "s1")).ok
@@ -223,10 +229,7 @@ def test_overwriting_a_base_keeps_what_siblings_reference(tmp_path):
 def test_gc_keeps_referenced_files(tmp_path, monkeypatch):
     from dckpt import catalog
 
-    sd = {"w": torch.randn(256, 256), "x": torch.randn(8)}
-    dckpt.save(sd, str(tmp_path / "s0"))
-    sd["x"] += 1
-    dckpt.save(sd, str(tmp_path / "s1"), base=str(tmp_path / "s0"))
+    sd = _base_and_child(tmp_path)
     # s0's manifest is gone (as retention removes a referenced step): its data stays
     os.remove(tmp_path / "s0" / "manifest.json")
     monkeypatch.setattr(catalog, "_now", lambda: time.time() + 10 * 86400)
