@@ -111,6 +111,24 @@ def sharding(t: mf.TensorEntry) -> str:
     return f"{n} chunks"
 
 
+def inherited(m: mf.Manifest, t: mf.TensorEntry) -> str:
+    """What of tensor ``t`` lives in sibling checkpoints: ``-`` (nothing), ``all``, or
+    ``k/n blocks``. Pure."""
+    total = ref = 0
+    for ci, fi in enumerate(t.chunks.file.tolist()):
+        table = t.encoded(ci)
+        if table is None:
+            n = len(t.blocks[ci].hashes) // 16 if t.blocks is not None else 1
+            total += n
+            ref += n if m.files[fi].dir else 0
+        else:
+            total += len(table)
+            ref += sum(1 for f in table[:, 0].tolist() if m.files[f].dir)
+    if not ref:
+        return "-"
+    return "all" if ref == total else f"{ref}/{total} blocks"
+
+
 @dataclass(frozen=True)
 class Leftover:
     """A file ``dckpt gc`` would remove: ``path`` as the user wrote the root."""
@@ -311,3 +329,33 @@ def collect_garbage(root: str, *, dry_run: bool = False, min_age_s: float = 3600
             except OSError as e:
                 log.warning("could not remove %s: %s", lo.path, e)
     return found
+
+
+@dataclass(frozen=True)
+class Usage:
+    """One checkpoint's bytes: its own files, and the files of siblings it references."""
+
+    path: str
+    own: int
+    referenced: int
+
+
+def disk_usage(root: str, storage_options: dict | None = None) -> tuple[list[Usage], int]:
+    """(per committed checkpoint under ``root``: bytes owned and bytes referenced in
+    siblings; total bytes of every file under ``root`` and its direct subdirectories,
+    each counted once). One listing and one manifest read per directory. Raises
+    CheckpointError as :func:`list_checkpoints`."""
+    try:
+        storage, base, shown = _open_root(root, storage_options)
+        total, out = 0, []
+        dirs = [(base, shown)] + [(storage.join(base, e.name), _shown_join(shown, e.name))
+                                  for e in sorted(storage.listdir(base), key=lambda e: e.name)
+                                  if e.is_dir and not e.is_link]
+        for d, sh in dirs:
+            total += sum(e.size for e in storage.listdir(d) if not e.is_dir)
+            m, _ = _read(storage, d)
+            if m is not None:
+                out.append(Usage(sh, m.total_bytes, m.referenced_bytes))
+        return out, total
+    except OSError as e:
+        raise CheckpointError(f"measuring {root} failed: {e}") from e

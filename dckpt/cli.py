@@ -49,7 +49,7 @@ def cmd_ls(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from .catalog import sharding
+    from .catalog import inherited, sharding
     from .protocol.restore import read_manifest
     from .storage.fsspec_storage import make_storage
 
@@ -61,11 +61,24 @@ def cmd_inspect(args) -> int:
     print(f"checkpoint {_shown(args.path, root)}\n  saved {_when(m.created)} by {m.world_size} rank(s), "
           f"{len(m.files)} file(s), {_size(m.total_bytes)}, save id {m.save_id}\n")
     rows = [[k, t.dtype, "x".join(map(str, t.shape)) or "scalar", sharding(t),
-             str(len(t.chunks)), _size(t.nbytes)] for k, t in m.tensors.items()]
-    print(_table(rows, ["tensor", "dtype", "shape", "sharding", "chunks", "bytes"]))
+             str(len(t.chunks)), _size(t.nbytes), inherited(m, t)] for k, t in m.tensors.items()]
+    print(_table(rows, ["tensor", "dtype", "shape", "sharding", "chunks", "bytes", "inherited"]))
     if m.values:
         print()
         print(_table([[k, json.dumps(v)] for k, v in m.values.items()], ["value", "json"]))
+    return 0
+
+
+def cmd_du(args) -> int:
+    from .catalog import disk_usage
+
+    found, total = disk_usage(args.root, _opts(args))
+    rows = [[u.path, _size(u.own), _size(u.referenced), _size(u.own + u.referenced)]
+            for u in found]
+    if rows:
+        print(_table(rows, ["checkpoint", "owns", "references", "loads"]))
+    print(f"{len(found)} checkpoint(s); {_size(total)} on disk under {args.root} (every "
+          "file once: referenced bytes are shared)")
     return 0
 
 
@@ -143,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("path")
     s.add_argument("--json", action="store_true", help="print the raw manifest")
     s.set_defaults(fn=cmd_inspect)
+    s = sub.add_parser("du", help="bytes each checkpoint under ROOT owns and references "
+                                  "(incremental), and the total on disk")
+    s.add_argument("root")
+    s.set_defaults(fn=cmd_du)
     s = sub.add_parser("verify", help="check every checksum; exit 1 listing failures")
     s.add_argument("path")
     s.set_defaults(fn=cmd_verify)

@@ -236,3 +236,23 @@ def test_gc_keeps_referenced_files(tmp_path, monkeypatch):
     removed = catalog.collect_garbage(str(tmp_path), min_age_s=0)
     assert not removed, removed
     _loads_as(str(tmp_path / "s1"), sd)
+
+
+def test_cli_du_and_inspect_show_references(tmp_path, capsys):
+    from dckpt.cli import main
+
+    _base_and_child(tmp_path)
+    assert main(["du", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    s0 = sum(os.path.getsize(tmp_path / "s0" / n) for n in os.listdir(tmp_path / "s0"))
+    s1 = sum(os.path.getsize(tmp_path / "s1" / n) for n in os.listdir(tmp_path / "s1"))
+    assert "2 checkpoint(s)" in out and str(tmp_path / "s1") in out
+    from dckpt.catalog import disk_usage
+
+    usage, total = disk_usage(str(tmp_path))
+    assert total == s0 + s1
+    own = {os.path.basename(u.path): (u.own, u.referenced) for u in usage}
+    assert own["s1"][1] == own["s0"][0] and own["s1"][0] < own["s0"][0] / 10
+    assert main(["inspect", str(tmp_path / "s1")]) == 0
+    out = capsys.readouterr().out
+    assert "inherited" in out and "all" in out  # w is unchanged: wholly in s0
