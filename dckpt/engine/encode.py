@@ -75,13 +75,11 @@ def plan_pieces(pieces: list, buffers: list[memoryview], enc: Encoding,
                 out.append(Planned(rep, True))
             continue
         ch = delta.changed(h, bc.hashes)
-        if not ch.any():
-            if not (bc.rows[:, 3] != codec.RAW).any() and len(set(bc.rows[:, 0].tolist())) <= 1 \
-                    and len(bc.rows) and (bc.rows[:, 1] == np.arange(len(bc.rows)) * codec.HASH_BLOCK).all():
-                rep.ref_file = int(bc.rows[0, 0])  # plain in one base file: point at it
-                out.append(Planned(rep, False))
-                continue
-            rep.table = bc.rows.copy()
+        if not ch.any():  # nothing to write: point at the base's chunk
+            if bc.plain_file is not None:
+                rep.ref_file = bc.plain_file
+            else:
+                rep.table = bc.rows.copy()
             out.append(Planned(rep, False))
             continue
         if ch.all() and not enc.compressor and not _delta_pays(p, buf, bc, enc, int(np.argmax(ch))):
@@ -146,6 +144,6 @@ def _encoded(p, buf: memoryview, rep: delta.ChunkReport, bc: delta.BaseChunk | N
             table[k, 4:] = anc
             parts.append(data)
             pos += len(data)
-        return b"".join(bytes(x) if not isinstance(x, bytes) else x for x in parts)
+        return b"".join(parts)  # bytes, memoryviews and arrays alike
 
     return Planned(rep, True, produce, int(ch.sum()) * codec.HASH_BLOCK)

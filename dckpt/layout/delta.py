@@ -29,6 +29,7 @@ class BaseChunk:
 
     hashes: bytes
     rows: np.ndarray  # (n, 8) int64
+    plain_file: int | None = None  # the base file holding the chunk plain, if it is
 
 
 def base_chunk(base: mf.Manifest, key: str, dtype: str, shape: tuple[int, ...],
@@ -57,7 +58,7 @@ def base_chunk(base: mf.Manifest, key: str, dtype: str, shape: tuple[int, ...],
     rows[:, 1] = np.arange(k, dtype=np.int64) * block
     rows[:, 2] = np.minimum(block, n - rows[:, 1])
     rows[:, 3] = codec.RAW
-    return BaseChunk(b.hashes, rows)
+    return BaseChunk(b.hashes, rows, int(c.file[ci]))
 
 
 def changed(new: bytes, old: bytes) -> np.ndarray:

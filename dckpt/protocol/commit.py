@@ -24,9 +24,8 @@ import struct
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
-
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -125,12 +124,12 @@ def save(state_dict: Any, path: str, *, process_group: Any = None,
         save_id = doc["save_id"]
         nbase = doc.get("base_len", 0)
         mask = gplan.decode_writes(tail[nbase:], comm.rank)
-        enc = _encoding(flag[0], base, storage_options, tail[:nbase]) if nbase else \
-            Encoding(flag[0])
 
         # 3. write this rank's shard file
         vote: dict[str, Any]
-        try:
+        try:  # the base's parse too: any error here must reach the vote, not hang it
+            enc = _encoding(flag[0], base, storage_options, tail[:nbase]) if nbase else \
+                Encoding(flag[0])
             vote = write_file(storage, root, data_name(save_id, comm.rank), comm.rank,
                               [p for p, w in zip(pieces, mask) if w], enc)
             _faults.fault("vote", comm.rank)
@@ -409,7 +408,6 @@ def write_file(storage, root: str, name: str, rank: int, pieces: list,
     if enc is not None and pieces:
         with ThreadPoolExecutor(2, thread_name_prefix="dckpt-encode") as pool:
             plans = encode.plan_pieces(pieces, buffers, enc, pool)
-            reports = [pl.report.to_json() for pl in plans]
             keep = [i for i, pl in enumerate(plans) if pl.write]
             entries = [(pieces[i].key, "U8", (plans[i].max_bytes,), plans[i].max_bytes)
                        if plans[i].produce else
@@ -417,7 +415,7 @@ def write_file(storage, root: str, name: str, rank: int, pieces: list,
                        for i in keep]
             vote = _write_entries(storage, root, name, rank, entries,
                                   [plans[i].produce or buffers[i] for i in keep])
-            # the tables are complete once every producer ran
+            # after the writes: the producers fill the block tables
             reports = [pl.report.to_json() for pl in plans]
     else:
         entries = [(p.key, p.dtype, p.box.sizes, len(b)) for p, b in zip(pieces, buffers)]
