@@ -166,7 +166,7 @@ def _dir_leftovers(storage, d: str, shown: str, entries, min_age_s: float,
         return []
     # Its own files, and those a sibling's incremental checkpoint references.
     keep = ({f.name for f in m.files if not f.dir} if m is not None else set()) | referenced
-    if _ALL in referenced:
+    if ALL_FILES in referenced:
         keep |= {e.name for e in entries if DATA_FILE.match(e.name)}
     live = live_save_ids(entries, now)
     out = []
@@ -187,10 +187,10 @@ def _dir_leftovers(storage, d: str, shown: str, entries, min_age_s: float,
     return out
 
 
-_ALL = "*"  # in a referenced set: every file (references unknown)
+ALL_FILES = "*"  # in a referenced set: every file (references unknown)
 
 
-def _references(storage, dirs: list[str]) -> dict[str, set[str]]:
+def references(storage, dirs: list[str]) -> dict[str, set[str]]:
     """{sibling directory name: its file names that a committed manifest among ``dirs``
     references} (incremental checkpoints). One manifest read per directory."""
     out: dict[str, set[str]] = {}
@@ -199,7 +199,7 @@ def _references(storage, dirs: list[str]) -> dict[str, set[str]]:
         if s is not None and not s.committed:  # unreadable: it may reference anything
             log.warning("%s has an unreadable manifest: gc keeps every data file it could "
                         "reference (fix or remove it to let gc clean)", d)
-            return {d2.rstrip("/").rpartition("/")[2]: {_ALL} for d2 in dirs}
+            return {d2.rstrip("/").rpartition("/")[2]: {ALL_FILES} for d2 in dirs}
         for f in (m.files if m is not None else ()):
             if f.dir:
                 out.setdefault(f.dir, set()).add(f.name)
@@ -242,7 +242,7 @@ def _find_leftovers(root: str, min_age_s: float, storage_options: dict | None) -
             except FileNotFoundError:
                 continue  # removed since the listing of the root
             subdirs.append((e.name, d))
-    refs = _references(storage, [d for _, d in subdirs])
+    refs = references(storage, [d for _, d in subdirs])
     for name, d in subdirs:
         out += _dir_leftovers(storage, d, _shown_join(shown, name), listed[d],
                               min_age_s, now, no_time, frozenset(refs.get(name, ())))

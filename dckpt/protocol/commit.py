@@ -475,26 +475,14 @@ def referenced_by_siblings(storage, root: str) -> set[str]:
     references (incremental saves). One listing of the parent and one manifest read per
     sibling. A sibling whose manifest cannot be read may reference anything: then every
     file is reported referenced (kept for ``dckpt gc`` to decide later)."""
-    from .restore import read_manifest
+    from ..catalog import ALL_FILES, references  # catalog builds on this module
 
     parent, _, name = root.rstrip("/").rpartition("/")
-    out: set[str] = set()
     try:
-        entries = storage.listdir(parent) if parent else []
+        siblings = [storage.join(parent, e.name) for e in storage.listdir(parent)
+                    if e.is_dir and not e.is_link and e.name != name] if parent else []
+        refs = references(storage, siblings).get(name, set())
+        return {e.name for e in storage.listdir(root)} if ALL_FILES in refs else refs
     except OSError as e:
-        log.warning("cannot list %s for references into %s (%s): keeping its files", parent, root, e)
+        log.warning("cannot look for references into %s (%s): keeping its files", root, e)
         return {e2.name for e2 in storage.listdir(root)}
-    for e in entries:
-        if not e.is_dir or e.is_link or e.name == name:
-            continue
-        d = storage.join(parent, e.name)
-        if not storage.exists(storage.join(d, mf.MANIFEST_NAME)):
-            continue
-        try:
-            m, _ = read_manifest(storage, d)
-        except Exception as err:  # noqa: BLE001 - unreadable: it may reference us
-            log.warning("cannot read %s (%s): keeping the files of %s it may reference",
-                        d, err, root)
-            return {e2.name for e2 in storage.listdir(root)}
-        out |= {f.name for f in m.files if f.dir == name}
-    return out
