@@ -206,6 +206,42 @@ def references(storage, dirs: list[str]) -> dict[str, set[str]]:
     return out
 
 
+def remove_checkpoints(storage, base: str, names: list[str]) -> None:
+    """Remove the checkpoints (or failed saves) ``names`` in ``base`` and every file of
+    theirs that no other committed checkpoint in ``base`` references (incremental
+    saves). Each one's manifest goes first, so no step is ever seen committed with
+    files missing; a directory that still holds referenced files keeps only those (gc
+    and later calls keep them while they are referenced, and remove them after). I/O:
+    one listing of ``base``, one manifest read per other directory, one listing and the
+    removals per name. Raises OSError from the storage; a crash half-way leaves
+    leftovers that ``dckpt gc`` removes, never a referenced file missing."""
+    doomed = set(names)
+    for name in names:
+        try:
+            storage.remove(storage.join(base, name, mf.MANIFEST_NAME))
+        except FileNotFoundError:
+            pass  # a failed save's directory: it never had one
+    others = [storage.join(base, e.name) for e in storage.listdir(base)
+              if e.is_dir and not e.is_link and e.name not in doomed]
+    refs = references(storage, others)
+    for name in names:
+        d = storage.join(base, name)
+        keep = refs.get(name, set())
+        try:
+            entries = storage.listdir(d)
+        except FileNotFoundError:
+            continue
+        if ALL_FILES in keep:
+            keep = {e.name for e in entries if DATA_FILE.match(e.name)}
+        if not keep:
+            storage.remove_tree(d)
+            continue
+        for e in entries:
+            if e.name not in keep:
+                (storage.remove_tree if e.is_dir else storage.remove)(storage.join(d, e.name))
+        log.info("%s: kept %d file(s) that newer checkpoints reference", d, len(keep))
+
+
 def find_leftovers(root: str, min_age_s: float = 3600.0,
                    storage_options: dict | None = None) -> list[Leftover]:
     """Files that no committed manifest references, left by failed or interrupted

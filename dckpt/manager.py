@@ -17,6 +17,8 @@ from .engine.async_save import _saver
 from .engine.async_save import async_save as _async_save
 from .errors import CheckpointError, IntegrityError, NotCommittedError
 from .format import manifest as mf
+from .format.codec import compression_flag
+from .catalog import remove_checkpoints
 from .policy import RetentionPolicy, SavePolicy, estimate_mtbf_hours
 from . import failures
 from .state import rng
@@ -52,6 +54,15 @@ class CheckpointManager:
 
     One manager (one job) per root: two jobs saving under one root is not supported.
 
+    ``incremental=True``: each save stores only the chunks that changed since the step
+    this manager last committed and references that step's files for the rest (see
+    :func:`dckpt.save`'s ``base``); every ``full_every``-th save, the first save after
+    the manager is made or restores, and the save after a failed one are full.
+    Retention then removes a step's manifest and only the files no kept step
+    references, so deleting old steps never breaks newer ones. ``compression``
+    (None, "zstd", "lz4") applies to every save. Incremental saves need every step in
+    one root: they, and compression, cannot be combined with ``local_root``.
+
     ``save_on_sigterm`` (preemption): a SIGTERM handler notes the signal; the next
     :meth:`save` call on every rank agrees on it (with :meth:`request_save`'s flag: one
     all-reduce of two ints per call), finishes the save in flight, writes a final synchronous checkpoint of
@@ -64,7 +75,22 @@ class CheckpointManager:
                  process_group: Any = None, storage_options: dict | None = None,
                  capture_rng: bool = True, mtbf_hours: float | None = None,
                  save_on_sigterm: bool = False, local_root: str | None = None,
-                 keep_last_local: int = 1, durable_every_steps: int | None = None) -> None:
+                 keep_last_local: int = 1, durable_every_steps: int | None = None,
+                 incremental: bool = False, full_every: int = 10,
+                 compression: str | None = None) -> None:
+        if (incremental or compression) and local_root is not None:
+            raise CheckpointError(
+                "incremental=True and compression= are not supported with local_root: the "
+                "fast tier stores raw shards and stages them as they are (a delta would "
+                "reference files the durable tier does not have); use one or the other")
+        if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1:
+            raise CheckpointError(f"full_every must be an int >= 1, not {full_every!r}")
+        compression_flag(compression)  # a bad value or a missing extra: fail now, not at the first save
+        self.incremental, self.full_every, self.compression = incremental, full_every, compression
+        # The step this process last committed and how many saves since the last full
+        # one: the base of the next incremental save (None: the next save is full).
+        self._base: int | None = None
+        self._since_full = 0
         self.policy = SavePolicy(every_steps, every_seconds, mtbf_hours)
         if failures.restart_count():  # before any restore: torchelastic's count
             self.policy.estimated_mtbf_hours = estimate_mtbf_hours(failures.restart_count(), 0.0)
@@ -188,17 +214,38 @@ class CheckpointManager:
             blocked = time.perf_counter() - t0
         elif self.async_save:
             h = _async_save(full, path, process_group=self.group,
-                            storage_options=self.storage_options, overwrite=True)
+                            storage_options=self.storage_options, overwrite=True,
+                            **self._delta_args(step))
             self._inflight = (step, h)
             blocked = h.blocking_seconds
         else:
-            _save(full, path, process_group=self.group, storage_options=self.storage_options,
-                  overwrite=True)
+            try:
+                _save(full, path, process_group=self.group,
+                      storage_options=self.storage_options, overwrite=True,
+                      **self._delta_args(step))
+            except BaseException:
+                self._base = None  # the next save is full: nothing half-known to build on
+                raise
             blocked = time.perf_counter() - t0
-            self._after_commit(step)
+            self._committed(step)
         self.save_seconds = blocked
         self._last_step, self._last_time = step, time.monotonic()
         return True
+
+    def _delta_args(self, step: int) -> dict[str, Any]:
+        """``base``/``compression`` for the save of ``step``. No I/O, no collective: the
+        same on every rank (every rank commits or fails the same saves)."""
+        base = None
+        if (self.incremental and self._base is not None and self._base != step
+                and self._since_full + 1 < self.full_every):
+            base = self.path(self._base)
+        self._since_full = self._since_full + 1 if base is not None else 0
+        return {"base": base, "compression": self.compression}
+
+    def _committed(self, step: int) -> None:
+        """Every rank: ``step`` committed; it is the next incremental save's base."""
+        self._base = step
+        self._after_commit(step)
 
     def _full(self, state: Any) -> dict[str, Any]:
         full: dict[str, Any] = {"state": state}
@@ -226,10 +273,12 @@ class CheckpointManager:
             self._inflight = None
             try:
                 h.result()
-                self._after_commit(step)
             except Exception as e:
+                self._base = None
                 log.error("checkpoint of step %d failed: %s", step, e)
                 self._error = e
+            else:
+                self._committed(step)
         if raise_error and self._error is not None:
             err, self._error = self._error, None
             raise err
@@ -254,12 +303,15 @@ class CheckpointManager:
         except Exception as e:
             log.warning("cleanup after step %d skipped: %s", step, e)
             return
-        for s in doomed:
-            try:
-                self.storage.remove_tree(self.storage.join(self.root, f"step-{s:08d}"))
-                log.info("removed checkpoint step %d under %s", s, self.root)
-            except Exception as e:
-                log.warning("could not remove checkpoint step %d: %s", s, e)
+        if not doomed:
+            return
+        # Manifests first, then only the files no kept step references: a newer
+        # incremental step may use an older step's data.
+        try:
+            remove_checkpoints(self.storage, self.root, [f"step-{s:08d}" for s in doomed])
+            log.info("removed checkpoint step(s) %s under %s", sorted(doomed), self.root)
+        except Exception as e:
+            log.warning("could not remove checkpoint step(s) %s: %s", sorted(doomed), e)
 
     def _in_progress(self, step: int) -> bool:
         """Whether a save of ``step`` holds a live lease (another process saving it)."""
@@ -373,6 +425,7 @@ class CheckpointManager:
         self._prepare(state)
         self.restored_from = tier
         self._last_step, self._last_time = step, time.monotonic()
+        self._base = None  # a chain starts with a full save in every process's life
         if self.tier is not None:
             self.tier.last_durable = step
         if self.comm.rank == 0:

@@ -357,7 +357,8 @@ def test_rewind_abandons_the_newer_timeline(tmp_path, caplog):
         m.save(s, _state(s), force=True)
     m.restore(_state(0), step=10)
     time.sleep(0.01)
-    m.storage.remove_tree = lambda path: (_ for _ in ()).throw(PermissionError(13, "denied"))
+    denied = lambda path: (_ for _ in ()).throw(PermissionError(13, "denied"))  # noqa: E731
+    m.storage.remove_tree = m.storage.remove = denied
     m.save(20, _state(2000), force=True)
     assert m.steps() == [10, 20, 30]  # could not be removed
     t = _state(0)
