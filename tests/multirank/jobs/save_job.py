@@ -16,13 +16,17 @@ import torch.distributed as dist
 import dckpt
 
 
-def state(gen: int, mesh) -> dict:
+def state(gen: int, mesh, frozen: bool = False) -> dict:
+    """With ``frozen``, "w" (most of the bytes) is generation 0's in every generation,
+    as a frozen backbone is: incremental saves then write only the rest."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     rows = 1 << 12
-    full = torch.arange(rows * 1024, dtype=torch.float32).reshape(rows, 1024) + gen * 1e7
+    base = torch.arange(rows * 1024, dtype=torch.float32).reshape(rows, 1024)
+    full = base + gen * 1e7
+    w = base if frozen else full
     return {
-        "w": distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None),
+        "w": distribute_tensor(w, mesh, [Shard(0)], src_data_rank=None),
         "m": distribute_tensor(full[:, :512] * 2, mesh, [Shard(1)], src_data_rank=None),
         "r": distribute_tensor(torch.full((256, 256), float(gen)), mesh, [Replicate()], src_data_rank=None),
         "b": torch.full((1 << 16,), float(gen)),
@@ -38,6 +42,9 @@ def main() -> None:
     ap.add_argument("--fault-gen", type=int, default=-1)
     ap.add_argument("--fault", default="")
     ap.add_argument("--async-save", action="store_true", help="dckpt.async_save, then wait")
+    ap.add_argument("--incremental", action="store_true",
+                    help="CheckpointManager(PATH, incremental=True, full_every=3, keep_last=2) "
+                         "saving generation g as step g, with a frozen 'w'")
     a = ap.parse_args()
     dist.init_process_group("gloo")
     from torch.distributed.device_mesh import init_device_mesh
@@ -46,10 +53,14 @@ def main() -> None:
     rank = dist.get_rank()
     with open(os.path.join(a.rundir, f"pid.{rank}"), "w") as f:
         f.write(str(os.getpid()))
+    mgr = (dckpt.CheckpointManager(a.path, incremental=True, full_every=3, keep_last=2,
+                                   capture_rng=False) if a.incremental else None)
     for gen in range(1, a.gens + 1):
         if gen == a.fault_gen:
             os.environ["DCKPT_FAULT"] = a.fault
-        if a.async_save:
+        if mgr is not None:
+            mgr.save(gen, state(gen, mesh, frozen=True), force=True)
+        elif a.async_save:
             h = dckpt.async_save(state(gen, mesh), a.path, overwrite=True)
             if rank == 0:
                 print(f"staged {gen}", flush=True)
