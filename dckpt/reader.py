@@ -129,6 +129,21 @@ class ChunkReader:
         shards.verify(memoryview(buf), lo // block, st.crcs, block, what)
         return memoryview(buf)[off - lo:off - lo + n]
 
+    def peek(self, fi: int, key: str, off: int, n: int, files: "_Files") -> memoryview:
+        """Bytes ``[off, off + n)`` of the entry ``key`` of file ``fi``, NOT verified:
+        for decisions that a verified read confirms later (whether a delta may pay),
+        never for data. Blocking I/O; raises IntegrityError when the file does not hold
+        the range."""
+        tensors, _ = self.header(fi)
+        f = self.m.files[fi]
+        st = tensors.get(key)
+        what = f"shard file {_shown(f)}, tensor {key!r}"
+        if st is None or off + n > st.nbytes:
+            raise IntegrityError(f"{what}: the file does not hold bytes {off}..{off + n}")
+        buf = bytearray(n)
+        files.read_exact(self._path(f), st.start + off, [buf], what)
+        return memoryview(buf)
+
     def raw_block(self, entry: mf.TensorEntry, ci: int, k: int, files: "_Files"):
         """Block ``k`` of encoded chunk ``ci`` of ``entry``, decoded (its anchor read and
         decoded too for a delta) and checked against its content hash. Blocking I/O;

@@ -82,6 +82,34 @@ def test_dense_change_writes_plain_and_no_more(tmp_path):
     _loads_as(str(tmp_path / "b"), sd)
 
 
+@pytest.mark.parametrize("compression", [None, "zstd", "lz4"])
+def test_dense_change_reads_no_whole_anchor_and_sparse_still_deltas(tmp_path, monkeypatch,
+                                                                     compression):
+    """A dense change is ruled out from a small unverified look at the base (raw or
+    compressed), so an incremental save of pre-training state reads no base block in
+    full; a sparse change on a compressed base still becomes deltas."""
+    from dckpt.reader import ChunkReader
+
+    g = torch.Generator().manual_seed(5)
+    sd = {f"w{i}": torch.randn(512, 1024, generator=g) * 0.02 for i in range(4)}
+    dckpt.save(sd, str(tmp_path / "a"), compression=compression)
+    verified = []
+    real = ChunkReader.stored_bytes
+    monkeypatch.setattr(ChunkReader, "stored_bytes",
+                        lambda self, *a: verified.append(a[1]) or real(self, *a))
+    for v in sd.values():
+        v.add_(torch.randn(v.shape, generator=g) * 1e-5)
+    dckpt.save(sd, str(tmp_path / "b"), base=str(tmp_path / "a"), compression=compression)
+    assert verified == []
+    _loads_as(str(tmp_path / "b"), sd)
+    for v in sd.values():
+        v[1::64] += 1.0  # one row in 64: sparse
+    info = dckpt.save(sd, str(tmp_path / "c"), base=str(tmp_path / "b"), compression=compression)
+    assert verified  # anchors read (verified) for the deltas
+    assert info.bytes_written <= 0.2 * sum(v.numel() * 4 for v in sd.values())
+    _loads_as(str(tmp_path / "c"), sd)
+
+
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64]
 

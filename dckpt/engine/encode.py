@@ -10,9 +10,10 @@ A chunk is written:
   unchanged blocks referencing the base's bytes where they physically are, changed
   ones compressed and/or as a delta (XOR) against the base's full block.
 
-A delta needs the anchor's bytes, read back from the base (verified). A chunk tries it
-on its first changed block only: when that delta is not worth it (the chunk changed
-densely, as in pre-training), the chunk's other blocks are not read.
+A delta needs the anchor's bytes, read back from the base (verified). A chunk first
+peeks at SAMPLE bytes of its first changed block's anchor (unverified: it only decides),
+then tries the whole block: when either says the delta is not worth it (the chunk
+changed densely, as in pre-training), the chunk's other blocks are not read.
 """
 from __future__ import annotations
 
@@ -82,11 +83,54 @@ def plan_pieces(pieces: list, buffers: list[memoryview], enc: Encoding,
                 rep.table = bc.rows.copy()
             out.append(Planned(rep, False))
             continue
-        if ch.all() and not enc.compressor and not _delta_pays(p, buf, bc, enc, int(np.argmax(ch))):
-            out.append(Planned(rep, True))  # changed everywhere: plain, no reads
+        k = int(np.argmax(ch))
+        worth = _sample_pays(p, buf, bc, enc, k)
+        if ch.all() and not enc.compressor and not (worth and _delta_pays(p, buf, bc, enc, k)):
+            out.append(Planned(rep, True))  # changed everywhere: plain
             continue
-        out.append(_encoded(p, buf, rep, bc, ch, enc, pool))
+        out.append(_encoded(p, buf, rep, bc, ch, enc, pool, try_delta=worth))
     return out
+
+
+SAMPLE = 64 << 10  # bytes of an anchor peeked at to rule a delta out cheaply
+PEEK_STORED = 160 << 10  # stored bytes of a compressed anchor read to decode SAMPLE
+# (a zstd or lz4 frame decodes block by block: up to 128 KiB in)
+DENSE = 0.25  # a sample with more bytes changed than this is a dense change
+
+
+def _sample_pays(p, buf: memoryview, bc: delta.BaseChunk, enc: Encoding, k: int) -> bool:
+    """Whether a delta of block ``k`` may pay, from its first SAMPLE bytes and the
+    anchor's, read unverified (a dense change, as in pre-training, is ruled out with
+    one small read per chunk instead of a verified read of a whole block). True when
+    the anchor is stored encoded (no cheap look): the whole block decides then."""
+    af = delta.anchor(bc.rows[k])
+    isz = ITEMSIZE[p.dtype]
+    block = buf[k * codec.HASH_BLOCK:(k + 1) * codec.HASH_BLOCK]
+    n = min(SAMPLE, len(block)) // isz * isz
+    if n < 64 or (af[3] != codec.RAW and not af[3] & codec.COMPRESSOR):
+        return True
+    try:
+        with _Files(enc.base_reader.storage) as files:
+            if af[3] == codec.RAW:
+                a = enc.base_reader.peek(af[0], p.key, af[1], n, files)
+            else:  # a compressed anchor: decode the start of its stream
+                a = enc.base_reader.peek(af[0], p.key, af[1], min(af[2], PEEK_STORED), files)
+    except Exception:  # noqa: BLE001 - the verified read, if any, reports it
+        return True
+    if af[3] == codec.RAW:
+        flags, _ = codec.encode(block[:n], p.dtype, isz, enc.compressor, a)
+        return bool(flags & codec.XOR)
+    head = codec.decode_prefix(af[3], a, n)
+    if head is None:
+        return True
+    mine = np.frombuffer(block, np.uint8)
+    if af[3] & codec.SHUFFLE:  # the stream starts with byte 0 of every element
+        mine = mine[0::isz]
+    mine = mine[:len(head)]
+    theirs = np.frombuffer(head, np.uint8)[:len(mine)]
+    # Sparse changes leave most bytes equal; a dense change alters nearly every
+    # element's low byte.
+    return np.count_nonzero(mine != theirs) <= DENSE * len(mine)
 
 
 def _delta_pays(p, buf: memoryview, bc: delta.BaseChunk, enc: Encoding, k: int) -> bool:
@@ -116,8 +160,11 @@ def _anchor(p, bc: delta.BaseChunk, k: int, enc: Encoding, nbytes: int):
 
 
 def _encoded(p, buf: memoryview, rep: delta.ChunkReport, bc: delta.BaseChunk | None,
-             ch: np.ndarray, enc: Encoding, pool: ThreadPoolExecutor) -> Planned:
-    """An encoded entry: ``produce()`` returns its bytes and fills ``rep.table``."""
+             ch: np.ndarray, enc: Encoding, pool: ThreadPoolExecutor,
+             try_delta: bool = True) -> Planned:
+    """An encoded entry: ``produce()`` returns its bytes and fills ``rep.table``.
+    Deltas are tried (first changed block first) when there is a base and
+    ``try_delta``."""
     n = len(buf)
     nb = codec.nblocks(n)
     table = np.full((nb, mf.TABLE_COLS), -1, np.int64)
@@ -126,7 +173,7 @@ def _encoded(p, buf: memoryview, rep: delta.ChunkReport, bc: delta.BaseChunk | N
     rep.table = table
     isz = ITEMSIZE[p.dtype]
     todo = np.flatnonzero(ch).tolist()
-    try_delta = [bc is not None]
+    try_delta = [bc is not None and try_delta]
 
     def one(k: int):
         raw = buf[k * codec.HASH_BLOCK:(k + 1) * codec.HASH_BLOCK]

@@ -102,6 +102,24 @@ def _decompress(flag: int, data, size: int) -> bytes:
     return out
 
 
+def decode_prefix(flags: int, stored, n: int) -> bytes | None:
+    """Up to the first ``n`` bytes of a compressed block's decompressed stream (still
+    byte-grouped when ``flags`` has SHUFFLE), from a prefix of its stored bytes; None
+    when nothing decodes. For cheap looks at a block, never for data (unverified)."""
+    comp = flags & COMPRESSOR
+    if not comp or comp == COMPRESSOR or flags & (XOR | SPARSE):
+        return None
+    try:
+        m = _module(comp)
+        if comp == ZSTD:
+            out = m.ZstdDecompressor().decompressobj().decompress(bytes(stored))
+        else:
+            out = m.LZ4FrameDecompressor().decompress(bytes(stored), max_length=n)
+    except Exception:  # noqa: BLE001 - a damaged or cut frame: no look
+        return None
+    return out[:n] or None
+
+
 def _shuffle(raw, itemsize: int) -> np.ndarray:
     a = np.frombuffer(raw, np.uint8)
     return np.ascontiguousarray(a.reshape(-1, itemsize).T)
