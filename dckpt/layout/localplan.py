@@ -26,6 +26,7 @@ class LocalPlan:
     boxes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     values: dict[str, Any] = field(default_factory=dict)
     error: dict[str, str] | None = None  # {"type": ..., "message": ...}
+    int_keys: list[str] = field(default_factory=list)  # see dckpt.state.flatten.Flat
     keys_json: bytes = b""  # set by decode: the raw key table, used as a cache key
 
 
@@ -33,7 +34,8 @@ def encode(plan: LocalPlan) -> bytes:
     """Serialise a local plan. O(items), no I/O."""
     keys = json.dumps([[k, d, list(s)] for k, d, s in plan.items],
                       separators=(",", ":")).encode()
-    extra = json.dumps({"values": plan.values, "error": plan.error},
+    extra = json.dumps({"values": plan.values, "error": plan.error,
+                        **({"int_keys": plan.int_keys} if plan.int_keys else {})},
                        separators=(",", ":"), allow_nan=True).encode()
     return b"".join((_U64.pack(len(keys)), keys, _U64.pack(len(extra)), extra,
                      np.ascontiguousarray(plan.boxes, dtype="<i8").tobytes()))
@@ -56,6 +58,7 @@ def decode(data: bytes, cache: dict[bytes, list] | None = None) -> LocalPlan:
             if cache is not None:
                 cache[keys_raw] = items
         boxes = np.frombuffer(mv[pos:], dtype="<i8")
-        return LocalPlan(items, boxes, extra.get("values") or {}, extra.get("error"), keys_raw)
+        return LocalPlan(items, boxes, extra.get("values") or {}, extra.get("error"),
+                         extra.get("int_keys") or [], keys_raw)
     except (struct.error, TypeError, AttributeError) as e:
         raise ValueError(f"malformed local plan ({e})") from None

@@ -42,6 +42,7 @@ class GlobalPlan:
     # keys whose value differs between ranks -> the first rank that differs from the
     # lowest one (whose value is kept): a rank-local value saved under a shared key
     conflicts: dict = field(default_factory=dict)
+    int_keys: list[str] = field(default_factory=list)  # union over ranks, sorted
 
 
 def _same(a, b) -> bool:
@@ -204,7 +205,8 @@ def plan_global(plans: list[LocalPlan]) -> GlobalPlan:
         if t.grid is not None and t.order is not None and len(t.order) == len(o):
             o, s, w = o[t.order], s[t.order], w[t.order]
         tensors[name] = PlannedTensor(name, dt, shape, o, s, w, t.grid)
-    return GlobalPlan(tensors, values, writes, bytes_per_rank, conflicts)
+    int_keys = sorted({k for p in plans for k in p.int_keys})
+    return GlobalPlan(tensors, values, writes, bytes_per_rank, conflicts, int_keys)
 
 
 def encode_writes(plan: GlobalPlan) -> bytes:
@@ -239,4 +241,7 @@ def to_manifest(gp: GlobalPlan, files: list[mf.FileEntry], save_id: str, world: 
             raise StateMismatchError(f"tensor {k!r}: rank {int(t.writer[fidx < 0][0])} was to "
                                      "write a chunk but reported no file")
         tensors[k] = mf.TensorEntry(k, t.dtype, t.shape, mf.Chunks(t.offsets, t.sizes, fidx, t.grid))
-    return mf.Manifest(save_id, world, time.time(), tuple(files), tensors, gp.values, dict(meta or {}))
+    meta = dict(meta or {})
+    if gp.int_keys:
+        meta["int_keys"] = gp.int_keys
+    return mf.Manifest(save_id, world, time.time(), tuple(files), tensors, gp.values, meta)

@@ -195,7 +195,7 @@ def local_plan(state_dict: Any, path: str, storage_options: dict | None,
         boxes = np.fromiter((x for p in pieces for x in (*p.box.offsets, *p.box.sizes)),
                             np.int64)
         local = localplan.LocalPlan([(p.key, p.dtype, p.shape) for p in pieces], boxes,
-                                    flat.values)
+                                    flat.values, int_keys=flat.int_keys)
         _faults.fault("plan", rank)
         blob = localplan.encode(local)
     except Exception as e:

@@ -17,7 +17,7 @@ from .. import _faults
 from ..errors import (CheckpointError, ManifestError, NotCommittedError, StateMismatchError,
                       UnsupportedValueError)
 from ..format import manifest as mf
-from ..state.flatten import flatten, fill
+from ..state.flatten import fill, flatten, grow
 from ..state.tensors import describe
 from ..storage.base import FileTooLargeError, NotRegularFileError
 from ..storage.fsspec_storage import make_storage
@@ -130,6 +130,8 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
             raise setup_err
         if extra is not None:
             state_dict.update(extra(manifest))
+        if manifest.meta.get("int_keys"):  # a fresh optimizer's empty state: rebuild it
+            grow(state_dict, manifest.tensors, manifest.values, manifest.meta["int_keys"])
         flat = flatten(state_dict)
         pieces, unexpected = _match(manifest, flat.tensors, flat.values)
     except Exception as e:

@@ -1,6 +1,7 @@
 """Flatten a nested state_dict into dotted keys, and fill one back in place.
 
-Containers: dict (str keys), list, tuple. Leaves: torch.Tensor, DTensor, and JSON scalars
+Containers: dict (str or int keys: a plain ``optimizer.state_dict()`` has int keys),
+list, tuple. Leaves: torch.Tensor, DTensor, and JSON scalars
 (None, bool, int, float, str). A *Stateful* object (one with ``state_dict()`` and
 ``load_state_dict()``: an LR scheduler, a sampler, a :class:`dckpt.TrainingState`) is
 stored as its ``state_dict()`` under its key and restored through ``load_state_dict``.
@@ -62,6 +63,9 @@ class Flat:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     values: dict[str, Any] = field(default_factory=dict)
     stateful: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    # joined keys whose last part was an int dict key ("optim.state.0"): saved in the
+    # manifest so a load can rebuild an empty dict (a fresh optimizer's state) with ints
+    int_keys: list[str] = field(default_factory=list)
 
 
 def flatten(state: Any) -> Flat:
@@ -86,10 +90,16 @@ def flatten(state: Any) -> Flat:
             walk(sd, key)
         elif isinstance(obj, dict):
             for k, v in obj.items():
+                if type(k) is int:  # not bool: True would come back as "True"
+                    sub = _join(key, str(k))
+                    flat.int_keys.append(sub)
+                    walk(v, sub)
+                    continue
                 if not isinstance(k, str):
                     raise UnsupportedValueError(
                         f"key {k!r} under {key or '<root>'!r} is a {type(k).__name__}; "
-                        "state_dict keys must be strings")
+                        "state_dict keys must be strings or ints (for sharded models and "
+                        "their optimizers, use dckpt.TrainingState)")
                 if not _utf8(k):  # checked once per part, not per joined key: O(leaves)
                     raise _not_utf8("key", _join(key, k))
                 walk(v, _join(key, k))
@@ -144,7 +154,7 @@ def fill(state: Any, get: Callable[[str, Any], Any],
             return obj
         if isinstance(obj, dict):
             for k in list(obj):
-                obj[k] = walk(obj[k], _join(key, k))
+                obj[k] = walk(obj[k], _join(key, str(k)))
             return obj
         if type(obj) is list:
             for i in range(len(obj)):
@@ -157,3 +167,57 @@ def fill(state: Any, get: Callable[[str, Any], Any],
     if not isinstance(state, dict):
         raise StateMismatchError("load needs a dict state_dict to fill in place")
     return walk(state, "")
+
+
+def grow(state: Any, tensors: dict, values: dict, int_keys: Any) -> None:
+    """Rebuild, from a checkpoint, the dicts of ``state`` that are empty but held int
+    keys when saved: a fresh optimizer's ``state_dict()["state"]`` is ``{}`` until its
+    first step, so loading a torch.save-style checkpoint into it must create its
+    entries. Under such a dict every saved key comes back: int keys where the saved
+    dict had them, nested dicts with str keys elsewhere (a str key that itself contains
+    "." cannot be told apart there), tensors as empty CPU tensors of the saved dtype and
+    global shape, values as None (the load then fills both). ``tensors``/``values`` are
+    the manifest's; ``int_keys`` its ``meta["int_keys"]``. Allocates; no I/O. Raises
+    ManifestError when ``int_keys`` is not a list of strings."""
+    from ..errors import ManifestError
+    from ..format.dtypes import to_torch
+
+    if not isinstance(int_keys, list) or not all(isinstance(k, str) for k in int_keys):
+        raise ManifestError("meta.int_keys must be a list of strings")
+    ints = set(int_keys)
+    parents = {k.rpartition(".")[0] for k in ints}
+
+    def build(into: dict, prefix: str) -> None:
+        head = prefix + "." if prefix else ""
+        for key in (*tensors, *values):
+            if not key.startswith(head):
+                continue
+            node, path = into, prefix
+            parts = key[len(head):].split(".")
+            for i, part in enumerate(parts):
+                path = _join(path, part)
+                k = int(part) if path in ints and part.lstrip("-").isdigit() else part
+                if i == len(parts) - 1:
+                    if k not in node:
+                        t = tensors.get(key)
+                        node[k] = (torch.empty(t.shape, dtype=to_torch(t.dtype))
+                                   if t is not None else None)
+                elif isinstance(node.setdefault(k, {}), dict):
+                    node = node[k]
+                else:
+                    break  # a leaf already there: the load's own checks report it
+
+    def walk(obj: Any, key: str) -> None:
+        if isinstance(obj, torch.Tensor) or is_stateful(obj) and key:
+            return
+        if isinstance(obj, dict):
+            if not obj and key in parents:
+                build(obj, key)
+                return
+            for k, v in obj.items():
+                walk(v, _join(key, str(k)))
+        elif type(obj) in (list, tuple):
+            for i, v in enumerate(obj):
+                walk(v, _join(key, str(i)))
+
+    walk(state, "")

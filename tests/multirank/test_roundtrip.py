@@ -174,3 +174,40 @@ def _save_extra(path: str) -> None:
     import dckpt
 
     dckpt.save({"a": torch.ones(3), "b": torch.ones(2), "c": 5, "d": torch.ones(1)}, path)
+
+
+def _torch_save_style(path: str) -> None:
+    """Every rank holds the same plain model and optimizer (DDP style): the torch.save
+    style dict with int optimizer keys saves once and loads on every rank into a fresh
+    optimizer."""
+    import dckpt
+
+    def make(seed):
+        torch.manual_seed(seed)
+        m = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 2))
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+    model, opt = make(0)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(4, 5, generator=g)).sum().backward()
+        opt.step()
+    dckpt.save({"epoch": 7, "model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    model2, opt2 = make(dist.get_rank() + 10)
+    ck = {"epoch": 0, "model": model2.state_dict(), "optimizer": opt2.state_dict()}
+    dckpt.load(ck, path)
+    model2.load_state_dict(ck["model"])
+    opt2.load_state_dict(ck["optimizer"])
+    a, b = opt.state_dict(), opt2.state_dict()
+    assert ck["epoch"] == 7 and a["param_groups"] == b["param_groups"]
+    assert sorted(b["state"]) == [0, 1, 2, 3]
+    for k in a["state"]:
+        for n in a["state"][k]:
+            assert torch.equal(a["state"][k][n], b["state"][k][n]), (k, n)
+    for v, v2 in zip(model.state_dict().values(), model2.state_dict().values()):
+        assert torch.equal(v, v2)
+
+
+def test_torch_save_style_dict_with_int_keys(ranks, tmp_path):
+    ranks(2).run(_torch_save_style, str(tmp_path / "t"))
