@@ -9,7 +9,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..state.flatten import JSON_TYPES, is_stateful
-from ..state.tensors import DTensor, check_plain
+from ..state.tensors import DTensor, check_plain, is_sharded_tensor, restage_sharded
 from ..storage.direct import ALIGN
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,11 @@ class StagingPool:
         need = 0
 
         def walk(obj: Any, key: str) -> Any:
+            if is_sharded_tensor(obj):
+                shards = obj.local_shards()
+                if len(shards) != 1:  # nothing to copy, or the save refuses it
+                    return obj
+                return restage_sharded(obj, walk(shards[0].tensor, key))
             if isinstance(obj, DTensor):
                 local = walk(obj.to_local(), key)
                 return DTensor.from_local(local, obj.device_mesh, obj.placements,

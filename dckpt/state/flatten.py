@@ -1,7 +1,7 @@
 """Flatten a nested state_dict into dotted keys, and fill one back in place.
 
 Containers: dict (str or int keys: a plain ``optimizer.state_dict()`` has int keys),
-list, tuple. Leaves: torch.Tensor, DTensor, and JSON scalars
+list, tuple. Leaves: torch.Tensor, DTensor, ShardedTensor (FSDP1), and JSON scalars
 (None, bool, int, float, str). A *Stateful* object (one with ``state_dict()`` and
 ``load_state_dict()``: an LR scheduler, a sampler, a :class:`dckpt.TrainingState`) is
 stored as its ``state_dict()`` under its key and restored through ``load_state_dict``.

@@ -15,6 +15,12 @@ except ImportError:  # pragma: no cover - older torch
     from torch.distributed._tensor import DTensor, Replicate, Shard  # type: ignore
     from torch.distributed._tensor.placement_types import Partial  # type: ignore
 
+try:  # FSDP1's sharded state dicts (torch.distributed._shard, deprecated upstream)
+    from torch.distributed._shard.sharded_tensor import Shard as _STShard
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+except ImportError:  # pragma: no cover - a torch without it
+    ShardedTensor = _STShard = None  # type: ignore
+
 
 @dataclass
 class LocalPiece:
@@ -49,10 +55,49 @@ def _placements(dt: "DTensor", key: str) -> list[tuple]:
     return out
 
 
+def is_sharded_tensor(t: object) -> bool:
+    return ShardedTensor is not None and isinstance(t, ShardedTensor)
+
+
+def _describe_sharded(key: str, t: "ShardedTensor") -> LocalPiece:
+    """A ShardedTensor (FSDP1): its global shape, and the one local shard this rank
+    holds as a box (its offsets and sizes come from the shard's own metadata, so any
+    layout that tiles the tensor works)."""
+    md = t.metadata()
+    code = to_code(md.tensor_properties.dtype, key)
+    shape = tuple(int(x) for x in md.size)
+    shards = t.local_shards()
+    if not shards:
+        return LocalPiece(key, code, shape, Box((0,) * len(shape), (0,) * len(shape)), None)
+    if len(shards) > 1:
+        raise UnsupportedValueError(
+            f"ShardedTensor {key!r} has {len(shards)} local shards on this rank; dckpt "
+            "stores one box per rank and tensor (FSDP1 makes one): use one shard per rank, "
+            "or a DTensor")
+    local, sm = shards[0].tensor, shards[0].metadata
+    check_plain(key, local)
+    box = Box(tuple(int(x) for x in sm.shard_offsets), tuple(int(x) for x in sm.shard_sizes))
+    if tuple(local.shape) != box.sizes:
+        raise UnsupportedValueError(
+            f"ShardedTensor {key!r}: the local shard's shape {list(local.shape)} differs from "
+            f"its metadata's sizes {list(box.sizes)}")
+    return LocalPiece(key, code, shape, box, local)
+
+
+def restage_sharded(t: "ShardedTensor", local: torch.Tensor) -> "ShardedTensor":
+    """``t``'s global layout around ``local`` (a staged copy of its one local shard,
+    or of nothing). No communication."""
+    shards = [_STShard(local, s.metadata) for s in t.local_shards()]
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        shards, t.metadata(), process_group=t._process_group, init_rrefs=False)
+
+
 def describe(key: str, t: torch.Tensor) -> LocalPiece:
     """The piece of ``t`` this rank holds. Cheap (no copy); raises UnsupportedValueError
     for an unsupported dtype or placement, or a local shard whose shape does not match
-    torch.chunk's layout."""
+    torch.chunk's layout (DTensor) or its own metadata (ShardedTensor)."""
+    if is_sharded_tensor(t):
+        return _describe_sharded(key, t)
     code = to_code(t.dtype, key)
     local = t.to_local() if isinstance(t, DTensor) else t  # to_local is an autograd call
     check_plain(key, local)

@@ -10,11 +10,12 @@ class TrainingState:
     """Wraps ``model`` (plain, DDP, FSDP2 ``fully_shard``, FSDP1) and optionally its
     ``optimizer`` so that ``dckpt.save``/``dckpt.load`` store them by fully qualified
     parameter name in each parallelism's native layout (DTensor shards for FSDP2,
-    plain tensors for DDP and plain modules).
+    ShardedTensor shards for FSDP1 ``FullyShardedDataParallel``, plain tensors for DDP
+    and plain modules).
 
     It relies on torch's ``torch.distributed.checkpoint.state_dict`` helpers, so a
     checkpoint saved from one parallelism or world size loads into another: DDP ->
-    FSDP2, FSDP2 at 2 ranks -> FSDP2 at 3 ranks, FSDP2 -> a single process. The
+    FSDP2, FSDP1 -> FSDP2, FSDP2 at 2 ranks -> FSDP2 at 3 ranks, FSDP2 -> a single process. The
     optimizer state is flattened (``optim.state.<fqn>.exp_avg``,
     ``optim.param_groups.<fqn>.lr``), so it does not depend on parameter order.
 

@@ -19,6 +19,10 @@ def _build(kind: str, seed: int):
         for layer in (model[0], model[2]):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
+    elif kind == "fsdp1":  # FullyShardedDataParallel: ShardedTensor state dicts
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        model = FullyShardedDataParallel(model, device_id=torch.device("cpu"))
     elif kind == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -49,13 +53,28 @@ def _full(model, opt) -> dict:
     return out
 
 
-def _train_and_save(path: str, kind: str) -> dict:
+def _train_and_save(path: str, kind: str, use_async: bool = False) -> dict:
     import dckpt
 
     model, opt = _build(kind, seed=0)
     _train(model, opt, steps=3, start=0)
-    dckpt.save({"train": dckpt.TrainingState(model, opt), "step": 3}, path)
+    state = {"train": dckpt.TrainingState(model, opt), "step": 3}
+    if use_async:  # staged copies of the local shards, rebuilt as the same layout
+        h = dckpt.async_save(state, path)
+        _train(model, opt, steps=1, start=3)  # changes after the snapshot are not saved
+        h.result()
+        opt.zero_grad()
+        return _full(*_restored(path, kind))
+    dckpt.save(state, path)
     return _full(model, opt)
+
+
+def _restored(path: str, kind: str):
+    import dckpt
+
+    model, opt = _build(kind, seed=7)
+    dckpt.load({"train": dckpt.TrainingState(model, opt), "step": 0}, path)
+    return model, opt
 
 
 def _restore_and_continue(path: str, kind: str) -> dict:
@@ -91,8 +110,31 @@ def test_fsdp2_restored_at_other_world_sizes(ranks, tmp_path, m):
         _assert_same(want, got)
 
 
+@pytest.mark.parametrize("m", [2, 3, 1])
+def test_fsdp1_restored_at_other_world_sizes(ranks, tmp_path, m):
+    from dckpt.format import manifest as mf
+
+    path = str(tmp_path / "ckpt")
+    want = ranks(2).run(_train_and_save, path, "fsdp1")[0]
+    # Saved as the ShardedTensors' shards: one chunk per rank, no gather.
+    man = mf.parse(open(f"{path}/manifest.json", "rb").read())
+    assert len(man.tensors["train.model.0.weight"].chunks) == 2
+    assert len(man.tensors["train.optim.state.0.weight.exp_avg"].chunks) == 2
+    for got in ranks(m).run(_restore_and_continue, path, "fsdp1"):
+        _assert_same(want, got)
+
+
+def test_fsdp1_async_save(ranks, tmp_path):
+    path = str(tmp_path / "ckpt")
+    want = ranks(2).run(_train_and_save, path, "fsdp1")[0]
+    path2 = str(tmp_path / "async")
+    got = ranks(2).run(_train_and_save, path2, "fsdp1", True)[0]
+    _assert_same(want, got)
+
+
 @pytest.mark.parametrize("src, dst, n, m", [("ddp", "fsdp2", 2, 3), ("fsdp2", "ddp", 2, 2),
-                                            ("fsdp2", "plain", 2, 1)])
+                                            ("fsdp2", "plain", 2, 1), ("fsdp1", "fsdp2", 2, 3),
+                                            ("fsdp2", "fsdp1", 2, 2)])
 def test_between_parallelisms(ranks, tmp_path, src, dst, n, m):
     path = str(tmp_path / "ckpt")
     want = ranks(n).run(_train_and_save, path, src)[0]
