@@ -105,3 +105,22 @@ def test_int_keys_everywhere_and_their_limits(tmp_path):
         dckpt.save({"d": {(1, 2): 1}}, str(tmp_path / "y"))
     with pytest.raises(UnsupportedValueError, match="bool"):
         dckpt.save({"d": {True: 1}}, str(tmp_path / "z"))
+
+
+def test_cast_on_load(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    sd = {f"w{i}": torch.randn(64, 64, generator=g) for i in range(6)}
+    sd.update({"ids": torch.arange(10), "h": torch.randn(8, dtype=torch.float64, generator=g)})
+    dckpt.save(sd, str(tmp_path / "c"))
+    target = {k: torch.zeros(v.shape, dtype=torch.bfloat16 if v.is_floating_point() else v.dtype)
+              for k, v in sd.items()}
+    with pytest.raises(dckpt.StateMismatchError, match="cast=True"):
+        dckpt.load(target, str(tmp_path / "c"))
+    # A small read budget: the casts go in several groups.
+    dckpt.load(target, str(tmp_path / "c"), cast=True, read_budget=20_000)
+    for k, v in sd.items():
+        assert target[k].dtype == (torch.bfloat16 if v.is_floating_point() else v.dtype)
+        assert torch.equal(target[k], v.to(target[k].dtype)), k
+    bad = {**target, "ids": torch.zeros(10)}  # int64 saved: never cast to float
+    with pytest.raises(dckpt.StateMismatchError, match="'ids'"):
+        dckpt.load(bad, str(tmp_path / "c"), cast=True)

@@ -8,15 +8,19 @@ agree again. A failure anywhere raises the same error on every rank.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
 from typing import Any, Callable
 
+import torch
+
 from .. import _faults
 from ..errors import (CheckpointError, ManifestError, NotCommittedError, StateMismatchError,
                       UnsupportedValueError)
 from ..format import manifest as mf
+from ..format.dtypes import to_torch
 from ..state.flatten import fill, flatten, grow
 from ..state.tensors import describe
 from ..storage.base import FileTooLargeError, NotRegularFileError
@@ -60,7 +64,7 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
          storage_options: dict | None = None, strict: bool = True,
          read_budget: int = DEFAULT_READ_BUDGET, ignore_prefixes: tuple[str, ...] = (),
          extra: Callable[[mf.Manifest], dict] | None = None,
-         manifest_name: str | None = None, read_workers: int = 4) -> dict:
+         manifest_name: str | None = None, read_workers: int = 4, cast: bool = False) -> dict:
     """Fill ``state_dict`` in place from the checkpoint at ``path`` and return it.
     Collective: call on every rank.
 
@@ -85,7 +89,14 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
     ``manifest_name`` (the fast tier, :mod:`dckpt.tiers.local`): every rank reads its own
     manifest of that name under ``path`` instead of rank 0's ``manifest.json``; the ranks
     agree on any error reading or parsing it (one more small collective).
-    ``read_workers``: threads reading for this rank."""
+    ``read_workers``: threads reading for this rank.
+
+    ``cast=True``: a floating-point tensor saved in another floating dtype (an fp32
+    checkpoint into a bf16 model for evaluation) is read in its saved dtype and
+    converted into the target, a group of tensors of at most ``read_budget`` bytes at a
+    time (extra memory stays about ``read_budget``). Without it, a dtype difference
+    is a StateMismatchError. Other dtype differences (int to float) are refused either
+    way."""
     t0 = time.perf_counter()
     comm = Comm(process_group)
     # A storage set-up error (an fsspec protocol missing on one node) is reported through
@@ -133,7 +144,7 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
         if manifest.meta.get("int_keys"):  # a fresh optimizer's empty state: rebuild it
             grow(state_dict, manifest.tensors, manifest.values, manifest.meta["int_keys"])
         flat = flatten(state_dict)
-        pieces, unexpected = _match(manifest, flat.tensors, flat.values)
+        pieces, unexpected = _match(manifest, flat.tensors, flat.values, cast)
     except Exception as e:
         err = e
     # One all-gather carries each rank's error and unexpected keys: a checkpoint key is
@@ -155,8 +166,12 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
     nbytes = 0
     try:
         _faults.fault("load", comm.rank)
-        nbytes = ChunkReader(storage, root, manifest).fill_all(
-            pieces, workers=read_workers, budget=read_budget, what=f"load {root} (rank {comm.rank})")
+        reader = ChunkReader(storage, root, manifest)
+        what = f"load {root} (rank {comm.rank})"
+        same = [(p, e) for p, e in pieces if p.dtype == e.dtype]
+        nbytes = reader.fill_all(same, workers=read_workers, budget=read_budget, what=what)
+        nbytes += _fill_cast([(p, e) for p, e in pieces if p.dtype != e.dtype], reader,
+                             read_workers, read_budget, what)
         fill(state_dict, lambda k, old: manifest.values[k] if k in manifest.values else old,
              flat.stateful)
     except Exception as e:
@@ -175,8 +190,41 @@ def _preview(keys: list[str], n: int = 8) -> str:
     return ", ".join(repr(k) for k in keys[:n]) + (f" and {len(keys) - n} more" if len(keys) > n else "")
 
 
-def _match(m: mf.Manifest, tensors: dict, values: dict):
-    """Pair every target tensor with its manifest entry; list problems all at once."""
+def _fill_cast(pieces: list, reader: ChunkReader, workers: int, budget: int, what: str) -> int:
+    """``load(cast=True)``: fill pieces whose dtype differs from the saved one through
+    temporaries of the saved dtype, at most about ``budget`` bytes of them at a time,
+    each converted into its target right after its group is read. Blocking I/O."""
+    nbytes, group, size = 0, [], 0
+
+    def flush() -> int:
+        n = reader.fill_all([(tmp, e) for _, tmp, e in group], workers=workers,
+                            budget=budget, what=what)
+        for p, tmp, _ in group:
+            p.local.copy_(tmp.local)  # the conversion
+        group.clear()
+        return n
+
+    for p, e in pieces:
+        if p.local is None:
+            continue
+        t = torch.empty(p.local.shape, dtype=to_torch(e.dtype))
+        tmp = dataclasses.replace(p, dtype=e.dtype, local=t)
+        if group and size + t.nbytes > budget:
+            nbytes += flush()
+            size = 0
+        group.append((p, tmp, e))
+        size += t.nbytes
+    if group:
+        nbytes += flush()
+    return nbytes
+
+
+_FLOAT_CODES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+
+
+def _match(m: mf.Manifest, tensors: dict, values: dict, cast: bool = False):
+    """Pair every target tensor with its manifest entry; list problems all at once.
+    With ``cast``, a floating dtype may differ from the saved floating dtype."""
     missing, wrong = [], []
     pieces = []
     for key, t in tensors.items():
@@ -190,11 +238,14 @@ def _match(m: mf.Manifest, tensors: dict, values: dict):
             raise UnsupportedValueError(
                 f"tensor {key!r} is an expanded view (several elements share one memory "
                 "location): load into a tensor that owns its elements, e.g. .clone()")
-        if piece.dtype != entry.dtype or piece.shape != entry.shape:
+        castable = cast and piece.dtype in _FLOAT_CODES and entry.dtype in _FLOAT_CODES
+        if (piece.dtype != entry.dtype and not castable) or piece.shape != entry.shape:
+            hint = ("" if piece.shape != entry.shape or cast else
+                    "; pass cast=True to convert floating-point tensors while loading")
             raise StateMismatchError(
                 f"tensor {key!r}: the state_dict has dtype {piece.dtype} shape "
                 f"{list(piece.shape)}, the checkpoint has dtype {entry.dtype} shape "
-                f"{list(entry.shape)}")
+                f"{list(entry.shape)}{hint}")
         pieces.append((piece, entry))
     for key in values:
         if key not in m.values:

@@ -211,3 +211,21 @@ def _torch_save_style(path: str) -> None:
 
 def test_torch_save_style_dict_with_int_keys(ranks, tmp_path):
     ranks(2).run(_torch_save_style, str(tmp_path / "t"))
+
+
+def _cast_dtensor(path: str) -> None:
+    """fp32 saved as Shard(0), loaded into a bf16 DTensor laid out Shard(1): resharded
+    and converted."""
+    import dckpt
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = _mesh((dist.get_world_size(),))
+    full = torch.randn(9, 12, generator=torch.Generator().manual_seed(3))
+    dckpt.save({"w": distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)}, path)
+    t = {"w": distribute_tensor(torch.zeros(9, 12, dtype=torch.bfloat16), mesh, [Shard(1)])}
+    dckpt.load(t, path, cast=True)
+    assert torch.equal(t["w"].full_tensor(), full.to(torch.bfloat16))
+
+
+def test_cast_into_another_layout(ranks, tmp_path):
+    ranks(2).run(_cast_dtensor, str(tmp_path / "c"))
