@@ -1,0 +1,223 @@
+"""dckpt.compat.dcp runs code written for torch.distributed.checkpoint unchanged: the
+cases follow PyTorch's own DCP tests (test_e2e_save_and_load.py, test_save_load_api.py),
+each run with DCP itself and with dckpt's module, one process."""
+from __future__ import annotations
+
+import io
+import pathlib
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.distributed.checkpoint as torch_dcp
+
+import dckpt
+from dckpt.compat import dcp as dckpt_dcp
+from dckpt.errors import CheckpointError, StateMismatchError, UnsupportedValueError
+
+BOTH = pytest.mark.parametrize("dcp", [torch_dcp, dckpt_dcp], ids=["torch-dcp", "dckpt"])
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net1 = torch.nn.Linear(8, 16)
+        self.net2 = torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.net2(torch.relu(self.net1(x)))
+
+
+class StatefulObj:
+    def __init__(self) -> None:
+        self.data = torch.rand(10, 10)
+
+    def state_dict(self):
+        return {"data": self.data}
+
+    def load_state_dict(self, state_dict):
+        self.data = state_dict["data"]
+
+
+@dataclass
+class TrainState:
+    """As in DCP's e2e test: tensors and a BytesIO of torch.save'd losses. The BytesIO
+    round-trips as bytes under dckpt (never unpickled by dckpt itself)."""
+
+    step: int = 0
+    current_loss: float = -1
+    losses: list = field(default_factory=list)
+
+    def state_dict(self):
+        buf = io.BytesIO()
+        torch.save(self.losses, buf)
+        return {"step": torch.tensor(self.step, dtype=torch.int32),
+                "current_loss": torch.tensor(self.current_loss, dtype=torch.float32),
+                "losses": buf}
+
+    def load_state_dict(self, sd) -> None:
+        self.step = sd["step"].item()
+        self.current_loss = sd["current_loss"].item()
+        sd["losses"].seek(0)
+        self.losses = torch.load(sd["losses"], weights_only=True)
+
+
+def _train(model, optim, steps: int) -> TrainState:
+    torch.manual_seed(0)
+    ts = TrainState()
+    for _ in range(steps):
+        model(torch.rand(8, 8)).sum().backward()
+        ts.step += 1
+        ts.current_loss = torch.rand(1).item()
+        ts.losses.append(ts.current_loss)
+        optim.step()
+        optim.zero_grad()
+    return ts
+
+
+@BOTH
+def test_e2e_modules_optimizers_statefuls_and_bytes(tmp_path, dcp):
+    model, optim = Net(), None
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    ts = _train(model, optim, 2)
+    obj = StatefulObj()
+    dcp.save({"model": model, "optimizer": optim, "s": obj, "train_state": ts},
+             checkpoint_id=str(tmp_path / "c"))
+
+    model2 = Net()
+    optim2 = torch.optim.Adam(model2.parameters(), lr=0.1)
+    _train(model2, optim2, 1)  # DCP loads into existing optimizer state
+    obj2, ts2 = StatefulObj(), TrainState()
+    dcp.load({"model": model2, "optimizer": optim2, "s": obj2, "train_state": ts2},
+             checkpoint_id=str(tmp_path / "c"))
+    assert torch.equal(obj.data, obj2.data)
+    assert ts == ts2
+    _train(model, optim, 1)
+    _train(model2, optim2, 1)
+    for a, b in zip(model.state_dict().values(), model2.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+@BOTH
+def test_stateful_objects_stay_and_plain_values_are_replaced(tmp_path, dcp):
+    class StateDict(dict):
+        set_called = False
+
+        def __setitem__(self, k, v):
+            self.set_called = True
+            super().__setitem__(k, v)
+
+    class Foo:
+        called = False
+
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, sd):
+            self.called = True
+
+    foo, sd = Foo(), StateDict()
+    sd["foo"] = foo
+    sd.set_called = False
+    dcp.save(sd, checkpoint_id=str(tmp_path / "a"))
+    dcp.load(sd, checkpoint_id=str(tmp_path / "a"))
+    assert foo.called and not sd.set_called and sd["foo"] is foo
+
+    sd = StateDict()
+    sd["foo"] = {"replicated": torch.rand(10, 10), "list": [1, 2, 3, 4]}
+    want = sd["foo"]["replicated"].clone()
+    sd.set_called = False
+    dcp.save(sd, checkpoint_id=str(tmp_path / "b"))
+    sd["foo"]["replicated"].zero_()
+    dcp.load(sd, checkpoint_id=str(tmp_path / "b"))
+    assert sd.set_called and torch.equal(sd["foo"]["replicated"], want)
+
+
+@BOTH
+def test_empty_state_and_pathlike_ids(tmp_path, dcp):
+    dcp.save({}, checkpoint_id=tmp_path / "e")
+    dcp.load({}, checkpoint_id=tmp_path / "e")
+    sd = {"w": torch.arange(6.0), "step": 3, "name": "run", "cfg": {"lr": 0.5, "betas": [0.9, 0.99]}}
+    dcp.save(sd, checkpoint_id=pathlib.Path(tmp_path / "p"))
+    back = {"w": torch.zeros(6), "step": 0, "name": "", "cfg": {"lr": 0.0, "betas": [0.0, 0.0]}}
+    dcp.load(back, checkpoint_id=pathlib.Path(tmp_path / "p"))
+    assert torch.equal(back["w"], sd["w"]) and back["step"] == 3 and back["name"] == "run"
+    assert back["cfg"] == {"lr": 0.5, "betas": [0.9, 0.99]}
+
+
+@BOTH
+def test_save_replaces_and_partial_load(tmp_path, dcp):
+    path = str(tmp_path / "c")
+    dcp.save({"a": torch.ones(3), "b": torch.ones(2)}, checkpoint_id=path)
+    dcp.save({"a": torch.full((3,), 2.0), "b": torch.full((2,), 2.0)}, checkpoint_id=path)
+    only_a = {"a": torch.zeros(3)}  # keys the state_dict does not ask for are ignored
+    dcp.load(only_a, checkpoint_id=path)
+    assert torch.equal(only_a["a"], torch.full((3,), 2.0))
+
+
+@BOTH
+def test_missing_key_fails_unless_partial_load_is_allowed(tmp_path, dcp):
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    path = str(tmp_path / "c")
+    dcp.save({"a": torch.ones(3)}, checkpoint_id=path)
+    with pytest.raises((StateMismatchError, RuntimeError, BaseException), match="b|Missing"):
+        dcp.load({"a": torch.zeros(3), "b": torch.zeros(2)}, checkpoint_id=path)
+    sd = {"a": torch.zeros(3), "extra": {"b": torch.full((2,), 7.0)}}
+    dcp.load(sd, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
+    assert torch.equal(sd["a"], torch.ones(3)) and torch.equal(sd["extra"]["b"], torch.full((2,), 7.0))
+
+
+@BOTH
+def test_file_system_writer_and_reader(tmp_path, dcp):
+    sd = {"w": torch.randn(4, 4)}
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp_path / "c")))
+    back = {"w": torch.zeros(4, 4)}
+    dcp.load(back, storage_reader=dcp.FileSystemReader(str(tmp_path / "c")))
+    assert torch.equal(back["w"], sd["w"])
+
+
+@BOTH
+def test_async_save(tmp_path, dcp):
+    sd = {"w": torch.randn(64, 64), "step": 5}
+    want = sd["w"].clone()
+    fut = dcp.async_save(sd, checkpoint_id=str(tmp_path / "c"))
+    sd["w"].add_(1)  # after the call: not in the checkpoint
+    fut.result()
+    assert fut.done()
+    back = {"w": torch.zeros(64, 64), "step": 0}
+    dcp.load(back, checkpoint_id=str(tmp_path / "c"))
+    assert torch.equal(back["w"], want) and back["step"] == 5
+
+
+def test_a_dckpt_checkpoint_written_through_compat_is_a_dckpt_checkpoint(tmp_path):
+    dckpt_dcp.save({"w": torch.ones(3), "blob": b"\x00\x01"}, checkpoint_id=str(tmp_path / "c"))
+    from dckpt.verify import verify_checkpoint
+
+    assert verify_checkpoint(str(tmp_path / "c")).ok
+    back = {"w": torch.zeros(3), "blob": b""}
+    dckpt_dcp.load(back, checkpoint_id=str(tmp_path / "c"))
+    assert back["blob"] == b"\x00\x01" and torch.equal(back["w"], torch.ones(3))
+
+
+def test_what_dckpt_refuses_is_clear(tmp_path):
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    p = str(tmp_path / "c")
+
+    class MyPlanner(DefaultSavePlanner):
+        pass
+
+    with pytest.raises(CheckpointError, match="planner MyPlanner"):
+        dckpt_dcp.save({"a": torch.ones(1)}, checkpoint_id=p, planner=MyPlanner())
+    dckpt_dcp.save({"a": torch.ones(1)}, checkpoint_id=p, planner=DefaultSavePlanner())
+    with pytest.raises(CheckpointError, match="async_stager"):
+        dckpt_dcp.async_save({"a": torch.ones(1)}, checkpoint_id=p, async_stager=DefaultStager(
+            StagingOptions(False, False, False, False)))
+    with pytest.raises(CheckpointError, match="checkpoint_id"):
+        dckpt_dcp.save({"a": torch.ones(1)})
+    with pytest.raises(UnsupportedValueError, match="'odd'.*no pickle"):
+        dckpt_dcp.save({"odd": {1, 2}}, checkpoint_id=p)
+    assert dckpt.load({"a": torch.zeros(1)}, p)["a"].item() == 1.0  # still the old one
