@@ -72,7 +72,7 @@ def test_file_url_and_memory_fs(tmp_path):
     (lambda: None, "function"),
     (torch.nn.Linear(2, 2), "Linear"),
     (object(), "object"),
-    ({1: torch.ones(1)}, "key 1"),
+    ({(1, 2): torch.ones(1)}, "key \\(1, 2\\)"),
     (b"bytes", "bytes"),
     ({1.5, 2}, "set"),
 ])

@@ -42,6 +42,7 @@ from ..state.flatten import flatten
 from ..state.tensors import as_bytes, describe
 from ..storage.fsspec_storage import make_storage
 from .collectives import Comm, error_payload, raise_gathered
+from . import plancache
 from .intent import Intent
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class CheckpointInfo:
     seconds: float
     world_size: int
     save_id: str
+    plan_cached: bool = False  # the coordinator reused the previous save's plan
 
 
 def _pack(doc: dict, tail: bytes = b"") -> bytes:
@@ -110,20 +112,39 @@ def save(state_dict: Any, path: str, *, process_group: Any = None,
 
     # 1. local plan (its errors travel to every rank through the coordinator)
     flag = [codec.RAW]
-    storage, root, pieces, blob = local_plan(
+    storage, root, pieces, blob, lp = local_plan(
         state_dict, path, storage_options, comm.rank,
         check=lambda: flag.__setitem__(0, codec.compression_flag(compression)))
-    blobs = comm.gather_bytes(blob)
+    rcache, ccache = plancache.caches(id(comm.own or comm.group), comm.own or comm.group)
+    offer, full = rcache.offer(blob, lp, comm.rank)
+    blobs = comm.gather_bytes(offer)
 
-    coord = _Coordinator(storage, root, overwrite, comm.size) if comm.rank == 0 else None
+    coord = _Coordinator(storage, root, overwrite, comm.size, ccache) if comm.rank == 0 else None
     try:
-        # 2. coordinator: validate and assign writers (and read the base's manifest)
+        # 2. coordinator: validate and assign writers (or reuse the last plan), and read
+        # the base's manifest
         reply = coord.plan(blobs, base, storage_options) if coord else None
         doc, tail = _unpack(comm.broadcast_bytes(reply))
+        for _ in range(2):  # at most: values asked for, then full plans
+            if doc.get("resend") == "values":  # rank-local values changed: send them
+                mine = json.dumps(lp.values, allow_nan=True).encode() \
+                    if comm.rank in doc["ranks"] else b""
+                blobs = comm.gather_bytes(mine)
+            elif doc.get("resend"):  # some plan changed (or no cache): full plans
+                blobs = comm.gather_bytes(full)
+            else:
+                break
+            reply = coord.plan(blobs, base, storage_options) if coord else None
+            doc, tail = _unpack(comm.broadcast_bytes(reply))
         _raise_if_error(doc, f"save to {path}")
         save_id = doc["save_id"]
         nbase = doc.get("base_len", 0)
-        mask = gplan.decode_writes(tail[nbase:], comm.rank)
+        if doc.get("cached"):
+            mask = rcache.mask
+        else:
+            mask = gplan.decode_writes(tail[nbase:], comm.rank)
+            rcache.structure, rcache.mask = plancache.decode_offer(full).structure, mask
+            rcache.plan_id = bytes.fromhex(doc.get("plan_id", ""))
 
         # 3. write this rank's shard file
         vote: dict[str, Any]
@@ -148,7 +169,8 @@ def save(state_dict: Any, path: str, *, process_group: Any = None,
     # The path as the user gave it: a URL keeps its scheme (memory://b/x, s3://...).
     shown = path.rstrip("/") if "://" in path else root
     info = CheckpointInfo(path=shown, seconds=result["seconds"], world_size=comm.size,
-                          save_id=save_id, bytes_written=result["bytes"], num_files=result["files"])
+                          save_id=save_id, bytes_written=result["bytes"], num_files=result["files"],
+                          plan_cached=bool(doc.get("cached")))
     if comm.rank == 0:
         log.info("saved %s: %.1f MiB in %d files from %d ranks in %.2f s", shown,
                  info.bytes_written / 2**20, info.num_files, comm.size, info.seconds)
@@ -179,13 +201,14 @@ def check_base(storage, root: str, base: str, storage_options: dict | None) -> t
 
 
 def local_plan(state_dict: Any, path: str, storage_options: dict | None,
-               rank: int, check=None) -> tuple[Any, str, list, bytes]:
-    """This rank's side of step 1: (storage, root, pieces, encoded plan). Never raises:
+               rank: int, check=None) -> tuple[Any, str, list, bytes, localplan.LocalPlan]:
+    """This rank's side of step 1: (storage, root, pieces, encoded plan, plan). Never raises:
     everything up to the first collective (the storage set-up and the plan's encoding
     too) runs inside this try, and an error is encoded in the plan, so it reaches every
     rank through the coordinator instead of leaving the others waiting in the gather.
     No I/O, no collective."""
     storage, root, pieces = None, path, []
+    local = localplan.LocalPlan()
     try:
         storage, root = make_storage(path, storage_options)
         if check is not None:
@@ -199,17 +222,21 @@ def local_plan(state_dict: Any, path: str, storage_options: dict | None,
         _faults.fault("plan", rank)
         blob = localplan.encode(local)
     except Exception as e:
-        blob = localplan.encode(localplan.LocalPlan(error=error_payload(e)))
+        local = localplan.LocalPlan(error=error_payload(e))
+        blob = localplan.encode(local)
         log.debug("rank %d: local plan failed", rank, exc_info=True)
-    return storage, root, pieces, blob
+    return storage, root, pieces, blob, local
 
 
-def validate_plans(blobs: list[bytes], where: str) -> tuple[gplan.GlobalPlan | None, dict]:
+def validate_plans(blobs: list[bytes], where: str,
+                   decoded: list | None = None) -> tuple[gplan.GlobalPlan | None, dict]:
     """Rank 0: decode and validate every rank's plan. Returns (plan, {}) or (None,
     {rank: error payload}) for the ranks whose planning failed. Raises
     StateMismatchError (ranks disagree). Pure CPU, no I/O."""
     cache: dict = {}  # byte-identical key tables are decoded once
     plans = [localplan.decode(b, cache) for b in blobs]
+    if decoded is not None:
+        decoded[:] = plans
     errors = {r: p.error for r, p in enumerate(plans) if p.error}
     if errors:
         return None, errors
@@ -231,8 +258,11 @@ def data_name(save_id: str, rank: int) -> str:
 class _Coordinator:
     """Rank 0's side of one save: validates plans, then commits or rolls back."""
 
-    def __init__(self, storage, root: str, overwrite: bool, world: int) -> None:
+    def __init__(self, storage, root: str, overwrite: bool, world: int,
+                 cache: plancache.CoordCache | None = None) -> None:
         self.storage, self.root, self.overwrite, self.world = storage, root, overwrite, world
+        self.cache = cache
+        self.awaiting: str | None = None  # the second message plan() expects
         self.save_id = ""
         self.gp: gplan.GlobalPlan | None = None
         self.intent: Intent | None = None
@@ -242,11 +272,32 @@ class _Coordinator:
 
     def plan(self, blobs: list[bytes], base: str | None = None,
              storage_options: dict | None = None) -> bytes:
-        """Decode and validate every rank's plan; read the base's manifest; take the
-        save's lease (intent file); reply with the save id, the base's manifest bytes and
-        the write masks."""
+        """Decode and validate every rank's plan, or reuse the cached plan when every
+        rank offered an unchanged one (else reply "resend"); read the base's manifest;
+        take the save's lease (intent file); reply with the save id, the base's
+        manifest bytes and the write masks (none when cached: ranks keep theirs)."""
         try:
-            self.gp, errors = validate_plans(blobs, self.root)
+            cached, awaiting, self.awaiting = False, self.awaiting, None
+            if self.cache is None:
+                self.gp, errors = validate_plans(blobs, self.root)
+            elif awaiting == "values":
+                self.gp = self.cache.with_values(blobs)
+                if self.gp is None:
+                    self.awaiting = "full"
+                    return _pack({"resend": "full"})
+                cached, errors = True, {}
+            else:
+                offers = [plancache.decode_offer(b) for b in blobs]
+                if any(o.cached for o in offers):
+                    kind, got = self.cache.reuse(offers)
+                    if kind != "plan":
+                        self.awaiting = kind
+                        return _pack({"resend": kind, "ranks": got or []})
+                    self.gp, cached, errors = got, True, {}
+                else:
+                    self._plans: list = []
+                    self.gp, errors = validate_plans([o.blob for o in offers], self.root,
+                                                     self._plans)
             if errors:
                 return _pack({"errors": errors})
             st = self.storage
@@ -261,8 +312,13 @@ class _Coordinator:
                 self.base = mf.parse(base_bytes, bstorage.join(broot, mf.MANIFEST_NAME))
                 self.base_dir = broot.rstrip("/").rpartition("/")[2]
             self.begin(uuid.uuid4().hex[:16])
-            return _pack({"save_id": self.save_id, "base_len": len(base_bytes)},
-                         base_bytes + gplan.encode_writes(self.gp))
+            if cached:
+                return _pack({"save_id": self.save_id, "base_len": len(base_bytes),
+                              "cached": True}, base_bytes)
+            doc = {"save_id": self.save_id, "base_len": len(base_bytes)}
+            if self.cache is not None:  # every rank accepts this plan with this reply
+                doc["plan_id"] = self.cache.store(offers, self._plans, self.gp).hex()
+            return _pack(doc, base_bytes + gplan.encode_writes(self.gp))
         except Exception as e:
             return _pack({"errors": {0: error_payload(e)}})
 

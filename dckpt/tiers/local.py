@@ -69,6 +69,7 @@ class LocalCommit:
     files: tuple[str, ...]  # this rank's data files (what it uploads when staging)
     bytes_written: int  # this rank's bytes, replicas included
     seconds: float
+    total_bytes: int = 0  # the global manifest's, every rank (what a durable copy writes)
 
 
 def save_local(state_dict: Any, step: int, step_dir: str, storage, comm: Comm) -> LocalCommit:
@@ -82,7 +83,7 @@ def save_local(state_dict: Any, step: int, step_dir: str, storage, comm: Comm) -
     until this save's views are all written."""
     t0 = time.perf_counter()
     r = comm.rank
-    _, _, pieces, blob = local_plan(state_dict, step_dir, None, r)
+    _, _, pieces, blob, _ = local_plan(state_dict, step_dir, None, r)
     blobs = comm.gather_bytes(blob)
     gp = None
     reply = None
@@ -137,7 +138,8 @@ def save_local(state_dict: Any, step: int, step_dir: str, storage, comm: Comm) -
         drop_save(storage, step_dir, r, save_id, failed=not ok)
     nbytes = int(vote.get("size") or 0) + int((vote.get("replica") or {}).get("size") or 0)
     files = (vote["file"],) if vote.get("file") else ()
-    return LocalCommit(step, step_dir, save_id, data, files, nbytes, time.perf_counter() - t0)
+    return LocalCommit(step, step_dir, save_id, data, files, nbytes, time.perf_counter() - t0,
+                       m.total_bytes)
 
 
 def local_view(m: mf.Manifest, rank: int, replica_vote: dict, replicas: list) -> mf.Manifest:

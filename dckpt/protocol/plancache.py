@@ -1,0 +1,216 @@
+"""Cached save plans: a steady-state save sends 33 bytes per rank, not its plan.
+
+Every save builds each rank's local plan (keys, dtypes, shapes, boxes; its JSON values),
+which costs O(tensors) locally. Sending it to rank 0 and validating it there costs
+O(ranks x tensors): 180 MB and seconds at thousands of ranks. Between two saves of a
+training job nothing of it changes but the values (a step counter, a learning rate).
+
+So every rank fingerprints its plan: a structure hash (XXH3-128 of the key table,
+boxes and int-key paths) and a values hash. A rank whose structure hash equals the one
+of its last successfully planned save sends only ``b"C" | structure | values | plan
+id`` (41 bytes; rank 0 adds its values), the plan id naming the global plan its write
+mask came from. Rank 0 reuses its validated global plan and write
+assignment when every rank's structure hash matches what it cached for that rank, and
+takes each rank's values from rank 0's (same hash: the usual case, values are
+replicated) or from its cache (unchanged since). Anything else (a new process with no
+cache, a changed shape or dtype or key on any rank, values it does not know) makes
+rank 0 answer "resend", and every rank sends its full plan (``b"F" | hashes | plan``)
+in a second gather of the same save: any difference falls back for everyone. Nothing
+about the commit changes: the manifest is still complete and written last.
+
+Caches live per process group (a save's group and the async saver's own group), on
+every rank; they are updated only by a save whose plan every rank accepted.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from ..format import codec
+from ..layout import localplan
+from ..layout import plan as gplan
+
+CACHED, FULL = b"C", b"F"
+HASH = 16
+PLAN_ID = 8
+_NO_HASH = bytes(HASH)
+
+
+def fingerprints(plan: localplan.LocalPlan) -> tuple[bytes, bytes]:
+    """(structure hash, values hash) of a local plan. O(plan size), no I/O."""
+    h = codec._xxh().xxh3_128()
+    keys = json.dumps([[k, d, list(s)] for k, d, s in plan.items], separators=(",", ":"))
+    h.update(struct.pack("<Q", len(keys)) + keys.encode())
+    h.update(np.ascontiguousarray(plan.boxes, dtype="<i8").tobytes())
+    h.update(json.dumps(plan.int_keys).encode())
+    v = codec._xxh().xxh3_128()
+    v.update(json.dumps(plan.values, sort_keys=True, separators=(",", ":"),
+                        allow_nan=True).encode())
+    return h.digest(), v.digest()
+
+
+@dataclass
+class Offer:
+    """One rank's planning message, parsed."""
+
+    cached: bool
+    structure: bytes
+    values_hash: bytes
+    values: dict | None = None  # rank 0's own, in a cached offer
+    blob: bytes = b""  # the full plan
+    plan_id: bytes = b""  # the cached global plan the rank's mask belongs to
+
+
+def encode_offer(cached: bool, fp: tuple[bytes, bytes], blob: bytes,
+                 values: dict | None = None, plan_id: bytes = b"") -> bytes:
+    if cached:
+        tail = json.dumps(values, allow_nan=True).encode() if values is not None else b""
+        return CACHED + fp[0] + fp[1] + plan_id + tail
+    return FULL + fp[0] + fp[1] + blob
+
+
+def decode_offer(data: bytes) -> Offer:
+    kind, s, v, rest = data[:1], data[1:1 + HASH], data[1 + HASH:1 + 2 * HASH], data[1 + 2 * HASH:]
+    if kind == CACHED:
+        pid, rest = rest[:PLAN_ID], rest[PLAN_ID:]
+        return Offer(True, s, v, json.loads(rest) if rest else None, plan_id=pid)
+    if kind == FULL:
+        return Offer(False, s, v, blob=rest)
+    raise ValueError(f"malformed planning message (kind {kind!r})")
+
+
+@dataclass
+class RankCache:
+    """A rank's side: the structure hash and write mask of its last accepted plan."""
+
+    structure: bytes | None = None
+    mask: np.ndarray | None = None
+    plan_id: bytes = b""
+
+    def offer(self, blob: bytes, plan: localplan.LocalPlan, rank: int) -> tuple[bytes, bytes]:
+        """(message to send, the full message to resend if asked)."""
+        if plan.error:
+            fp = (_NO_HASH, _NO_HASH)
+            full = encode_offer(False, fp, blob)
+            return full, full
+        fp = fingerprints(plan)
+        full = encode_offer(False, fp, blob)
+        if self.structure is not None and self.structure == fp[0] and len(self.plan_id) == PLAN_ID:
+            return encode_offer(True, fp, b"", plan.values if rank == 0 else None,
+                                self.plan_id), full
+        return full, full
+
+
+@dataclass
+class CoordCache:
+    """Rank 0's side: per rank the structure and values hashes it accepted last, the
+    values by hash, and the global plan."""
+
+    structures: list[bytes] = field(default_factory=list)
+    values_hash: list[bytes] = field(default_factory=list)
+    values: dict[bytes, dict] = field(default_factory=dict)
+    gp: gplan.GlobalPlan | None = None
+    plan_id: bytes = b""
+    _pending: list | None = None  # per rank (values hash, values or None) awaiting values
+
+    def reuse(self, offers: list[Offer]) -> tuple[str, Any]:
+        """What to do with these offers: ("plan", global plan) when every rank offered
+        its cached structure and rank 0 knows every rank's values (its own, or that
+        rank's unchanged ones); ("values", ranks) when only the values of ``ranks`` are
+        unknown (rank-local values that changed, such as RNG states: they send them,
+        see :meth:`with_values`); ("full", None) otherwise. O(ranks) hash compares plus
+        O(values) per distinct values set."""
+        self._pending = None
+        if self.gp is None or len(offers) != len(self.structures) or offers[0].values is None:
+            return "full", None
+        own = offers[0]
+        per_rank: list[tuple[bytes, dict | None]] = []
+        need = []
+        for r, o in enumerate(offers):
+            if not o.cached or o.structure != self.structures[r] or o.plan_id != self.plan_id:
+                return "full", None
+            if o.values_hash == own.values_hash:
+                per_rank.append((o.values_hash, own.values))
+            elif o.values_hash in self.values and o.values_hash == self.values_hash[r]:
+                per_rank.append((o.values_hash, self.values[o.values_hash]))
+            else:
+                per_rank.append((o.values_hash, None))
+                need.append(r)
+        if need:
+            self._pending = per_rank
+            return "values", need
+        gp = self._finish(per_rank)
+        return ("plan", gp) if gp is not None else ("full", None)
+
+    def with_values(self, blobs: list[bytes]) -> gplan.GlobalPlan | None:
+        """The plan once the ranks :meth:`reuse` named sent their values (JSON; the
+        others b""), or None (then everyone resends full plans)."""
+        per_rank, self._pending = self._pending, None
+        if per_rank is None or len(blobs) != len(per_rank):
+            return None
+        for r, (h, vals) in enumerate(per_rank):
+            if vals is None:
+                try:
+                    vals = json.loads(blobs[r])
+                except ValueError:
+                    return None
+                if fingerprints(localplan.LocalPlan(values=vals))[1] != h or not isinstance(vals, dict):
+                    return None  # not the values it hashed: plan again
+                per_rank[r] = (h, vals)
+        return self._finish(per_rank)
+
+    def _finish(self, per_rank: list) -> gplan.GlobalPlan | None:
+        values, conflicts = merge_values(per_rank)
+        if set(values) & set(self.gp.tensors):
+            return None  # a value where a tensor was: let the full path report it
+        self.values_hash = [h for h, _ in per_rank]
+        self.values = {h: v for h, v in per_rank}
+        return replace(self.gp, values=values, conflicts=conflicts)
+
+    def store(self, offers: list[Offer], plans: list[localplan.LocalPlan],
+              gp: gplan.GlobalPlan) -> bytes:
+        """Remember an accepted full plan; returns its new plan id (sent to the ranks
+        with their masks)."""
+        self.plan_id = os.urandom(PLAN_ID)
+        self.structures = [o.structure for o in offers]
+        self.values_hash = [o.values_hash for o in offers]
+        self.values = {o.values_hash: p.values for o, p in zip(offers, plans)}
+        self.gp = gp
+        return self.plan_id
+
+
+def merge_values(per_rank: list[tuple[bytes, dict]]) -> tuple[dict, dict]:
+    """(values, conflicts) as :func:`dckpt.layout.plan.plan_global` merges them (the
+    lowest rank's value wins; a differing later rank is reported), visiting each
+    distinct values set once: O(distinct sets x values), not O(ranks x values)."""
+    values: dict = {}
+    conflicts: dict[str, int] = {}
+    seen: set[bytes] = set()
+    for r, (h, vals) in enumerate(per_rank):
+        if h in seen:
+            continue
+        seen.add(h)
+        for k, v in vals.items():
+            if k not in values:
+                values[k] = v
+            elif k not in conflicts and not gplan._same(values[k], v):
+                conflicts[k] = r
+    return values, conflicts
+
+
+_CACHES: dict[Any, tuple[Any, RankCache, CoordCache]] = {}
+
+
+def caches(group_key: Any, group: Any) -> tuple[RankCache, CoordCache]:
+    """The caches of one process group (``group`` is kept alive with them so its id
+    cannot be reused by another group)."""
+    entry = _CACHES.get(group_key)
+    if entry is None or entry[0] is not group:
+        entry = (group, RankCache(), CoordCache())
+        _CACHES[group_key] = entry
+    return entry[1], entry[2]
