@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -33,21 +33,71 @@ class SaveHandle:
     """The outcome of one :func:`async_save`. Every rank's handle resolves to the same
     CheckpointInfo or raises the same error."""
 
-    def __init__(self, future: cf.Future, path: str, blocked_s: float, staged_s: float) -> None:
+    def __init__(self, future: cf.Future, path: str, blocked_s: float, staged_s: float,
+                 copied: threading.Event | None = None) -> None:
         self._future, self.path = future, path
-        self.blocking_seconds = blocked_s  # the whole call, waiting for a previous save included
-        self.staging_seconds = staged_s  # the snapshot copy alone
+        # the time the caller lost: the whole call (waiting for a previous save
+        # included) plus any fence's wait for the snapshot
+        self.blocking_seconds = blocked_s
+        self.staging_seconds = staged_s  # the snapshot copy alone (in the call)
+        self._copied = copied
+        self._hooks: list = []  # fence hooks: no-ops once fired, removed by the next call
+
+    def wait_snapshot(self, timeout: float | None = None) -> None:
+        """Block until the snapshot copy is complete; after it, changing the saved
+        tensors is safe. Returns at once for a save without a fence (its copy ended
+        in the call). Raises TimeoutError. A failed copy does not raise here: the
+        save fails, and :meth:`result` raises why."""
+        if self._copied is not None and not self._copied.wait(timeout):
+            raise TimeoutError(f"the snapshot of {self.path} did not finish in {timeout} s")
+
+    def _fence(self, targets: list) -> None:
+        """Make the first optimizer step (or forward, for a module) of any target wait
+        for the snapshot, adding the wait to blocking_seconds."""
+        fired = [False]
+
+        def wait(*_args, **_kwargs):
+            if fired[0]:
+                return None
+            fired[0] = True
+            t = time.perf_counter()
+            self.wait_snapshot()
+            self.blocking_seconds += time.perf_counter() - t
+            return None
+
+        for t in targets:
+            # Removing a hook while torch iterates over the hooks is not safe: a fired
+            # hook stays as a no-op until the next async_save (or result()) removes it.
+            self._hooks.append(t.register_step_pre_hook(wait) if hasattr(t, "register_step_pre_hook")
+                               else t.register_forward_pre_hook(wait))
+
+    def _unfence(self) -> None:
+        hooks, self._hooks = self._hooks, []
+        for h in hooks:
+            h.remove()
 
     def result(self, timeout: float | None = None) -> CheckpointInfo:
         """Wait for the commit (blocking, up to ``timeout`` s) and return its info;
-        raises the save's error, or TimeoutError."""
-        return self._future.result(timeout)
+        raises the save's error, or TimeoutError. Call it from the training thread
+        (it also removes a fence's hooks)."""
+        try:
+            return self._future.result(timeout)
+        finally:
+            if self._future.done():
+                self._unfence()
 
     def done(self) -> bool:
         return self._future.done()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         return self._future.exception(timeout)
+
+    def add_done_callback(self, fn: Callable[["SaveHandle"], None]) -> None:
+        """Call ``fn(handle)`` once the save has committed or failed: in the background
+        thread that ran it, or at once in this thread when it is already over. ``fn``
+        should be quick (the next save's background work waits for it); an exception
+        it raises is logged by ``concurrent.futures`` and otherwise ignored."""
+        self._future.add_done_callback(lambda _f: fn(self))
 
 
 class _Saver:
@@ -85,7 +135,7 @@ def _saver(group: Any) -> _Saver:
 def async_save(state_dict: Any, path: str, *, process_group: Any = None,
                storage_options: dict | None = None, overwrite: bool = False,
                staging_budget: int | None = None, base: str | None = None,
-               compression: str | None = None) -> SaveHandle:
+               compression: str | None = None, fence: Any = None) -> SaveHandle:
     """Snapshot ``state_dict`` and persist it to ``path`` in the background.
 
     Collective (every rank calls it, in the same order). Blocks until the previous
@@ -96,8 +146,19 @@ def async_save(state_dict: Any, path: str, *, process_group: Any = None,
     :func:`dckpt.save`; its outcome, or any rank's error, is on every rank's handle.
     ``staging_budget`` caps the host memory of the staging buffers (bytes). ``base``
     and ``compression`` are :func:`dckpt.save`'s (incremental and compressed saves):
-    the hashing, comparing and compressing run in the background, not in the call."""
+    the hashing, comparing and compressing run in the background, not in the call.
+
+    ``fence`` (an optimizer or module, or a list of them): the call returns as soon as
+    the buffers are ready, and the copy runs in the background, overlapped with the
+    next forward and backward passes; the first ``step()`` of each fenced optimizer
+    (the first forward of each fenced module: for modules that change buffers in
+    forward, such as BatchNorm in training) waits for it first
+    (:meth:`SaveHandle.wait_snapshot`), so the checkpoint still holds the values at the
+    call. Anything else that changes the saved tensors before that must call
+    ``wait_snapshot()`` first. ``blocking_seconds`` then counts the call and the
+    fence's wait."""
     t0 = time.perf_counter()
+    targets = _fence_targets(fence)
     saver = _saver(process_group)
     if saver.inflight is not None:
         try:
@@ -106,20 +167,74 @@ def async_save(state_dict: Any, path: str, *, process_group: Any = None,
             log.debug("previous async save failed: %s", e)
     saver.pool.budget = staging_budget
     t1 = time.perf_counter()
+    copies: list = []
     try:
-        snap, nbytes = saver.pool.snapshot(state_dict)
+        snap, copies, nbytes = saver.pool.plan(state_dict)
+        if not targets:
+            saver.pool.run(copies)
     except Exception as e:
         # Still join the collective save, so no other rank waits forever: it fails
         # everywhere with this rank's error.
-        snap, nbytes = {"state": _Unstageable(e)}, 0
+        snap, nbytes, copies = {"state": _Unstageable(e)}, 0, []
+    kw = dict(process_group=saver.group, storage_options=storage_options,
+              overwrite=overwrite, base=base, compression=compression)
+    if targets:
+        copied = threading.Event()
+        after = _cuda_event(copies)
+        fut = saver.executor.submit(_copy_then_save, saver.pool, copies, after, copied,
+                                    snap, path, kw)
+    else:
+        copied = None
+        fut = saver.executor.submit(save, snap, path, **kw)
     blocked = time.perf_counter() - t0
-    fut = saver.executor.submit(save, snap, path, process_group=saver.group,
-                                storage_options=storage_options, overwrite=overwrite,
-                                base=base, compression=compression)
-    handle = SaveHandle(fut, path, blocked, time.perf_counter() - t1)
+    handle = SaveHandle(fut, path, blocked, time.perf_counter() - t1, copied)
+    if targets:
+        handle._fence(targets)
     saver.inflight = handle
     log.debug("async save to %s: staged %.1f MiB in %.3f s", path, nbytes / 2**20, blocked)
     return handle
+
+
+def _fence_targets(fence: Any) -> list:
+    """The optimizers and modules to fence on. Raises CheckpointError for anything
+    else (before any copy)."""
+    import torch
+
+    if fence is None:
+        return []
+    items = list(fence) if isinstance(fence, (list, tuple)) else [fence]
+    for f in items:
+        if not isinstance(f, (torch.optim.Optimizer, torch.nn.Module)):
+            from ..errors import CheckpointError
+
+            raise CheckpointError(f"fence must be an optimizer or module (or a list of them), "
+                                  f"not {type(f).__name__}")
+    return items
+
+
+def _cuda_event(copies: list):
+    """A CUDA event recorded now on the current stream when any source is on a GPU:
+    the background copies start after the kernels queued so far, not later ones."""
+    if any(src.device.type == "cuda" for _, src in copies):
+        import torch
+
+        ev = torch.cuda.Event()
+        ev.record()
+        return ev
+    return None
+
+
+def _copy_then_save(pool: StagingPool, copies: list, after, copied: threading.Event,
+                    snap: Any, path: str, kw: dict) -> CheckpointInfo:
+    """The background half of a fenced save: the copy, then the commit. A failed copy
+    still joins the collective save, which then fails on every rank."""
+    try:
+        pool.run(copies, after=after)
+    except Exception as e:
+        snap = {"state": _Unstageable(e)}
+    finally:
+        copied.set()
+    return save(snap, path, **kw)
 
 
 class _Unstageable:

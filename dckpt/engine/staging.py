@@ -60,13 +60,20 @@ class StagingPool:
         return self.snapshot(state, copy=False)[1]
 
     def snapshot(self, state: Any, copy: bool = True) -> tuple[Any, int]:
+        """:meth:`plan` then :meth:`run` at once: returns (snapshot, bytes copied)."""
+        snap, copies, total = self.plan(state)
+        self.run(copies, copy)
+        return snap, total
+
+    def plan(self, state: Any) -> tuple[Any, list, int]:
         """A copy of ``state`` whose tensors live in this pool's buffers: same nesting,
         DTensors rebuilt around their staged local shards (no communication), Stateful
         objects replaced by their staged ``state_dict()``. Values dckpt cannot store are
         left as they are, so the save that follows reports them on every rank.
 
-        Blocking: returns once every copy has landed (one CUDA synchronisation when
-        any source is on a GPU). Returns (snapshot, bytes copied)."""
+        Allocates the buffers and calls ``state_dict()`` of Stateful objects (in the
+        caller's thread: it may run collectives), copies nothing: returns (snapshot,
+        the (buffer, source) copies for :meth:`run`, their bytes)."""
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         seen: set[str] = set()
         need = 0
@@ -114,16 +121,38 @@ class StagingPool:
         snap = walk(state, "")
         for stale in set(self.buffers) - seen:  # keys gone from the state free their memory
             del self.buffers[stale]
-        total = 0
-        cuda = False
-        with torch.no_grad():
+        return snap, copies, sum(b.numel() * b.element_size() for b, _ in copies)
+
+    @staticmethod
+    def run(copies: list, copy: bool = True, after: Any = None) -> None:
+        """Copy every source into its buffer (``copy=False``: touch the buffers only).
+        Blocking until every copy has landed. CUDA sources are copied on a side stream
+        that first waits for ``after`` (a CUDA event recorded when the snapshot was
+        asked for: the copies see every kernel queued before it, and none after), then
+        one stream synchronisation (without ``after``: the side stream waits for the
+        caller's current stream). CPU copies release the GIL, so this may run in a
+        background thread while training goes on."""
+        cuda = copy and any(src.device.type == "cuda" for _, src in copies)
+        stream = torch.cuda.Stream() if cuda else None
+        if stream is not None:
+            if after is not None:
+                stream.wait_event(after)
+            else:  # called right away: after everything queued on the caller's stream
+                stream.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None
+                               else _nullcontext()):
             for buf, src in copies:
-                cuda |= src.device.type == "cuda"
                 if copy:
                     buf.copy_(src.detach(), non_blocking=src.device.type == "cuda")
                 else:
                     buf.zero_()  # touch every page now
-                total += buf.numel() * buf.element_size()
-        if cuda:
-            torch.cuda.synchronize()  # the snapshot is complete before the caller moves on
-        return snap, total
+        if stream is not None:
+            stream.synchronize()  # the snapshot is complete before anyone moves on
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None

@@ -1,0 +1,143 @@
+"""Snapshots overlapped with compute: async_save(..., fence=optimizer) returns before
+the copy, and the optimizer's next step waits for it, so the checkpoint holds the
+values at the call, bitwise. One process (the multi-rank and DTensor cases are in
+tests/multirank/test_fence.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dckpt
+from dckpt.errors import CheckpointError
+
+
+def _model(width: int = 1024) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, width))
+    opt = torch.optim.Adam(m.parameters(), lr=0.1)
+    return m, opt
+
+
+def _step(m, opt) -> None:
+    opt.zero_grad()
+    m(torch.randn(8, m[0].in_features)).sum().backward()
+    opt.step()
+
+
+def _snapshot(m, opt) -> dict:
+    return {"model": {k: v.clone() for k, v in m.state_dict().items()},
+            "opt": {k: {n: t.clone() for n, t in st.items()} for k, st in opt.state_dict()["state"].items()}}
+
+
+def _state(m, opt) -> dict:
+    return {"model": m.state_dict(), "opt": opt.state_dict()["state"]}
+
+
+def _loaded(path: str, like: dict) -> dict:
+    t = {"model": {k: torch.zeros_like(v) for k, v in like["model"].items()},
+         "opt": {k: {n: torch.zeros_like(x) for n, x in st.items()} for k, st in like["opt"].items()}}
+    return dckpt.load(t, path)
+
+
+def _same(a: dict, b: dict) -> None:
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    for k in a["opt"]:
+        for n in a["opt"][k]:
+            assert torch.equal(a["opt"][k][n], b["opt"][k][n]), (k, n)
+
+
+def test_fenced_save_holds_the_values_at_the_call(tmp_path):
+    m, opt = _model()
+    _step(m, opt)
+    for i in range(3):
+        want = _snapshot(m, opt)
+        h = dckpt.async_save(_state(m, opt), str(tmp_path / f"c{i}"), fence=opt)
+        _step(m, opt)  # at once: the step waits for the copy, then changes everything
+        h.result()
+        _same(want, _loaded(str(tmp_path / f"c{i}"), want))
+        assert not torch.equal(m[0].weight, want["model"]["0.weight"])
+        assert h.blocking_seconds >= 0
+
+
+def test_a_second_save_before_the_first_copy_finished(tmp_path):
+    m, opt = _model()
+    _step(m, opt)
+    want = _snapshot(m, opt)
+    h1 = dckpt.async_save(_state(m, opt), str(tmp_path / "a"), fence=opt)
+    h2 = dckpt.async_save(_state(m, opt), str(tmp_path / "b"), fence=opt)  # no step between
+    _step(m, opt)
+    h2.result()
+    h1.result()
+    _same(want, _loaded(str(tmp_path / "a"), want))
+    _same(want, _loaded(str(tmp_path / "b"), want))
+    # the fired or superseded hooks are gone
+    assert not opt._optimizer_step_pre_hooks
+
+
+def test_wait_snapshot_then_change_by_hand(tmp_path):
+    sd = {"w": torch.randn(2048, 1024)}
+    want = sd["w"].clone()
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    h = dckpt.async_save(sd, str(tmp_path / "c"), fence=opt)
+    h.wait_snapshot()
+    sd["w"].add_(1)  # not through the optimizer: wait_snapshot first
+    h.result()
+    assert torch.equal(dckpt.load({"w": torch.zeros(2048, 1024)}, str(tmp_path / "c"))["w"], want)
+
+
+def test_module_fence_covers_buffers_changed_in_forward(tmp_path):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64))
+    m.train()
+    m(torch.randn(16, 64))
+    want = {k: v.clone() for k, v in m.state_dict().items()}
+    h = dckpt.async_save({"model": m.state_dict()}, str(tmp_path / "c"), fence=m)
+    m(torch.randn(16, 64))  # forward updates running_mean/var: waits first
+    h.result()
+    got = dckpt.load({"model": {k: torch.zeros_like(v) for k, v in want.items()}}, str(tmp_path / "c"))
+    for k, v in want.items():
+        assert torch.equal(got["model"][k], v), k
+    assert not torch.equal(m[1].running_mean, want["1.running_mean"])
+
+
+def test_without_fence_the_copy_is_done_in_the_call(tmp_path):
+    sd = {"w": torch.randn(256, 256)}
+    want = sd["w"].clone()
+    h = dckpt.async_save(sd, str(tmp_path / "c"))
+    h.wait_snapshot()  # returns at once
+    sd["w"].zero_()
+    h.result()
+    assert torch.equal(dckpt.load({"w": torch.zeros(256, 256)}, str(tmp_path / "c"))["w"], want)
+
+
+def test_bad_fence_is_refused(tmp_path):
+    with pytest.raises(CheckpointError, match="fence must be an optimizer or module"):
+        dckpt.async_save({"w": torch.ones(2)}, str(tmp_path / "c"), fence="opt")
+
+
+def test_the_step_really_waits_for_a_slow_copy(tmp_path, monkeypatch):
+    """The copy is made slow on purpose: the step comes while it is still running, and
+    must wait (the time shows in blocking_seconds)."""
+    import time
+
+    from dckpt.engine.staging import StagingPool
+
+    real = StagingPool.run
+
+    def slow(copies, copy=True, after=None):
+        time.sleep(0.5)
+        real(copies, copy, after)
+
+    monkeypatch.setattr(StagingPool, "run", staticmethod(slow))
+    m, opt = _model(256)
+    _step(m, opt)
+    want = _snapshot(m, opt)
+    t0 = time.perf_counter()
+    h = dckpt.async_save(_state(m, opt), str(tmp_path / "c"), fence=opt)
+    returned = time.perf_counter() - t0
+    _step(m, opt)
+    h.result()
+    assert returned < 0.4  # the call did not copy
+    assert h.blocking_seconds >= 0.3  # the step waited
+    _same(want, _loaded(str(tmp_path / "c"), want))
