@@ -40,7 +40,11 @@ from bench_save_load import (_max_over_ranks, add_state_args, locals_of, make_st
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LIBS = ("dckpt", "dcp", "dcp_cached")
-NAMES = {"dckpt": "dckpt", "dcp": "DCP (FileSystemWriter)", "dcp_cached": "DCP (reused stager)"}
+# Training-loop modes: LIBS and dckpt with a fence on the optimizer (the copy overlaps
+# the next forward/backward; the next optimizer step waits for it).
+LOOP_MODES = LIBS + ("dckpt_fence",)
+NAMES = {"dckpt": "dckpt", "dcp": "DCP (FileSystemWriter)", "dcp_cached": "DCP (reused stager)",
+         "dckpt_fence": "dckpt, fenced on the optimizer"}
 
 
 def _clean(x: Any) -> Any:
@@ -79,11 +83,14 @@ def worker(rank: int, world: int, init: str, a: dict, out: str) -> None:
     total = int(sum(_max3([float(my_bytes) if r == rank else 0.0 for r in range(world)])))
     dcp_pg = dist.new_group(backend="gloo")  # DCP's background collectives (dckpt makes its own)
     stager = DefaultStager(StagingOptions(False, False, False, False))
+    opt_box: list = [None]  # the training loop's optimizer, for the fenced mode
+    handles: list = []  # dckpt's handles: blocking_seconds = call + fence wait
 
     def start(lib: str, state: Any, path: str) -> tuple[Callable[[], Any], float]:
         """Start one async save; returns (wait-for-commit, dckpt's staging seconds)."""
-        if lib == "dckpt":
-            h = dckpt.async_save(state, path)
+        if lib in ("dckpt", "dckpt_fence"):
+            h = dckpt.async_save(state, path, fence=opt_box[0] if lib == "dckpt_fence" else None)
+            handles.append(h)
             return h.result, h.staging_seconds
         extra = {"async_stager": stager} if lib == "dcp_cached" else {}
         r = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=True),
@@ -151,6 +158,7 @@ def worker(rank: int, world: int, init: str, a: dict, out: str) -> None:
     h, f = a["mlp_hidden"], 4 * a["mlp_hidden"]
     model = torch.nn.Sequential(torch.nn.Linear(h, f), torch.nn.GELU(), torch.nn.Linear(f, h))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt_box[0] = opt
     x = torch.randn(a["batch"], h, generator=torch.Generator().manual_seed(rank))
 
     def step() -> None:
@@ -173,6 +181,7 @@ def worker(rank: int, world: int, init: str, a: dict, out: str) -> None:
     def loop(mode: str, every: int, rep: int) -> dict[str, float]:
         dist.barrier()
         times, ckpt_steps, waits, pending = [], set(), [], None
+        handles.clear()
         cpu0, main0 = time.process_time(), time.thread_time()
         t_start = time.perf_counter()
         for s in range(1, a["steps"] + 1):
@@ -180,7 +189,7 @@ def worker(rank: int, world: int, init: str, a: dict, out: str) -> None:
             step()
             if mode != "none" and s % every == 0 and s < a["steps"]:
                 tw = time.perf_counter()
-                if pending is not None and mode != "dckpt":
+                if pending is not None and not mode.startswith("dckpt"):
                     pending()  # one save in flight (dckpt.async_save waits by itself)
                 pending, _ = start(mode, full, os.path.join(a["dir"], f"loop-{mode}-{rep}-{s}"))
                 waits.append(time.perf_counter() - tw)
@@ -194,18 +203,20 @@ def worker(rank: int, world: int, init: str, a: dict, out: str) -> None:
         bg_cpu = (time.process_time() - cpu0) - (time.thread_time() - main0)  # other threads
         other = [t for i, t in enumerate(times) if i not in ckpt_steps]
         ck = [t for i, t in enumerate(times) if i in ckpt_steps] or [float("nan")]
+        lost = statistics.mean(h.blocking_seconds for h in handles) if handles else float("nan")
         r = _max3([wall / len(times), statistics.mean(other), statistics.mean(ck),
-                   statistics.mean(waits) if waits else float("nan"), drain, bg_cpu])
+                   statistics.mean(waits) if waits else float("nan"), drain, bg_cpu, lost])
         dist.barrier()
         if rank == 0:
             for d in os.listdir(a["dir"]):
                 if d.startswith("loop-"):
                     shutil.rmtree(os.path.join(a["dir"], d), ignore_errors=True)
-        return {**dict(zip(("step", "step_other", "step_ckpt", "save_call", "drain", "bg_cpu"), r)),
+        return {**dict(zip(("step", "step_other", "step_ckpt", "save_call", "drain", "bg_cpu",
+                            "lost"), r)),
                 "saves": len(waits)}
 
     loops: list[dict[str, Any]] = []
-    modes = [(lib, n) for n in a["every"] for lib in LIBS]
+    modes = [(lib, n) for n in a["every"] for lib in LOOP_MODES]
     for rep in range(a["loop_reps"]):  # the baseline brackets each rep; the order rotates
         k = rep % len(modes)
         for mode, every in [("none", 0), *modes[k:], *modes[:k], ("none", 0)]:
@@ -303,30 +314,33 @@ def report(res: dict) -> None:
           f"batch {a['batch']}, {a['steps']} steps; saves of model + optimizer "
           f"({res['train_bytes'] / 2**20:.0f} MiB, replicated) + the {total / 2**20:.0f} MiB state; "
           f"medians over {a['loop_reps']} reps; max over ranks")
-    keys = ("step", "step_other", "step_ckpt", "save_call", "drain", "overhead_pct", "bg_cpu_per_save")
+    keys = ("step", "step_other", "step_ckpt", "save_call", "drain", "overhead_pct", "bg_cpu_per_save",
+            "lost")
     for r in loops:  # vs the mean of the two no-checkpoint loops around it (its rep)
         base = [b for b in loops if b["rep"] == r["rep"] and b["mode"] == "none"]
         r["overhead_pct"] = 100 * (r["step"] / statistics.mean(b["step"] for b in base) - 1)
         extra = r["bg_cpu"] - statistics.mean(b["bg_cpu"] for b in base)
         r["bg_cpu_per_save"] = extra / r["saves"] if r["saves"] else 0.0
     agg: dict[str, dict[str, float]] = {}
-    for m, n in [("none", 0)] + [(lib, n) for n in a["every"] for lib in LIBS]:
+    for m, n in [("none", 0)] + [(lib, n) for n in a["every"] for lib in LOOP_MODES]:
         rs = [r for r in loops if r["mode"] == m and r["every"] == n]
-        agg[f"{m}/{n}"] = {k: statistics.median(r[k] for r in rs) for k in (*keys, "saves")}
+        agg[f"{m}/{n}"] = {k: statistics.median(r.get(k, float("nan")) for r in rs)
+                           for k in (*keys, "saves")}
     res["loop_summary"] = agg
     print(f"{'':38}{'step ms':>8}{'overhead':>9}{'other ms':>9}{'ckpt ms':>8}{'call ms':>8}"
-          f"{'drain s':>8}{'bg cpu/save':>12}")
+          f"{'drain s':>8}{'bg cpu/save':>12}{'lost ms':>8}")
     for key, r in agg.items():
         m, n = key.split("/")
         name = "no checkpoint" if m == "none" else f"{NAMES[m]} /{n}: {r['saves']:.0f} saves"
         print(f"{name:38}{r['step'] * 1e3:8.1f}{r['overhead_pct']:8.1f}%{r['step_other'] * 1e3:9.1f}"
               f"{r['step_ckpt'] * 1e3:8.1f}{r['save_call'] * 1e3:8.1f}{r['drain']:8.2f}"
-              f"{r['bg_cpu_per_save']:11.2f}s")
+              f"{r['bg_cpu_per_save']:11.2f}s{r['lost'] * 1e3:8.1f}")
     print("(/N: a save every N steps; step: loop wall / steps; overhead: vs the no-checkpoint loops "
           "run just before and after, per rep; other/ckpt: mean step without/with "
           "a save call; call: the save call incl. waiting for the previous save; drain: wait for "
           "the last save after the loop; bg cpu/save: CPU seconds of the process's other threads "
-          "per save, beyond those of the loop without checkpoints)")
+          "per save, beyond those of the loop without checkpoints; lost: dckpt's "
+          "SaveHandle.blocking_seconds, the call plus a fence's wait)")
 
 if __name__ == "__main__":
     main()
