@@ -1,7 +1,8 @@
 """dckpt: distributed, sharded, atomic and verified checkpoints for PyTorch.
 
 Public API: :func:`save`, :func:`load`, :func:`async_save` (:class:`SaveHandle`),
-:class:`CheckpointInfo`, :class:`TrainingState`
+:class:`CheckpointInfo`, :class:`TrainingState`, :func:`export` (to Hugging Face
+safetensors), :func:`import_checkpoint` (from DCP, safetensors, torch.save)
 and the errors.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ from .protocol.restore import load
 from .engine.async_save import SaveHandle, async_save
 from .manager import CheckpointManager
 from .state.training import TrainingState
+from .interop import ExportInfo, export, import_checkpoint
 from .errors import (
     AlreadyExistsError,
     CheckpointError,
@@ -28,6 +30,7 @@ from .errors import (
 __all__ = [
     "save", "load", "async_save", "SaveHandle", "CheckpointInfo", "TrainingState",
     "CheckpointManager",
+    "export", "ExportInfo", "import_checkpoint",
     "CheckpointError", "NotCommittedError", "AlreadyExistsError", "IntegrityError",
     "ManifestError", "StateMismatchError", "UnsupportedValueError", "RankFailure", "CommunicationError",
 ]

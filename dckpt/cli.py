@@ -1,4 +1,4 @@
-"""``dckpt`` command line: ls, inspect, verify, gc.
+"""``dckpt`` command line: ls, inspect, verify, gc, export, import.
 
 Every error is one line ``dckpt <cmd>: <message>`` on stderr and exit status 2 (the
 traceback too under ``-v``); ``verify`` exits 1 when it finds damage. Paths are printed
@@ -112,6 +112,80 @@ def cmd_gc(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from .interop import export
+
+    info = export(args.ckpt, args.out_dir, prefix=args.prefix, dtype=args.dtype,
+                  max_shard_size=args.max_shard_size, storage_options=_opts(args),
+                  overwrite=args.overwrite)
+    print(f"exported {info.tensors} tensor(s), {_size(info.bytes)}, to {args.out_dir} in "
+          f"{len(info.files)} file(s) ({info.seconds:.1f} s)")
+    return 0
+
+
+def cmd_import(args) -> int:
+    from .interop import import_checkpoint
+
+    aliases = {}
+    for a in args.alias or []:
+        new, eq, old = a.partition("=")
+        if not (eq and new and old):
+            raise CheckpointError(f"--alias {a!r} must be NEW=EXISTING")
+        aliases[new] = old
+    info = import_checkpoint(args.src, args.dst, format=args.format, prefix=args.prefix,
+                             aliases=aliases, overwrite=args.overwrite,
+                             max_shard_size=args.max_shard_size,
+                             compression=args.compression, storage_options=_opts(args))
+    print(f"imported {args.src} into {info.path}: {_size(info.bytes_written)} in "
+          f"{info.num_files} file(s) ({info.seconds:.1f} s)")
+    return 0
+
+
+def cmd_history(args) -> int:
+    from dataclasses import asdict
+
+    from .history import HISTORY_FILE, read_history
+    from .storage.fsspec_storage import make_storage
+
+    if args.last is not None and args.last < 0:
+        raise CheckpointError(f"--last must be >= 0, not {args.last}")
+    storage, root = make_storage(args.root, _opts(args))
+    try:
+        recs, bad = read_history(storage, root)
+    except FileNotFoundError:
+        raise CheckpointError(f"no save history in {args.root} (CheckpointManager writes "
+                              f"{HISTORY_FILE} there after each committed save)") from None
+    if args.tier != "all":
+        recs = [r for r in recs if r.tier == args.tier]
+    # File order is commit order, except records recovered at a restore: sort by time.
+    recs.sort(key=lambda r: r.time)
+    # --last N: the last N everywhere; without it the table shows 20, --json and
+    # --plot every record. 0: all.
+    picked = recs[-args.last:] if args.last else recs
+    if args.plot:
+        if not picked:
+            raise CheckpointError(f"no save records to plot in {args.root}")
+        from .history_plot import plot_history
+
+        plot_history(picked, args.plot, title=args.root)
+    if args.json:
+        print(json.dumps([dict(asdict(r), throughput_bps=r.throughput) for r in picked]))
+        return 0
+    shown = picked if args.last is not None else recs[-20:]
+    secs = lambda x: "-" if x is None else (f"{x:.3f} s" if x < 10 else f"{x:.1f} s")
+    rows = [[_when(r.time), str(r.step), "-" if r.epoch is None else str(r.epoch), r.tier,
+             r.mode, _size(r.bytes), secs(r.blocking_s), secs(r.total_s),
+             f"{_size(int(r.throughput))}/s" if r.throughput else "-", str(r.world_size)]
+            for r in shown]
+    if rows:
+        print(_table(rows, ["saved", "step", "epoch", "tier", "mode", "size", "blocking",
+                            "total", "throughput", "ranks"]))
+    skipped = f"; {bad} torn or corrupt line(s) skipped" if bad else ""
+    print(f"{len(shown)} of {len(recs)} save(s) shown{skipped}"
+          + (f"; plot written to {args.plot}" if args.plot else ""))
+    return 0
+
+
 def _shown(given: str, storage_path: str) -> str:
     """A checkpoint path as the user gave it where it is a URL (the storage path has
     lost the scheme and would not load), else the absolute local path."""
@@ -171,6 +245,56 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only files older than this (default 3600); the files of a save "
                         "in progress (a live intent) are kept whatever this says")
     s.set_defaults(fn=cmd_gc)
+    s = sub.add_parser("export", help="write a checkpoint's tensors as Hugging Face "
+                                      "safetensors (model.safetensors or shards + index)")
+    s.add_argument("ckpt")
+    s.add_argument("out_dir")
+    s.add_argument("--prefix", help="export the keys under PREFIX, without it in the names "
+                                     "(e.g. train.model. for TrainingState under 'train')")
+    s.add_argument("--dtype", choices=["bf16", "fp16", "fp32"],
+                   help="convert floating-point tensors (others are written as saved)")
+    s.add_argument("--max-shard-size", default="5GB", help="largest output file (default 5GB)")
+    s.add_argument("--overwrite", action="store_true",
+                   help="replace the weights in a non-empty OUT_DIR (other files are kept)")
+    s.set_defaults(fn=cmd_export)
+    s = sub.add_parser("import", help="make a dckpt checkpoint from a DCP directory, HF "
+                                      "safetensors or a torch.save file. DCP's .metadata is "
+                                      "a pickle: import only checkpoints you trust",
+                           description="Make a dckpt checkpoint from a torch.distributed."
+                           "checkpoint (DCP) directory, Hugging Face safetensors (a file, or a "
+                           "directory with or without model.safetensors.index.json) or a "
+                           "torch.save file (read with weights_only=True). WARNING: DCP's "
+                           ".metadata is a pickle. dckpt reads it with a restricted unpickler, "
+                           "but the import trusts its source: import only checkpoints you "
+                           "trust. The new checkpoint itself is pickle-free. See "
+                           "docs/INTEROP.md.")
+    s.add_argument("src", help="local DCP directory, .safetensors file or directory, or "
+                               "torch.save file")
+    s.add_argument("dst", help="the new checkpoint (path or fsspec URL)")
+    s.add_argument("--format", choices=["auto", "dcp", "safetensors", "torch"], default="auto")
+    s.add_argument("--prefix", help="put every key under PREFIX (e.g. train.model. so that "
+                                     "TrainingState under 'train' loads the weights)")
+    s.add_argument("--alias", action="append", metavar="NEW=EXISTING",
+                   help="also store tensor EXISTING as NEW (tied weights: "
+                        "lm_head.weight=model.embed_tokens.weight); repeatable")
+    s.add_argument("--max-shard-size", default="1GB",
+                   help="largest data file, and about the memory used (default 1GB)")
+    s.add_argument("--compression", choices=["zstd", "lz4"])
+    s.add_argument("--overwrite", action="store_true", help="replace a checkpoint at DST")
+    s.set_defaults(fn=cmd_import)
+    s = sub.add_parser("history", help="recent saves a CheckpointManager recorded under ROOT "
+                                       "(time, size, blocking and total seconds, throughput)")
+    s.add_argument("root")
+    s.add_argument("--last", type=int, metavar="N",
+                   help="only the last N saves (default 20 in the table; every save with "
+                        "--json or --plot); 0: all")
+    s.add_argument("--tier", choices=["all", "durable", "local"], default="all",
+                   help="only the saves of one tier (default all)")
+    s.add_argument("--json", action="store_true", help="print the records as a JSON array")
+    s.add_argument("--plot", metavar="FILE.png",
+                   help="also draw blocking time, total time and size per step to FILE "
+                        "(needs matplotlib: pip install 'dckpt[plot]')")
+    s.set_defaults(fn=cmd_history)
     return p
 
 

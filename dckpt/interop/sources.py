@@ -1,0 +1,297 @@
+"""Sources an import reads: Hugging Face safetensors and ``torch.save`` files (the DCP
+source lives in :mod:`dckpt.interop.dcp_source`).
+
+A source lists its tensors (name, dtype, shape) without reading their data, gives
+their JSON values, and reads any slab of rows of a tensor on request, so the importer
+holds one output file's worth of data at a time. Safetensors files are read with
+``pread`` through their own (validated) header, never mapped: mapped pages would stay
+resident and count in the process's memory. Nothing here unpickles anything outside
+``torch.load(weights_only=True)``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError
+from ..format.dtypes import ITEMSIZE, to_code, to_torch
+from ..state.flatten import flatten
+from .common import drop_pages, file_mappings, preview
+
+MAX_HEADER = 100 << 20  # as safetensors itself: refuse absurd headers before allocating
+INDEX_NAME = "model.safetensors.index.json"
+_PLAIN = re.compile(r"^[^/\\\x00]+\.safetensors$")
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    """One tensor of a source: its dckpt key (prefix included), the source's own name
+    for it, dtype and shape."""
+
+    key: str
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+class Source:
+    """The interface the importer uses. ``tensors`` and ``values`` are filled by the
+    constructor (metadata only); ``read`` returns rows ``[r0, r1)`` of a tensor as a
+    contiguous CPU tensor; ``done(name)`` says a tensor will not be read again (a
+    source may free it); ``close`` releases everything."""
+
+    kind = "?"
+    tensors: list[SourceTensor]
+    values: dict[str, Any]
+    int_keys: list[str]
+
+    def read(self, name: str, r0: int, r1: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def prepare(self, names: list[str]) -> None:
+        """Get ready to read ``names`` soon (a source that loads whole tensors loads
+        them together here). Default: nothing."""
+
+    def done(self, name: str) -> None:
+        """``name`` will not be read again."""
+
+    def close(self) -> None:
+        """Release files and memory."""
+
+
+def _rows(t: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+    return t.reshape(()) if t.dim() == 0 else t[r0:r1]
+
+
+# ------------------------------------------------------------------ safetensors
+
+@dataclass(frozen=True)
+class _Stored:
+    path: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute offset of the data in the file
+    nbytes: int
+
+
+def read_safetensors_header(path: str) -> dict[str, _Stored]:
+    """Parse and check the header of safetensors file ``path``: every tensor's dtype is
+    one dckpt stores, its shape is a list of non-negative ints, its byte range matches
+    the shape and lies inside the file. Blocking I/O (the header only). Raises
+    CheckpointError naming the file and tensor."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n < 2 or n > MAX_HEADER or 8 + n > size:
+                raise CheckpointError(f"{path} is not a safetensors file (header length "
+                                      f"{n}, file size {size})")
+            doc = json.loads(f.read(n))
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable safetensors header ({e})") from None
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"{path}: the safetensors header is not a JSON object")
+    out = {}
+    for name, t in doc.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = to_torch(t["dtype"]) if t["dtype"] in ITEMSIZE else None
+            shape, (s, e) = t["shape"], t["data_offsets"]
+            ok = (isinstance(shape, list) and all(type(x) is int and x >= 0 for x in shape)
+                  and type(s) is int and type(e) is int and 0 <= s <= e
+                  and 8 + n + e <= size)
+        except (KeyError, TypeError, ValueError):
+            ok, dtype = False, None
+        if dtype is None:
+            raise CheckpointError(f"{path}: tensor {name!r} has dtype "
+                                  f"{t.get('dtype') if isinstance(t, dict) else t!r}, "
+                                  "which dckpt does not store (or no dtype)")
+        if not ok or e - s != math.prod(shape) * dtype.itemsize:
+            raise CheckpointError(f"{path}: tensor {name!r} has a bad shape or byte range "
+                                  "(a damaged or truncated file)")
+        out[name] = _Stored(path, dtype, tuple(shape), 8 + n + s, e - s)
+    return out
+
+
+def safetensors_files(src: str) -> list[str]:
+    """The safetensors files of ``src``: the file itself; in a directory, the files of
+    ``model.safetensors.index.json`` when there is one, else every ``*.safetensors``.
+    Listing and index read only. Raises CheckpointError: no file, a bad index, an index
+    naming a file outside the directory."""
+    if os.path.isfile(src):
+        return [src]
+    index = os.path.join(src, INDEX_NAME)
+    if os.path.isfile(index):
+        try:
+            with open(index, "rb") as f:
+                wm = json.load(f).get("weight_map")
+        except (OSError, ValueError, AttributeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
+        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+            raise CheckpointError(f"{index}: no weight_map of tensor name -> file name")
+        bad = sorted({v for v in wm.values() if not _PLAIN.match(v) or v.startswith(".")})
+        if bad:
+            raise CheckpointError(f"{index}: weight_map names {preview(bad)}, which are not "
+                                  "safetensors files in that directory")
+        files = list(dict.fromkeys(wm.values()))
+        missing = [v for v in files if not os.path.isfile(os.path.join(src, v))]
+        if missing:
+            raise CheckpointError(f"{index} names file(s) missing from {src}: {preview(missing)}")
+        return [os.path.join(src, v) for v in files]
+    files = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"{src} holds no .safetensors file")
+    return [os.path.join(src, n) for n in files]
+
+
+class SafetensorsSource(Source):
+    """A Hugging Face safetensors file or directory; tensors keep the files' order."""
+
+    kind = "safetensors"
+
+    def __init__(self, src: str, prefix: str) -> None:
+        self.src, self.values, self.int_keys = src, {}, []
+        self.stored: dict[str, _Stored] = {}
+        for path in safetensors_files(src):
+            for name, st in read_safetensors_header(path).items():
+                if name in self.stored:
+                    raise CheckpointError(f"tensor {name!r} is in both {self.stored[name].path} "
+                                          f"and {path}")
+                self.stored[name] = st
+        index = os.path.join(src, INDEX_NAME)
+        if os.path.isdir(src) and os.path.isfile(index):
+            with open(index, "rb") as f:
+                wm = json.load(f)["weight_map"]
+            wrong = [k for k, v in wm.items()
+                     if os.path.basename(self.stored.get(k, _NONE).path) != v]
+            if wrong:
+                raise CheckpointError(f"{index}: tensor(s) {preview(wrong)} are not in the "
+                                      "file the weight_map names")
+        self.tensors = [SourceTensor(prefix + n, n, s.dtype, s.shape)
+                        for n, s in self.stored.items()]
+        self.fds: dict[str, int] = {}
+
+    def read(self, name: str, r0: int, r1: int) -> torch.Tensor:
+        """Rows ``[r0, r1)`` of ``name``, read with pread into a new tensor. Blocking
+        I/O of those bytes only. Raises CheckpointError on a short read."""
+        st = self.stored[name]
+        rows = st.shape[0] if st.shape else 1
+        row = st.nbytes // rows if rows else 0
+        shape = (r1 - r0, *st.shape[1:]) if st.shape else ()
+        out = torch.empty(shape, dtype=st.dtype)
+        want = out.numel() * st.dtype.itemsize
+        if not want:
+            return out
+        fd = self.fds.get(st.path)
+        if fd is None:
+            fd = self.fds[st.path] = os.open(st.path, os.O_RDONLY)
+        view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+        got, pos = 0, st.start + r0 * row
+        while got < want:
+            n = os.preadv(fd, [view[got:]], pos + got)
+            if n <= 0:
+                raise CheckpointError(f"{st.path}: short read of tensor {name!r} (the file "
+                                      "shrank while being imported)")
+            got += n
+        return out
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+_NONE = _Stored("", torch.uint8, (), 0, 0)
+
+
+# ------------------------------------------------------------------ torch.save
+
+class TorchSaveSource(Source):
+    """A ``torch.save`` file (the zip format of torch >= 1.6), loaded with
+    ``weights_only=True`` and ``mmap=True``: tensors are views of the mapped file, read
+    when written out. Nested dicts/lists become dotted keys as ``dckpt.save`` makes
+    them; JSON scalars become values. The pages of each tensor are dropped from memory
+    once it has been written (see :func:`drop_pages`)."""
+
+    kind = "torch.save"
+
+    def __init__(self, src: str, prefix: str) -> None:
+        try:
+            obj = torch.load(src, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" in str(e):
+                raise CheckpointError(
+                    f"{src} was saved in torch's legacy (non-zip) format, which cannot be "
+                    "memory-mapped: load and re-save it with torch.save first") from None
+            raise CheckpointError(f"{src}: torch.load(weights_only=True) failed: {e}") from None
+        except Exception as e:  # an UnpicklingError for anything but plain data
+            raise CheckpointError(f"{src}: torch.load(weights_only=True) failed: "
+                                  f"{' '.join(str(e).split())[:500]}") from None
+        self.maps = file_mappings(src)
+        try:
+            flat = flatten(obj)
+        except CheckpointError as e:  # e.g. the file holds one tensor, not a dict
+            raise type(e)(f"{src}: {e}") from None
+        self.t = dict(flat.tensors)
+        for k, v in self.t.items():
+            if v.layout != torch.strided or v.is_quantized:
+                raise CheckpointError(f"{src}: tensor {k!r} has layout {v.layout}; dckpt "
+                                      "stores dense tensors")
+            to_code(v.dtype, k)  # UnsupportedValueError (a CheckpointError) naming it
+        self.values = {prefix + k: v for k, v in flat.values.items()}
+        self.int_keys = [prefix + k for k in flat.int_keys]
+        self.tensors = [SourceTensor(prefix + k, k, v.dtype, tuple(v.shape))
+                        for k, v in self.t.items()]
+
+    def read(self, name: str, r0: int, r1: int) -> torch.Tensor:
+        return _rows(self.t[name], r0, r1).contiguous()
+
+    def done(self, name: str) -> None:
+        drop_pages(self.t[name], self.maps)
+
+    def close(self) -> None:
+        self.t.clear()
+
+
+def detect(src: str) -> str:
+    """``"dcp"``, ``"safetensors"`` or ``"torch"`` for the source at ``src``, from what
+    is there: a directory with ``.metadata`` is DCP; a ``.safetensors`` file or a
+    directory of them is safetensors; a file that starts like a zip (``PK``) is a
+    torch.save file. A few bytes read. Raises CheckpointError when it is none of them."""
+    if os.path.isdir(src):
+        if os.path.isfile(os.path.join(src, ".metadata")):
+            return "dcp"
+        if os.path.isfile(os.path.join(src, INDEX_NAME)) or any(
+                n.endswith(".safetensors") for n in os.listdir(src)):
+            return "safetensors"
+        raise CheckpointError(f"{src} is a directory with neither a DCP .metadata file nor "
+                              ".safetensors files")
+    if not os.path.exists(src):
+        raise CheckpointError(f"import source {src} does not exist (sources are local paths)")
+    try:
+        with open(src, "rb") as f:
+            head = f.read(8)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {src}: {e}") from None
+    if src.endswith(".safetensors"):
+        return "safetensors"
+    if head.startswith(b"PK"):
+        return "torch"
+    if len(head) == 8 and 0 < int.from_bytes(head, "little") <= MAX_HEADER:
+        return "safetensors"  # a safetensors file under another name
+    raise CheckpointError(f"{src} is not a DCP directory, a safetensors file or a "
+                          "torch.save (zip) file; pass format= to say which it is")
