@@ -19,8 +19,8 @@ from .errors import CheckpointError, IntegrityError, NotCommittedError
 from .format import manifest as mf
 from .format.codec import compression_flag
 from .catalog import remove_checkpoints
-from .policy import RetentionPolicy, SavePolicy, estimate_mtbf_hours
-from . import failures
+from .policy import RetentionPolicy, SavePolicy, check_epoch, estimate_mtbf_hours
+from . import failures, history
 from .state import rng
 from .tiers.fast import FastTier, fallback_worthy
 from .storage.fsspec_storage import make_storage
@@ -38,7 +38,15 @@ class CheckpointManager:
     measured save blocking time and ``mtbf_hours``, or without it an MTBF estimated from
     the restarts observed, see :mod:`dckpt.policy` and :mod:`dckpt.failures`) and
     ``every_seconds`` decide when :meth:`save` saves; time decisions are taken on rank 0
-    and broadcast, so every rank saves the same step. ``keep_last`` / ``keep_every``
+    and broadcast, so every rank saves the same step. ``every_epochs=N`` saves at the end
+    of every N-th epoch: pass ``epoch=e`` (counting from 0) to the :meth:`save` call of
+    epoch e's last step, and epochs N-1, 2N-1, ... are saved; a pure function of the
+    epoch, so no collective (every rank must pass the same epoch). The policies compose:
+    a step is saved when any of them is due. Each save records the last epoch passed
+    (in its manifest, under the value ``manager.epoch``); :meth:`restore` sets
+    :attr:`restored_epoch` from it, and replaying the end of an epoch that the restored
+    checkpoint already holds does not save it again (see
+    :meth:`dckpt.policy.SavePolicy.epoch_due`). ``keep_last`` / ``keep_every``
     decide what is kept; the newest committed checkpoint and one in flight are never
     deleted, and deletions happen only after a newer checkpoint has committed.
     ``capture_rng`` saves and restores each rank's Python, NumPy, torch CPU and CUDA RNG
@@ -63,6 +71,15 @@ class CheckpointManager:
     (None, "zstd", "lz4") applies to every save. Incremental saves need every step in
     one root: they, and compression, cannot be combined with ``local_root``.
 
+    Save history: rank 0 appends a record of every committed save (step, commit time,
+    bytes, blocking and total seconds, world size, tier "durable" or "local", epoch) to
+    ``root/.dckpt-saves.jsonl``, one self-checking JSON line each (the last 10,000
+    kept), from a background thread; a synchronous save's record is written before
+    :meth:`save` returns, an asynchronous or staged one when its commit is known.
+    :meth:`restore` adds the records a crash prevented (from the manifests, without
+    timings). A history failure is logged, never raised. ``dckpt history ROOT`` shows
+    it (``--plot`` draws it); format and costs: docs/HISTORY.md, :mod:`dckpt.history`.
+
     ``save_on_sigterm`` (preemption): a SIGTERM handler notes the signal; the next
     :meth:`save` call on every rank agrees on it (with :meth:`request_save`'s flag: one
     all-reduce of two ints per call), finishes the save in flight, writes a final synchronous checkpoint of
@@ -77,7 +94,7 @@ class CheckpointManager:
                  save_on_sigterm: bool = False, local_root: str | None = None,
                  keep_last_local: int = 1, durable_every_steps: int | None = None,
                  incremental: bool = False, full_every: int = 10,
-                 compression: str | None = None) -> None:
+                 compression: str | None = None, every_epochs: int | None = None) -> None:
         if (incremental or compression) and local_root is not None:
             raise CheckpointError(
                 "incremental=True and compression= are not supported with local_root: the "
@@ -91,7 +108,13 @@ class CheckpointManager:
         # one: the base of the next incremental save (None: the next save is full).
         self._base: int | None = None
         self._since_full = 0
-        self.policy = SavePolicy(every_steps, every_seconds, mtbf_hours)
+        self.policy = SavePolicy(every_steps, every_seconds, mtbf_hours,
+                                 every_epochs=every_epochs)
+        # The last epoch passed to save(epoch=) or held by the restored checkpoint:
+        # recorded with every save, and the epoch policy never saves it twice.
+        self._epoch: int | None = None
+        self._loaded_epoch: int | None = None
+        self.restored_epoch: int | None = None  # the restored checkpoint's epoch, if any
         if failures.restart_count():  # before any restore: torchelastic's count
             self.policy.estimated_mtbf_hours = estimate_mtbf_hours(failures.restart_count(), 0.0)
         self.retention = RetentionPolicy(keep_last, keep_every)
@@ -115,6 +138,8 @@ class CheckpointManager:
         self.restored_from: str | None = None  # "local" or "durable" after a restore
         on_rank0(self.comm, lambda: self.storage.makedirs(self.root),
                  f"CheckpointManager: create {root}")
+        # Rank 0 alone writes the save history (no I/O until the first record).
+        self.history = history.SaveHistory(self.storage, self.root) if self.comm.rank == 0 else None
         self.tier: FastTier | None = None
         if local_root is not None:
             self.tier = FastTier(local_root, keep_last_local=keep_last_local,
@@ -154,16 +179,18 @@ class CheckpointManager:
                         f"list checkpoints under {self._root_arg}")
 
     # ------------------------------------------------------------------ saving
-    def _decide(self, step: int, force: bool) -> bool:
+    def _decide(self, step: int, force: bool, epoch: int | None = None) -> bool:
         now = time.monotonic()
         if self._calls is not None and step > self._calls[0]:
             dt = (now - self._calls[1]) / (step - self._calls[0])
             self.step_seconds = dt if self.step_seconds is None else 0.9 * self.step_seconds + 0.1 * dt
         self._calls = (step, now)
         due = force or self.policy.due(step, self._last_step, now - self._last_time,
-                                       self.save_seconds, self.step_seconds)
+                                       self.save_seconds, self.step_seconds,
+                                       epoch=epoch, last_epoch=self._epoch)
         if self.policy.every_seconds is None and not force and self.policy.every_steps != "auto":
-            return due  # a pure function of the step: the same on every rank, no collective
+            # A pure function of the step and epoch: the same on every rank, no collective.
+            return due
         # Clocks and measured times differ per rank: rank 0 decides for everyone.
         return self.comm.broadcast_bytes(b"1" if due else b"0") == b"1"
 
@@ -185,48 +212,76 @@ class CheckpointManager:
         preempted, requested = self.comm.any_of(mine)
         return preempted, requested
 
-    def save(self, step: int, state: Any, *, force: bool = False) -> bool:
+    def save(self, step: int, state: Any, *, epoch: int | None = None,
+             force: bool = False) -> bool:
         """Save ``state`` as ``step`` when the policy says so (or ``force``); returns
-        whether a save started. Synchronous mode returns after the commit; async mode
-        after the snapshot. Waits for a previous async save first. A failed async
-        save is logged here and raised by :meth:`wait`."""
+        whether a save started. Synchronous mode returns after the commit (and its
+        history record); async mode after the snapshot. Waits for a previous async save
+        first. A failed async save is logged here and raised by :meth:`wait`.
+
+        ``epoch``: pass it in the call made at the end of an epoch, the epoch that just
+        ended counting from 0 (the same on every rank); ``every_epochs`` saves on it,
+        and it is recorded with this save and the later ones. A separate call after the
+        epoch's last step works too, but when that step was already saved by the call
+        before, it is not saved again and that checkpoint records the previous epoch.
+        Raises ValueError when ``epoch`` is not an int >= 0 (before any collective)."""
+        epoch = check_epoch(epoch)
         preempted, requested = self._votes()
         if preempted:
             log.warning("preempted (SIGTERM): writing a final checkpoint of step %d", step)
             self._finish_inflight(raise_error=False)
             self.save_on_sigterm = self.async_save = False  # one final, synchronous save
             if self._last_step != step:
-                self.save(step, state, force=True)
+                self.save(step, state, epoch=epoch, force=True)
             if self.tier is not None:
                 self.tier.wait(raise_error=False)  # the final save is durable before exit
             raise SystemExit(0)
         if requested:
             log.info("a save was requested: saving step %d", step)
-        if not self._decide(step, force or requested):
+        due = self._decide(step, force or requested, epoch)
+        if epoch is not None:
+            self._epoch = epoch  # after the decision: it compares with the previous one
+        if not due:
             return False
         self._finish_inflight(raise_error=False)
         full = self._full(state)
         t0 = time.perf_counter()
         path = self.path(step)
-        if self.tier is not None:
-            durable = self.tier.durable_due(step, force or requested)
-            self.tier.save(step, full, durable=durable, async_=self.async_save)
-            blocked = time.perf_counter() - t0
-        elif self.async_save:
-            h = _async_save(full, path, process_group=self.group,
-                            storage_options=self.storage_options, overwrite=True,
-                            **self._delta_args(step))
-            self._inflight = (step, h)
-            blocked = h.blocking_seconds
-        else:
-            try:
-                _save(full, path, process_group=self.group,
-                      storage_options=self.storage_options, overwrite=True,
-                      **self._delta_args(step))
-            except BaseException:
-                self._base = None  # the next save is full: nothing half-known to build on
-                raise
-            blocked = time.perf_counter() - t0
+        pending = (history.PendingSave(self.history, step, self._epoch,
+                                       "async" if self.async_save else "sync")
+                   if self.history is not None else None)
+        blocked: float | None = None
+        info = None
+        try:
+            if self.tier is not None:
+                durable = self.tier.durable_due(step, force or requested)
+                self.tier.save(step, full, durable=durable, async_=self.async_save,
+                               on_commit=self._tier_recorder(pending))
+                blocked = time.perf_counter() - t0
+            elif self.async_save:
+                h = _async_save(full, path, process_group=self.group,
+                                storage_options=self.storage_options, overwrite=True,
+                                **self._delta_args(step))
+                self._inflight = (step, h)
+                blocked = h.blocking_seconds
+                if pending is not None:  # recorded once committed, even if never waited for
+                    h.add_done_callback(lambda h: self._record_async(pending, h))
+            else:
+                try:
+                    info = _save(full, path, process_group=self.group,
+                                 storage_options=self.storage_options, overwrite=True,
+                                 **self._delta_args(step))
+                except BaseException:
+                    self._base = None  # the next save is full: nothing half-known to build on
+                    raise
+                blocked = time.perf_counter() - t0
+        finally:
+            if pending is not None:  # even on failure: a commit's record never waits forever
+                pending.blocked(time.perf_counter() - t0 if blocked is None else blocked)
+        if info is not None:
+            if pending is not None:  # on disk before save() returns
+                pending.committed("durable", info.bytes_written, info.world_size,
+                                  info.save_id, wait=True)
             self._committed(step)
         self.save_seconds = blocked
         self._last_step, self._last_time = step, time.monotonic()
@@ -247,10 +302,34 @@ class CheckpointManager:
         self._base = step
         self._after_commit(step)
 
+    def _tier_recorder(self, pending: history.PendingSave | None):
+        """The fast tier's ``on_commit`` hook recording each tier's commit (rank 0)."""
+        if pending is None:
+            return None
+
+        def on_commit(tier: str, commit, info) -> None:
+            if tier == "durable":  # the staged copy: its own bytes, world size, save id
+                pending.committed("durable", info.bytes_written, info.world_size,
+                                  info.save_id, mode="staged")
+            else:  # rank 0's local commit means every rank's (they agreed on it)
+                pending.committed("local", commit.total_bytes, self.comm.size, commit.save_id)
+
+        return on_commit
+
+    @staticmethod
+    def _record_async(pending: history.PendingSave, h: SaveHandle) -> None:
+        """Rank 0, when an async save is over: record it if it committed. Runs in the
+        persist thread (or at once); only queues the write."""
+        if h.exception() is None:
+            info = h.result()
+            pending.committed("durable", info.bytes_written, info.world_size, info.save_id)
+
     def _full(self, state: Any) -> dict[str, Any]:
         full: dict[str, Any] = {"state": state}
         if self.capture_rng:
             full["rng"] = {f"rank{self.comm.rank}": rng.capture()}
+        if self._epoch is not None:  # read back by restore (restored_epoch)
+            full["manager"] = {"epoch": self._epoch}
         return full
 
     def _prepare(self, state: Any) -> None:
@@ -327,16 +406,24 @@ class CheckpointManager:
         try:
             self._finish_inflight(raise_error=True)
         finally:
-            if self.tier is not None:
-                self.tier.wait()
+            try:
+                if self.tier is not None:
+                    self.tier.wait()
+            finally:
+                if self.history is not None:
+                    self.history.flush()  # their records written too
 
     def close(self) -> None:
         """:meth:`wait`, then stop the background threads."""
         try:
             self.wait()
         finally:
-            if self.tier is not None:
-                self.tier.close()
+            try:
+                if self.tier is not None:
+                    self.tier.close()
+            finally:
+                if self.history is not None:
+                    self.history.close()
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -372,6 +459,7 @@ class CheckpointManager:
         if self.tier is not None:
             self.tier.wait(raise_error=False)
         self.restored_from = None
+        self.restored_epoch = None
         durable = on_rank0(self.comm, self._candidates, f"list checkpoints under {self._root_arg}")
         if step is not None:
             durable = [s for s in durable if s == step] or [step]
@@ -424,6 +512,7 @@ class CheckpointManager:
         self._observe_failures(True)
         self._prepare(state)
         self.restored_from = tier
+        self._epoch = self.restored_epoch = self._loaded_epoch
         self._last_step, self._last_time = step, time.monotonic()
         self._base = None  # a chain starts with a full save in every process's life
         if self.tier is not None:
@@ -437,12 +526,17 @@ class CheckpointManager:
         (committed before some lower step was). Reads every committed manifest."""
         committed = self._local_steps()[0]
         created: dict[int, float] = {}
+        recovered: dict[str, history.SaveRecord] = {}
         for s in committed:
             try:
                 storage, root = make_storage(self.path(s), self.storage_options)
-                created[s] = read_manifest(storage, root)[0].created
+                m = read_manifest(storage, root)[0]
+                created[s] = m.created
+                recovered[m.save_id] = history.recovered_record(s, m)
             except CheckpointError:
                 pass  # unreadable: tried in its turn, and its load reports why
+        if self.history is not None and recovered:  # records a crash after a commit prevented
+            self.history.reconcile(recovered)
         out, newest_lower = [], float("-inf")
         for s in committed:  # ascending
             c = created.get(s)
@@ -461,6 +555,13 @@ class CheckpointManager:
         rank = self.comm.rank
         target: dict[str, Any] = {"state": state}
         found: dict[str, Any] = {}
+        self._loaded_epoch = None
+
+        def extra(m: mf.Manifest) -> dict[str, Any]:
+            e = m.values.get("manager.epoch")  # read here: no target needed for it
+            valid = isinstance(e, int) and not isinstance(e, bool) and e >= 0
+            self._loaded_epoch = e if valid else None
+            return rng_target(m) if self.capture_rng else {}
 
         def rng_target(m: mf.Manifest) -> dict[str, Any]:
             # Shaped after what the checkpoint holds, not after this process's devices.
@@ -473,7 +574,7 @@ class CheckpointManager:
 
         _load(target, path, process_group=self.group,
               storage_options=None if manifest_name else self.storage_options,
-              ignore_prefixes=("rng.",), extra=rng_target if self.capture_rng else None,
+              ignore_prefixes=("rng.", "manager."), extra=extra,
               manifest_name=manifest_name, read_workers=read_workers)
         if "sd" in found:
             if rank < found["world"]:

@@ -25,6 +25,8 @@ from ..storage.fsspec_storage import make_storage
 from . import chooser, local, stager
 
 log = logging.getLogger(__name__)
+# on_commit(tier, commit, info): "local" (info None) or "durable" (the staged CheckpointInfo)
+OnCommit = Callable[[str, "local.LocalCommit", Any], None]
 
 
 class FastTier:
@@ -83,15 +85,20 @@ class FastTier:
             self.last_durable = step
         return due
 
-    def save(self, step: int, state: Any, *, durable: bool, async_: bool) -> None:
+    def save(self, step: int, state: Any, *, durable: bool, async_: bool,
+             on_commit: OnCommit | None = None) -> None:
         """Commit ``state`` as ``step`` in every rank's fast tier, then queue its staging
         when ``durable``. Collective. Synchronous: returns after the local commit (and
         raises its error). Asynchronous: returns after the snapshot into host buffers;
         the local commit runs in the background, its error is raised by :meth:`wait`.
-        Waits for the previous local save first (its buffers are reused)."""
+        Waits for the previous local save first (its buffers are reused).
+        ``on_commit(tier, commit, info)`` is called on this rank after the local commit
+        (``"local"``, info None) and after the durable one (``"durable"``, the staged
+        CheckpointInfo), in the thread that saw it (the save history); its errors are
+        logged, never raised."""
         self.wait_local()
         if not async_:
-            self._save_local(step, state, self.comm, durable)
+            self._save_local(step, state, self.comm, durable, on_commit)
             return
         try:
             snap, _ = self.pool.snapshot(state)
@@ -99,25 +106,29 @@ class FastTier:
             from ..engine.async_save import _Unstageable
             snap = {"state": _Unstageable(e)}
         comm = Comm(self._local_group)
-        self._local_job = self._local_exec.submit(self._save_local, step, snap, comm, durable)
+        self._local_job = self._local_exec.submit(self._save_local, step, snap, comm, durable,
+                                                  on_commit)
 
-    def _save_local(self, step: int, state: Any, comm: Comm, durable: bool) -> local.LocalCommit:
+    def _save_local(self, step: int, state: Any, comm: Comm, durable: bool,
+                    on_commit: OnCommit | None = None) -> local.LocalCommit:
         commit = local.save_local(state, step, self.step_dir(step), self.storage, comm)
         if comm.rank == 0:
             log.info("step %d committed in the fast tier %s in %.2f s", step, self.root,
                      commit.seconds)
+        _notify(on_commit, "local", commit, None)
         if durable:
             with self._lock:
                 self._staging.add(step)
-            self._stage_jobs.append(self._stage_exec.submit(self._stage, commit))
+            self._stage_jobs.append(self._stage_exec.submit(self._stage, commit, on_commit))
         self.cleanup(step)
         return commit
 
-    def _stage(self, commit: local.LocalCommit) -> None:
+    def _stage(self, commit: local.LocalCommit, on_commit: OnCommit | None = None) -> None:
         comm = Comm(self._stage_group)
         try:
-            stager.stage(commit, self.storage, self.durable_path(commit.step), comm,
-                         self.storage_options)
+            info = stager.stage(commit, self.storage, self.durable_path(commit.step), comm,
+                                self.storage_options)
+            _notify(on_commit, "durable", commit, info)
             self.on_durable(commit.step)
         except Exception as e:
             # Training goes on with the fast tier; the next durable save tries again.
@@ -207,6 +218,17 @@ class FastTier:
             cpus = os.cpu_count() or 1
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or self.comm.size
         return max(1, min(4, cpus // max(1, per_node)))
+
+
+def _notify(on_commit: OnCommit | None, tier: str, commit: local.LocalCommit, info: Any) -> None:
+    """``on_commit(tier, commit, info)``, if given; its errors are logged: a hook (the
+    save history) never fails a save that committed."""
+    if on_commit is None:
+        return
+    try:
+        on_commit(tier, commit, info)
+    except Exception as e:
+        log.warning("after the %s commit of step %d: %s", tier, commit.step, e)
 
 
 def fallback_worthy(e: BaseException) -> bool:

@@ -258,3 +258,53 @@ def test_kill_mid_incremental_save(tmp_path, how):
     want = expected(steps[-1])
     t = {k: (torch.zeros_like(v) if torch.is_tensor(v) else -1) for k, v in want.items()}
     assert dckpt.CheckpointManager(root, capture_rng=False).restore(t) == steps[-1]
+
+
+@pytest.mark.parametrize("how", ["random", "history:0:kill"])
+def test_history_survives_a_killed_save(tmp_path, how):
+    """A manager saving one step per epoch (every_epochs=1) on 2 ranks is SIGKILLed: at
+    a random moment, or half-way through writing the history line of step 4, after its
+    commit. The history still parses, holds the record of every step whose save()
+    returned, and loses nothing but the line being written; the next restore adds the
+    record the kill prevented (rebuilt from the manifest), after the torn line."""
+    from dckpt.history import read_history
+    from dckpt.storage.local import LocalStorage
+
+    root, run = str(tmp_path / "ckpt"), str(tmp_path)
+    if how == "random":
+        job = Job(root, run, "--manager")
+        job.wait_for("saved 3")
+        time.sleep(random.Random(11).uniform(0.0, 0.3))
+        job.kill_all()
+    else:  # killed during the save of step 4, after its commit
+        job = Job(root, run, "--manager", "--gens", "4", "--fault-gen", "4", "--fault", how)
+    assert job.finish() != 0
+    last = job.last_saved()
+    steps = _committed_steps(root)
+    assert steps and last <= steps[-1] <= last + 1, (steps, last)
+    if how != "random":
+        assert last == 3 and steps[-1] == 4
+
+    recs, bad = read_history(LocalStorage(), root)
+    assert bad == (1 if how == "history:0:kill" else bad) and bad <= 1
+    by_step = {r.step: r for r in recs}
+    assert set(range(1, last + 1)) <= set(by_step) <= set(range(1, last + 2))
+    for s in range(1, last + 1):
+        r = by_step[s]
+        assert (r.tier, r.mode, r.world_size, r.epoch) == ("durable", "sync", 2, s - 1)
+        assert r.bytes > 20 << 20 and 0 < r.blocking_s <= r.total_s
+    if how != "random":
+        assert 4 not in by_step  # the kill came before its record was whole
+
+    mgr = dckpt.CheckpointManager(root, capture_rng=False)
+    t = {k: (torch.zeros_like(v) if torch.is_tensor(v) else -1)
+         for k, v in expected(steps[-1]).items()}
+    assert mgr.restore(t) == steps[-1] and mgr.restored_epoch == steps[-1] - 1
+    mgr.close()
+    after, bad_after = read_history(LocalStorage(), root)
+    assert bad_after == bad  # the torn line stays on its own, skipped
+    assert after[:len(recs)] == recs  # nothing written before the kill was lost
+    assert {r.step for r in after} == set(range(1, steps[-1] + 1))
+    for r in after[len(recs):]:  # only what the kill prevented, rebuilt from its manifest
+        assert (r.step, r.mode, r.world_size, r.epoch) == (steps[-1], "recovered", 2,
+                                                           steps[-1] - 1)

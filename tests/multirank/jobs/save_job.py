@@ -1,6 +1,7 @@
 """A torchrun job that saves generations of a sharded state, for crash tests.
 
     torchrun --nproc-per-node=2 save_job.py PATH RUNDIR --gens N [--fault-gen G --fault SPEC]
+        [--async-save | --incremental | --manager]
 
 Generation g's state is a pure function of g (every element encodes g), so a loaded
 checkpoint shows whether it is one whole generation or a mix. Each rank writes its pid
@@ -45,6 +46,10 @@ def main() -> None:
     ap.add_argument("--incremental", action="store_true",
                     help="CheckpointManager(PATH, incremental=True, full_every=3, keep_last=2) "
                          "saving generation g as step g, with a frozen 'w'")
+    ap.add_argument("--manager", action="store_true",
+                    help="CheckpointManager(PATH, keep_last=2, every_epochs=1), synchronous, "
+                         "saving generation g as step g at the end of epoch g - 1 (its save "
+                         "history is under PATH)")
     a = ap.parse_args()
     dist.init_process_group("gloo")
     from torch.distributed.device_mesh import init_device_mesh
@@ -55,10 +60,14 @@ def main() -> None:
         f.write(str(os.getpid()))
     mgr = (dckpt.CheckpointManager(a.path, incremental=True, full_every=3, keep_last=2,
                                    capture_rng=False) if a.incremental else None)
+    if a.manager:
+        mgr = dckpt.CheckpointManager(a.path, keep_last=2, every_epochs=1, capture_rng=False)
     for gen in range(1, a.gens + 1):
         if gen == a.fault_gen:
             os.environ["DCKPT_FAULT"] = a.fault
-        if mgr is not None:
+        if a.manager:
+            assert mgr.save(gen, state(gen, mesh), epoch=gen - 1)
+        elif mgr is not None:
             mgr.save(gen, state(gen, mesh, frozen=True), force=True)
         elif a.async_save:
             h = dckpt.async_save(state(gen, mesh), a.path, overwrite=True)
