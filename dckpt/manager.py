@@ -22,6 +22,7 @@ from .catalog import remove_checkpoints
 from .policy import RetentionPolicy, SavePolicy, check_epoch, estimate_mtbf_hours
 from . import failures, history
 from .state import rng
+from .state.training import fence_targets
 from .tiers.fast import FastTier, fallback_worthy
 from .storage.fsspec_storage import make_storage
 
@@ -79,6 +80,12 @@ class CheckpointManager:
     :meth:`restore` adds the records a crash prevented (from the manifests, without
     timings). A history failure is logged, never raised. ``dckpt history ROOT`` shows
     it (``--plot`` draws it); format and costs: docs/HISTORY.md, :mod:`dckpt.history`.
+
+    ``async_save=True`` saving a :class:`dckpt.TrainingState` (anywhere in the state)
+    overlaps the snapshot copy with the next forward and backward passes: the state's
+    optimizers wait for it at their next ``step()`` (see :func:`dckpt.async_save`'s
+    ``fence``). Anything else in the state that the training loop changes before that
+    step must not be changed in place until :meth:`wait_snapshot` returns.
 
     ``save_on_sigterm`` (preemption): a SIGTERM handler notes the signal; the next
     :meth:`save` call on every rank agrees on it (with :meth:`request_save`'s flag: one
@@ -259,9 +266,11 @@ class CheckpointManager:
                                on_commit=self._tier_recorder(pending))
                 blocked = time.perf_counter() - t0
             elif self.async_save:
+                # The copy overlaps the next forward/backward; the state's optimizers
+                # (TrainingState) wait for it at their next step.
                 h = _async_save(full, path, process_group=self.group,
                                 storage_options=self.storage_options, overwrite=True,
-                                **self._delta_args(step))
+                                fence=fence_targets(state) or None, **self._delta_args(step))
                 self._inflight = (step, h)
                 blocked = h.blocking_seconds
                 if pending is not None:  # recorded once committed, even if never waited for
@@ -399,6 +408,12 @@ class CheckpointManager:
         except OSError:
             return False
         return bool(live_save_ids(entries))
+
+    def wait_snapshot(self) -> None:
+        """Block until the in-flight async save's snapshot copy is complete (changing
+        the saved state is safe after it). Not collective; no-op without one."""
+        if self._inflight is not None:
+            self._inflight[1].wait_snapshot()
 
     def wait(self) -> None:
         """Block until every save so far has committed in every tier it is meant for;

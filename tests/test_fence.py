@@ -141,3 +141,20 @@ def test_the_step_really_waits_for_a_slow_copy(tmp_path, monkeypatch):
     assert returned < 0.4  # the call did not copy
     assert h.blocking_seconds >= 0.3  # the step waited
     _same(want, _loaded(str(tmp_path / "c"), want))
+
+
+def test_manager_fences_a_training_state_by_itself(tmp_path):
+    m, opt = _model(256)
+    _step(m, opt)
+    wants = {}
+    with dckpt.CheckpointManager(str(tmp_path / "r"), async_save=True, capture_rng=False) as mgr:
+        for s in (1, 2, 3):
+            wants[s] = _snapshot(m, opt)
+            mgr.save(s, {"train": dckpt.TrainingState(m, opt)}, force=True)
+            assert mgr._inflight[1]._hooks  # fenced on the optimizer
+            _step(m, opt)
+    for s, want in wants.items():
+        m2, o2 = _model(256)
+        _step(m2, o2)
+        dckpt.load({"state": {"train": dckpt.TrainingState(m2, o2)}}, mgr.path(s), strict=False)
+        _same(want, _snapshot(m2, o2))

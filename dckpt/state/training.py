@@ -55,3 +55,28 @@ class TrainingState:
             return
         set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
                        optim_state_dict=state_dict["optim"], options=self._options())
+
+
+def fence_targets(state: Any) -> list:
+    """What an overlapped async save of ``state`` must fence on: the optimizer of every
+    :class:`TrainingState` in it (nested in dicts, lists, tuples), and its model too
+    when a module of it changes buffers in forward (BatchNorm with running stats in
+    training mode). No I/O; O(containers + modules)."""
+    out: list = []
+
+    def walk(obj: Any) -> None:
+        if isinstance(obj, TrainingState):
+            if obj.optimizer is not None:
+                out.append(obj.optimizer)
+            if any(isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.training
+                   and m.track_running_stats for m in obj.model.modules()):
+                out.append(obj.model)
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                walk(v)
+        elif type(obj) in (list, tuple):
+            for v in obj:
+                walk(v)
+
+    walk(state)
+    return out
