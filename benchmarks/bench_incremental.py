@@ -34,11 +34,13 @@ import time
 from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
 import dckpt  # noqa: E402
 from dckpt.format import codec  # noqa: E402
+from bench_save_load import raw_write as _raw_write  # noqa: E402
 
 MiB = 1 << 20
 
@@ -156,16 +158,10 @@ def run_workload(name: str, mib: int, steps: int, root: str) -> dict:
 
 # ---------------------------------------------------------------- limits, hashing
 def raw_write(path: str, nbytes: int) -> float:
+    """Seconds of a raw os.write + fsync of ``nbytes`` (bench_save_load's floor)."""
     block = memoryview(bytearray(os.urandom(16 * MiB)))
     t0 = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        left = nbytes
-        while left:
-            left -= os.write(fd, block[: min(left, len(block))])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _raw_write(path, nbytes, block)
     dt = time.perf_counter() - t0
     os.remove(path)
     return dt

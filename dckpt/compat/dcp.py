@@ -180,13 +180,21 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None 
          no_dist: bool = False, use_collectives: bool = True) -> CheckpointInfo:
     """DCP's ``save``: replaces the checkpoint at ``checkpoint_id`` atomically.
     Collective, blocking I/O (see :func:`dckpt.save`). Raises CheckpointError."""
-    path = _checkpoint_path(checkpoint_id, storage_writer, "save")
-    _check_planner(planner, "save", "DefaultSavePlanner")
-    group = _group(process_group, no_dist, "save")
-    out, _, kinds = _resolve(state_dict, "save")
+    out, path, group = _to_save(state_dict, checkpoint_id, storage_writer, planner,
+                                process_group, no_dist, "save")
+    return _save(out, path, process_group=group, overwrite=True)
+
+
+def _to_save(state_dict: dict, checkpoint_id: Any, storage_writer: Any, planner: Any,
+             process_group: Any, no_dist: bool, what: str) -> tuple[dict, str, Any]:
+    """(what dckpt saves, path, group) for save/async_save. Raises CheckpointError."""
+    path = _checkpoint_path(checkpoint_id, storage_writer, what)
+    _check_planner(planner, what, "DefaultSavePlanner")
+    group = _group(process_group, no_dist, what)
+    out, _, kinds = _resolve(state_dict, what)
     if kinds:
         out[BYTES_KEY] = json.dumps(kinds, sort_keys=True)
-    return _save(out, path, process_group=group, overwrite=True)
+    return out, path, group
 
 
 def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None = None,
@@ -196,15 +204,11 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike |
     """DCP's ``async_save``: returns once the state is snapshotted (changing it after
     is safe); the handle's ``result()`` waits for the commit. Collective. Raises
     CheckpointError (argument errors at once; save errors from ``result()``)."""
-    path = _checkpoint_path(checkpoint_id, storage_writer, "async_save")
-    _check_planner(planner, "async_save", "DefaultSavePlanner")
     if async_stager is not None:
         raise CheckpointError("dckpt.compat.dcp.async_save: async_stager is not supported: "
                               "dckpt stages into its own reusable host buffers")
-    group = _group(process_group, no_dist, "async_save")
-    out, _, kinds = _resolve(state_dict, "async_save")
-    if kinds:
-        out[BYTES_KEY] = json.dumps(kinds, sort_keys=True)
+    out, path, group = _to_save(state_dict, checkpoint_id, storage_writer, planner,
+                                process_group, no_dist, "async_save")
     return _async_save(out, path, process_group=group, overwrite=True)
 
 
