@@ -101,7 +101,12 @@ def cached_offers(blobs: list[bytes], step: int) -> tuple[plancache.CoordCache, 
     for p, b in zip(plans, blobs):
         offers.append(plancache.decode_offer(
             plancache.encode_offer(False, plancache.fingerprints(p), b)))
-    pid = cache.store(offers, plans, gplan.plan_global(plans))
+    gp = gplan.plan_global(plans)
+    pid = cache.store(offers, plans, gp)
+    world = len(blobs)
+    files = [mf.FileEntry(f"data-0123456789abcdef-{r:05d}.safetensors",
+                          int(gp.bytes_per_rank[r]) + 4096, 4088, 12345, r) for r in range(world)]
+    mf.to_json(gplan.to_manifest(gp, files, "0123456789abcdef", world, {}))  # the first save's
     later = []
     for r, p in enumerate(plans):
         p.values = {"step": step}

@@ -184,17 +184,7 @@ def to_json(m: Manifest) -> bytes:
     ``values`` and ``meta`` are tagged objects). Cost: O(tensors + chunk-table size), no
     I/O. Raises ValueError when ``created`` is not finite, TypeError when ``meta`` holds
     something JSON cannot encode."""
-    tensors = {}
-    for key, t in m.tensors.items():
-        c = t.chunks
-        if c.grid is not None:
-            enc: dict[str, Any] = {"grid": [intarray.encode(np.asarray(b)) for b in c.grid]}
-        else:
-            enc = {"offsets": c.offsets.tolist(), "sizes": c.sizes.tolist()}
-        enc["file"] = intarray.encode(c.file)
-        tensors[key] = {"dtype": t.dtype, "shape": list(t.shape), "chunks": enc}
-        if t.blocks is not None:
-            tensors[key]["blocks"] = _blocks_json(t.blocks)
+    tensors = _encoded_tensors(m.tensors)
     new = any(f.dir for f in m.files) or any(t.blocks is not None for t in m.tensors.values())
     doc = {
         "format": FORMAT,
@@ -209,6 +199,31 @@ def to_json(m: Manifest) -> bytes:
         "values": {k: sealed.tag_floats(v) for k, v in m.values.items()},
     }
     return sealed.seal(doc)
+
+
+# The JSON form of the last manifest's tensor table, by the identity of that table: a
+# steady-state save whose plan was cached reuses the same (immutable) entries, so its
+# manifest is serialised without encoding the chunk tables again.
+_LAST_TENSORS: tuple = (None, None)
+
+
+def _encoded_tensors(entries: dict) -> dict:
+    global _LAST_TENSORS
+    if _LAST_TENSORS[0] is entries:
+        return _LAST_TENSORS[1]
+    tensors = {}
+    for key, t in entries.items():
+        c = t.chunks
+        if c.grid is not None:
+            enc: dict[str, Any] = {"grid": [intarray.encode(np.asarray(b)) for b in c.grid]}
+        else:
+            enc = {"offsets": c.offsets.tolist(), "sizes": c.sizes.tolist()}
+        enc["file"] = intarray.encode(c.file)
+        tensors[key] = {"dtype": t.dtype, "shape": list(t.shape), "chunks": enc}
+        if t.blocks is not None:
+            tensors[key]["blocks"] = _blocks_json(t.blocks)
+    _LAST_TENSORS = (entries, tensors)
+    return tensors
 
 
 def _blocks_json(blocks: tuple[ChunkBlocks, ...]) -> dict:

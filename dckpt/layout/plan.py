@@ -263,6 +263,30 @@ def to_manifest(gp: GlobalPlan, files: list[mf.FileEntry], save_id: str, world: 
     index = np.full(world, -1, np.int64)
     for i, f in enumerate(files):
         index[f.rank] = i
+    tensors = _reused_entries(gp, index, missing_ok)
+    if tensors is None:
+        tensors = _entries(gp, index, missing_ok)
+    meta = dict(meta or {})
+    if gp.int_keys:
+        meta["int_keys"] = gp.int_keys
+    return mf.Manifest(save_id, world, time.time(), tuple(files), tensors, gp.values, meta)
+
+
+# The last manifest's tensor entries, by the plan's tensors and the file index they
+# were built with: a save whose plan was cached (dckpt.protocol.plancache) reuses them,
+# and then manifest.to_json reuses their encoding (entries are immutable).
+_LAST_ENTRIES: tuple = (None, b"", None)
+
+
+def _reused_entries(gp: GlobalPlan, index: np.ndarray, missing_ok: bool) -> dict | None:
+    planned, key, entries = _LAST_ENTRIES
+    if planned is gp.tensors and key == index.tobytes() and not missing_ok:
+        return entries
+    return None
+
+
+def _entries(gp: GlobalPlan, index: np.ndarray, missing_ok: bool) -> dict:
+    global _LAST_ENTRIES
     tensors = {}
     for k, t in gp.tensors.items():
         fidx = index[t.writer]
@@ -270,7 +294,6 @@ def to_manifest(gp: GlobalPlan, files: list[mf.FileEntry], save_id: str, world: 
             raise StateMismatchError(f"tensor {k!r}: rank {int(t.writer[fidx < 0][0])} was to "
                                      "write a chunk but reported no file")
         tensors[k] = mf.TensorEntry(k, t.dtype, t.shape, mf.Chunks(t.offsets, t.sizes, fidx, t.grid))
-    meta = dict(meta or {})
-    if gp.int_keys:
-        meta["int_keys"] = gp.int_keys
-    return mf.Manifest(save_id, world, time.time(), tuple(files), tensors, gp.values, meta)
+    if not missing_ok:
+        _LAST_ENTRIES = (gp.tensors, index.tobytes(), tensors)
+    return tensors
