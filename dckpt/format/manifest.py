@@ -165,14 +165,14 @@ def _grid_dim(obj: Any, key: str, d: int, extent: int, nfiles: int) -> tuple[int
     at most ``nfiles + 1`` of them. Raises ValueError."""
     if isinstance(obj, list) and len(obj) <= _SMALL:  # fast path, no numpy
         b = obj
-        ok = all(type(x) is int for x in b)
+        ok = all(type(x) is int for x in b) and all(x < y for x, y in zip(b, b[1:]))
     else:
         arr = intarray.decode(obj, f"tensor {key!r} grid", nfiles + 1)
-        # values inside [0, extent] first, so the differences cannot overflow
+        # values inside [0, extent] first, so the differences cannot overflow; rising
+        # strictly is checked here, not again per element in Python
         ok = not ((arr < 0).any() or (arr > extent).any() or (len(arr) > 1 and (np.diff(arr) <= 0).any()))
         b = arr.tolist()
-    if not (ok and len(b) >= 2 and len(b) <= nfiles + 1 and b[0] == 0 and b[-1] == extent
-            and all(x < y for x, y in zip(b, b[1:]))):
+    if not (ok and len(b) >= 2 and len(b) <= nfiles + 1 and b[0] == 0 and b[-1] == extent):
         raise ValueError(f"tensor {key!r}: grid of dim {d} must rise strictly from 0 to {extent}")
     return tuple(b)
 
