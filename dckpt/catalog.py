@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass
 
 from .protocol import intent as _intent
-from .protocol.commit import DATA_FILE, TEMP_MANIFEST
+from .protocol.coordinator import DATA_FILE, TEMP_MANIFEST
 from .protocol.intent import INTENT_FILE, live_save_ids
 from .errors import CheckpointError
 from .format import manifest as mf

@@ -161,7 +161,7 @@ def test_manifest_golden_v2_content():
     assert list(doc) == ["checksum", "format", "version", "save_id", "world_size", "created",
                          "meta", "files", "tensors", "values"]
     assert doc["version"] == 2 and mf.VERSION == 3  # plain manifests are still written as version 2
-    assert b'"save_id":"0123456789abcdef"' in raw  # protocol/commit.py searches for it
+    assert b'"save_id":"0123456789abcdef"' in raw  # protocol/coordinator.py searches for it
     v1 = golden_doc()
     v1.update(version=2)
     v1["values"].update({"nan": {"$float": "nan"}, "inf": {"$float": "inf"},

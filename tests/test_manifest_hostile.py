@@ -82,7 +82,7 @@ def test_v2_layout():
     doc = strict_loads(raw)  # still one plain JSON object
     assert list(doc)[:4] == ["checksum", "format", "version", "save_id"]
     assert doc["version"] == 2 and doc["format"] == "dckpt"
-    assert b'"save_id":"00000000000000aa"' in raw  # dckpt/protocol/commit.py looks for it
+    assert b'"save_id":"00000000000000aa"' in raw  # dckpt/protocol/coordinator.py looks for it
     assert raw == seal(doc)
     m = mf.parse(raw)
     assert m.values == small().values and m.files == small().files and m.created == 1700000000.25

@@ -28,7 +28,8 @@ from ..format.dtypes import to_code
 from ..layout import delta
 from ..layout.chunks import Box
 from ..progress import Progress
-from ..protocol.commit import CheckpointInfo, _Coordinator, _unpack, data_name, write_file
+from ..protocol.commit import CheckpointInfo, write_file
+from ..protocol.coordinator import _Coordinator, _unpack, data_name
 from ..state.tensors import LocalPiece
 from ..storage.fsspec_storage import make_storage
 from .common import log, norm_prefix, parse_size, preview, slab_rows, trim_heap

@@ -36,8 +36,8 @@ from ..errors import CheckpointError, ManifestError
 from ..format import manifest as mf
 from ..layout import plan as gplan
 from ..protocol.collectives import Comm, agree, error_payload, raise_gathered, rank0_bytes
-from ..protocol.commit import (_pack, _unpack, data_name, local_plan, validate_plans,
-                               vote_files, write_file)
+from ..protocol.commit import local_plan, write_file
+from ..protocol.coordinator import _pack, _unpack, data_name, validate_plans, vote_files
 from ..protocol.restore import MAX_MANIFEST
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,8 @@ import time
 from .. import _faults
 from ..format import manifest as mf
 from ..protocol.collectives import Comm, error_payload, rank0_bytes
-from ..protocol.commit import CheckpointInfo, _Coordinator, _pack, _raise_if_error, _unpack
+from ..protocol.commit import CheckpointInfo, _raise_if_error
+from ..protocol.coordinator import _Coordinator, _pack, _unpack
 from ..storage.fsspec_storage import make_storage
 from .local import LocalCommit
 
