@@ -100,7 +100,7 @@ def cached_offers(blobs: list[bytes], step: int) -> tuple[plancache.CoordCache, 
     offers = []
     for p, b in zip(plans, blobs):
         offers.append(plancache.decode_offer(
-            plancache.encode_offer(False, plancache.fingerprints(p), b)))
+            plancache.encode_offer(False, plancache.fingerprints(p, b), b)))
     gp = gplan.plan_global(plans)
     pid = cache.store(offers, plans, gp)
     world = len(blobs)
@@ -108,9 +108,9 @@ def cached_offers(blobs: list[bytes], step: int) -> tuple[plancache.CoordCache, 
                           int(gp.bytes_per_rank[r]) + 4096, 4088, 12345, r) for r in range(world)]
     mf.to_json(gplan.to_manifest(gp, files, "0123456789abcdef", world, {}))  # the first save's
     later = []
-    for r, p in enumerate(plans):
+    for r, (p, b) in enumerate(zip(plans, blobs)):
         p.values = {"step": step}
-        fp = plancache.fingerprints(p)
+        fp = plancache.fingerprints(p, b)
         later.append(plancache.encode_offer(True, fp, b"", p.values if r == 0 else None, pid))
     return cache, later
 

@@ -38,20 +38,27 @@ from ..layout import plan as gplan
 CACHED, FULL = b"C", b"F"
 HASH = 16
 PLAN_ID = 8
+_U64 = struct.Struct("<Q")
 _NO_HASH = bytes(HASH)
 
 
-def fingerprints(plan: localplan.LocalPlan) -> tuple[bytes, bytes]:
-    """(structure hash, values hash) of a local plan. O(plan size), no I/O."""
+def fingerprints(plan: localplan.LocalPlan, blob: bytes) -> tuple[bytes, bytes]:
+    """(structure hash, values hash) of a local plan and its encoding ``blob``: the
+    structure is hashed from the key table and boxes already encoded in ``blob`` (not
+    serialised again). O(plan size), no I/O."""
+    n = _U64.unpack_from(blob, 0)[0]
+    m = _U64.unpack_from(blob, 8 + n)[0]
     h = codec._xxh().xxh3_128()
-    keys = json.dumps([[k, d, list(s)] for k, d, s in plan.items], separators=(",", ":"))
-    h.update(struct.pack("<Q", len(keys)) + keys.encode())
-    h.update(np.ascontiguousarray(plan.boxes, dtype="<i8").tobytes())
+    h.update(memoryview(blob)[:8 + n])  # the key table
+    h.update(memoryview(blob)[16 + n + m:])  # the boxes
     h.update(json.dumps(plan.int_keys).encode())
-    v = codec._xxh().xxh3_128()
-    v.update(json.dumps(plan.values, sort_keys=True, separators=(",", ":"),
-                        allow_nan=True).encode())
-    return h.digest(), v.digest()
+    return h.digest(), values_hash(plan.values)
+
+
+def values_hash(values: dict) -> bytes:
+    """XXH3-128 of a plan's JSON values, independent of their order."""
+    return codec._xxh().xxh3_128_digest(json.dumps(
+        values, sort_keys=True, separators=(",", ":"), allow_nan=True).encode())
 
 
 @dataclass
@@ -98,7 +105,7 @@ class RankCache:
             fp = (_NO_HASH, _NO_HASH)
             full = encode_offer(False, fp, blob)
             return full, full
-        fp = fingerprints(plan)
+        fp = fingerprints(plan, blob)
         full = encode_offer(False, fp, blob)
         if self.structure is not None and self.structure == fp[0] and len(self.plan_id) == PLAN_ID:
             return encode_offer(True, fp, b"", plan.values if rank == 0 else None,
@@ -159,7 +166,7 @@ class CoordCache:
                     vals = json.loads(blobs[r])
                 except ValueError:
                     return None
-                if fingerprints(localplan.LocalPlan(values=vals))[1] != h or not isinstance(vals, dict):
+                if not isinstance(vals, dict) or values_hash(vals) != h:
                     return None  # not the values it hashed: plan again
                 per_rank[r] = (h, vals)
         return self._finish(per_rank)
