@@ -126,8 +126,7 @@ def save(state_dict: Any, path: str, *, process_group: Any = None,
             mask = rcache.mask
         else:
             mask = gplan.decode_writes(tail[nbase:], comm.rank)
-            rcache.structure, rcache.mask = plancache.decode_offer(full).structure, mask
-            rcache.plan_id = bytes.fromhex(doc.get("plan_id", ""))
+            rcache.accept(mask, bytes.fromhex(doc.get("plan_id", "")))
 
         # 3. write this rank's shard file
         vote: dict[str, Any]

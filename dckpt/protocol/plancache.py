@@ -98,19 +98,26 @@ class RankCache:
     structure: bytes | None = None
     mask: np.ndarray | None = None
     plan_id: bytes = b""
+    _offered: bytes = _NO_HASH  # the structure hash of the plan offered last
 
     def offer(self, blob: bytes, plan: localplan.LocalPlan, rank: int) -> tuple[bytes, bytes]:
         """(message to send, the full message to resend if asked)."""
         if plan.error:
             fp = (_NO_HASH, _NO_HASH)
             full = encode_offer(False, fp, blob)
+            self._offered = _NO_HASH
             return full, full
         fp = fingerprints(plan, blob)
+        self._offered = fp[0]
         full = encode_offer(False, fp, blob)
         if self.structure is not None and self.structure == fp[0] and len(self.plan_id) == PLAN_ID:
             return encode_offer(True, fp, b"", plan.values if rank == 0 else None,
                                 self.plan_id), full
         return full, full
+
+    def accept(self, mask: np.ndarray, plan_id: bytes) -> None:
+        """Rank 0 accepted the offered plan as a full plan: remember it with its mask."""
+        self.structure, self.mask, self.plan_id = self._offered, mask, plan_id
 
 
 @dataclass
