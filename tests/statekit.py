@@ -87,3 +87,20 @@ def has_manifest(root, step: int) -> bool:
     """Whether ``root/step-<step>`` (a CheckpointManager's layout) holds a committed
     checkpoint."""
     return os.path.exists(os.path.join(str(root), f"step-{step:08d}", "manifest.json"))
+
+
+def fsdp2_mlp(dims: tuple[int, int, int], seed: int, lr: float = 0.01):
+    """Linear(d0, d1) -> ReLU -> Linear(d1, d2), each Linear and the whole fully_shard'ed
+    over every rank (CPU mesh), and an AdamW over it. Call inside a process group."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    d0, d1, d2 = dims
+    model = torch.nn.Sequential(torch.nn.Linear(d0, d1), torch.nn.ReLU(), torch.nn.Linear(d1, d2))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=lr)

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from ..errors import CheckpointError
 from ..protocol.collectives import OwnGroup, drop_dead
 from ..protocol.commit import CheckpointInfo, save
 from .staging import StagingPool
@@ -205,8 +206,6 @@ def _fence_targets(fence: Any) -> list:
     items = list(fence) if isinstance(fence, (list, tuple)) else [fence]
     for f in items:
         if not isinstance(f, (torch.optim.Optimizer, torch.nn.Module)):
-            from ..errors import CheckpointError
-
             raise CheckpointError(f"fence must be an optimizer or module (or a list of them), "
                                   f"not {type(f).__name__}")
     return items

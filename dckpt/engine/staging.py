@@ -1,6 +1,7 @@
 """Snapshotting a state into reusable host buffers (pinned for CUDA tensors)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from typing import Any
@@ -140,7 +141,7 @@ class StagingPool:
             else:  # called right away: after everything queued on the caller's stream
                 stream.wait_stream(torch.cuda.current_stream())
         with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None
-                               else _nullcontext()):
+                               else contextlib.nullcontext()):
             for buf, src in copies:
                 if copy:
                     buf.copy_(src.detach(), non_blocking=src.device.type == "cuda")
@@ -149,10 +150,3 @@ class StagingPool:
         if stream is not None:
             stream.synchronize()  # the snapshot is complete before anyone moves on
 
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        return None

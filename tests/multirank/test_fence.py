@@ -7,16 +7,9 @@ import torch.distributed as dist
 
 
 def _build(seed: int):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from statekit import fsdp2_mlp
 
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256))
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for m in (model[0], model[2]):
-        fully_shard(m, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+    return fsdp2_mlp((256, 512, 256), seed, lr=0.1)
 
 
 def _step(model, opt, s: int) -> None:

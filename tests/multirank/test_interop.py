@@ -198,16 +198,9 @@ def test_dcp_import_restores_at_another_world_size(ranks, tmp_path):
 
 
 def _small_fsdp2(seed: int):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from statekit import fsdp2_mlp
 
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 13), torch.nn.ReLU(), torch.nn.Linear(13, 4))
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+    return fsdp2_mlp((8, 13, 4), seed)
 
 
 def _full_training(model, opt) -> dict:
