@@ -6,9 +6,11 @@ it, so checkpoint traffic stays on the CPU.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import traceback
+import weakref
 from typing import Any
 
 import torch
@@ -18,6 +20,17 @@ from ..errors import ERROR_TYPES, CheckpointError, CommunicationError, RankFailu
 
 log = logging.getLogger(__name__)
 _GLOO_GROUPS: dict[Any, Any] = {}
+
+
+_LIVE: "weakref.WeakSet[OwnGroup]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_groups() -> None:
+    # atexit runs after the interpreter joined its threads (a save still in flight in
+    # a ThreadPoolExecutor has ended) and before finalisation destroys objects.
+    for g in list(_LIVE):
+        g.shutdown()
 
 
 class OwnGroup:
@@ -45,6 +58,20 @@ class OwnGroup:
                             dist.distributed_c10d._get_default_store())
         self.pg = ProcessGroupGloo(store, self.rank, self.size,
                                    datetime.timedelta(seconds=timeout_s))
+        _LIVE.add(self)
+
+    def shutdown(self) -> None:
+        """Tear the gloo group down now (idempotent; never raises). Called at exit for
+        every group still alive: torch destroys only registered groups, and a gloo
+        group left to the interpreter's finalisation can abort the process
+        ("terminate called without an active exception", pytorch#190489)."""
+        pg, self.pg = getattr(self, "pg", None), None
+        _LIVE.discard(self)
+        if pg is not None:
+            try:
+                pg.shutdown()
+            except Exception as e:  # at exit: nothing left to report it to
+                log.debug("shutting down a dckpt gloo group: %s", e)
 
     @classmethod
     def create(cls, group: Any, timeout_s: float) -> Any:
