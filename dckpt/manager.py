@@ -84,7 +84,10 @@ class CheckpointManager(RestoreMixin):
     overlaps the snapshot copy with the next forward and backward passes: the state's
     optimizers wait for it at their next ``step()`` (see :func:`dckpt.async_save`'s
     ``fence``). Anything else in the state that the training loop changes before that
-    step must not be changed in place until :meth:`wait_snapshot` returns.
+    step must not be changed in place until :meth:`wait_snapshot` returns. With
+    ``local_root`` and CPU tensors there is no snapshot copy at all: the fast tier's
+    files are written from the live tensors in the background and are the one host
+    copy of the state (the optimizers wait until this rank's files are written).
 
     ``save_on_sigterm`` (preemption): a SIGTERM handler notes the signal; the next
     :meth:`save` call on every rank agrees on it (with :meth:`request_save`'s flag: one
@@ -261,8 +264,12 @@ class CheckpointManager(RestoreMixin):
         try:
             if self.tier is not None:
                 durable = self.tier.durable_due(step, force or requested)
+                # With a TrainingState on CPU, the tier's files are written straight
+                # from the live tensors while training goes on (one host copy); the
+                # optimizers' next step waits until they are written.
                 self.tier.save(step, full, durable=durable, async_=self.async_save,
-                               on_commit=self._tier_recorder(pending))
+                               on_commit=self._tier_recorder(pending),
+                               fence=fence_targets(state) or None)
                 blocked = time.perf_counter() - t0
             elif self.async_save:
                 # The copy overlaps the next forward/backward; the state's optimizers
@@ -347,8 +354,11 @@ class CheckpointManager(RestoreMixin):
         if not self.async_save:
             return
         try:
+            full = self._full(state)
+            if self.tier is not None and self.tier.live_staging(full, fence_targets(state)):
+                return  # the tier is written from the live tensors: no buffers to hold
             pool = self.tier.pool if self.tier is not None else _saver(self.group).pool
-            nbytes = pool.prepare(self._full(state))
+            nbytes = pool.prepare(full)
             log.debug("staging buffers ready: %.1f MiB", nbytes / 2**20)
         except Exception as e:
             log.warning("could not prepare staging buffers (the first save allocates "
@@ -413,6 +423,8 @@ class CheckpointManager(RestoreMixin):
         the saved state is safe after it). Not collective; no-op without one."""
         if self._inflight is not None:
             self._inflight[1].wait_snapshot()
+        if self.tier is not None:
+            self.tier.wait_snapshot()
 
     def wait(self) -> None:
         """Block until every save so far has committed in every tier it is meant for;

@@ -158,3 +158,56 @@ def test_manager_fences_a_training_state_by_itself(tmp_path):
         _step(m2, o2)
         dckpt.load({"state": {"train": dckpt.TrainingState(m2, o2)}}, mgr.path(s), strict=False)
         _same(want, _snapshot(m2, o2))
+
+
+def test_fast_tier_is_written_from_the_live_tensors(tmp_path, monkeypatch):
+    """With a fast tier and a TrainingState on CPU, no snapshot copy is made: the tier's
+    files are written from the live tensors in the background (slowed here, so the
+    step surely comes first) and the optimizer's next step waits until they are
+    written. Both tiers hold the values at the call; no staging buffers are held."""
+    import time
+
+    monkeypatch.setenv("DCKPT_FAULT", "write:*:sleep=0.4")  # after the first block written
+    m, opt = _model(256)
+    _step(m, opt)
+    wants = {}
+    kw = dict(async_save=True, capture_rng=False, local_root=str(tmp_path / "node"))
+    with dckpt.CheckpointManager(str(tmp_path / "r"), **kw) as mgr:
+        mgr.restore({"train": dckpt.TrainingState(m, opt)})  # nothing yet; prepares nothing
+        for s in (1, 2):
+            wants[s] = _snapshot(m, opt)
+            t0 = time.perf_counter()
+            mgr.save(s, {"train": dckpt.TrainingState(m, opt)}, force=True)
+            returned = time.perf_counter() - t0
+            assert mgr.tier.pool.nbytes == 0  # no host copy beside the tier's files
+            assert mgr.tier._local_job._hooks  # fenced on the optimizer
+            _step(m, opt)  # right away: waits for this rank's files
+            assert mgr.tier._local_job.blocking_seconds >= 0.3
+            assert returned < 0.3
+        mgr.wait()
+    for s, want in wants.items():
+        m2, o2 = _model(256)
+        _step(m2, o2)
+        dckpt.load({"state": {"train": dckpt.TrainingState(m2, o2)}}, mgr.path(s), strict=False)
+        _same(want, _snapshot(m2, o2))  # the durable copy, staged from the tier's files
+    monkeypatch.delenv("DCKPT_FAULT")
+    m2, o2 = _model(256)
+    with dckpt.CheckpointManager(str(tmp_path / "r"), **kw) as mgr:
+        assert mgr.restore({"train": dckpt.TrainingState(m2, o2)}) == 2
+        assert mgr.restored_from == "local"
+    _same(wants[2], _snapshot(m2, o2))
+
+
+def test_fast_tier_without_a_fence_still_snapshots(tmp_path):
+    """A plain dict has no optimizer to fence on: the call copies into staging buffers,
+    and changing the tensors right after is safe."""
+    sd = {"w": torch.randn(512, 512)}
+    want = sd["w"].clone()
+    with dckpt.CheckpointManager(str(tmp_path / "r"), async_save=True, capture_rng=False,
+                                 local_root=str(tmp_path / "node")) as mgr:
+        mgr.save(1, sd, force=True)
+        assert mgr.tier.pool.nbytes >= want.numel() * 4
+        sd["w"].zero_()
+        mgr.wait()
+    got = dckpt.load({"state": {"w": torch.zeros(512, 512)}}, mgr.path(1))
+    assert torch.equal(got["state"]["w"], want)

@@ -39,13 +39,18 @@ def _save(mode: str, tmp_path, sd: dict, i: int, mgr) -> None:
 
 
 @pytest.mark.parametrize("mode", ["sync", "async", "manager-async", "manager-tier",
-                                  "manager-incremental"])
+                                  "manager-tier-fenced", "manager-incremental"])
 def test_rss_is_flat_over_200_saves(tmp_path, mode):
     sd = _state()
+    opt = None
+    if mode == "manager-tier-fenced":  # written from the live tensors, fenced on opt
+        model = torch.nn.Linear(1024, 512)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        sd["train"] = dckpt.TrainingState(model, opt)
     mgr = None
     if mode.startswith("manager"):
         kw = {"async_save": mode != "manager-incremental", "keep_last": 2, "capture_rng": False}
-        if mode == "manager-tier":
+        if mode.startswith("manager-tier"):
             kw["local_root"] = str(tmp_path / "local")
         if mode == "manager-incremental":
             kw.update(incremental=True, full_every=5)
@@ -55,12 +60,17 @@ def test_rss_is_flat_over_200_saves(tmp_path, mode):
         sd["step"] = i
         sd["b"].add_(1.0)
         _save(mode, tmp_path, sd, i, mgr)
+        if opt is not None:  # waits for the files, then changes the saved weights
+            sd["train"].model(torch.ones(2, 1024)).sum().backward()
+            opt.step()
         if i in (20, SAVES):
             if mgr is not None:
                 mgr.wait()
             marks[i] = _rss_mib()
     if mgr is not None:
         mgr.close()
+    if opt is not None:  # every fence hook was removed once spent
+        assert len(opt._optimizer_step_pre_hooks) <= 1
     grown = marks[SAVES] - marks[20]
     # 4 MiB of state: a leak of a staging copy per save would add 800 MiB.
     assert grown < 24, f"{mode}: RSS grew {grown:.1f} MiB from save 20 to save {SAVES} ({marks})"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -79,47 +79,27 @@ class StagingPool:
         seen: set[str] = set()
         need = 0
 
-        def walk(obj: Any, key: str) -> Any:
-            if is_sharded_tensor(obj):
-                shards = obj.local_shards()
-                if len(shards) != 1:  # nothing to copy, or the save refuses it
-                    return obj
-                return restage_sharded(obj, walk(shards[0].tensor, key))
-            if isinstance(obj, DTensor):
-                local = walk(obj.to_local(), key)
-                return DTensor.from_local(local, obj.device_mesh, obj.placements,
-                                          run_check=False, shape=obj.shape, stride=obj.stride())
-            if isinstance(obj, torch.Tensor):
-                nonlocal need
-                check_plain(key, obj)  # a clear error now, not a failed copy later
-                seen.add(key)
-                nbytes = obj.numel() * obj.element_size()
-                if self.budget is not None and nbytes > self.budget:
-                    raise CheckpointError(f"tensor {key!r} alone exceeds the staging budget "
-                                          f"of {self.budget} bytes")
-                need += nbytes
-                if self.budget is not None and need > self.budget:
-                    # Checked before this buffer is allocated: host memory never goes
-                    # past the budget, even on the way to refusing.
-                    self.buffers.clear()
-                    raise CheckpointError(
-                        f"staging needs more than the budget of {self.budget} bytes of host "
-                        f"memory ({need} by tensor {key!r}); raise staging_budget or save "
-                        "synchronously")
-                buf = self._buffer(key, obj)
-                copies.append((buf, obj))
-                return buf
-            if isinstance(obj, dict):
-                return {k: walk(v, f"{key}.{k}" if key else str(k)) for k, v in obj.items()}
-            if type(obj) in (list, tuple):
-                return type(obj)(walk(v, f"{key}.{i}" if key else str(i)) for i, v in enumerate(obj))
-            if isinstance(obj, JSON_TYPES):
-                return obj
-            if is_stateful(obj) and not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
-                return walk(obj.state_dict(), key)
-            return obj
+        def leaf(key: str, obj: torch.Tensor) -> torch.Tensor:
+            nonlocal need
+            seen.add(key)
+            nbytes = obj.numel() * obj.element_size()
+            if self.budget is not None and nbytes > self.budget:
+                raise CheckpointError(f"tensor {key!r} alone exceeds the staging budget "
+                                      f"of {self.budget} bytes")
+            need += nbytes
+            if self.budget is not None and need > self.budget:
+                # Checked before this buffer is allocated: host memory never goes
+                # past the budget, even on the way to refusing.
+                self.buffers.clear()
+                raise CheckpointError(
+                    f"staging needs more than the budget of {self.budget} bytes of host "
+                    f"memory ({need} by tensor {key!r}); raise staging_budget or save "
+                    "synchronously")
+            buf = self._buffer(key, obj)
+            copies.append((buf, obj))
+            return buf
 
-        snap = walk(state, "")
+        snap = walk_state(state, leaf)
         for stale in set(self.buffers) - seen:  # keys gone from the state free their memory
             del self.buffers[stale]
         return snap, copies, sum(b.numel() * b.element_size() for b, _ in copies)
@@ -150,3 +130,55 @@ class StagingPool:
         if stream is not None:
             stream.synchronize()  # the snapshot is complete before anyone moves on
 
+
+
+def walk_state(state: Any, leaf: Callable[[str, torch.Tensor], torch.Tensor]) -> Any:
+    """``state`` rebuilt with every plain tensor replaced by ``leaf(key, tensor)``: same
+    nesting; DTensors and single-shard ShardedTensors rebuilt around their new local
+    tensor (no communication); Stateful objects (but modules and optimizers, which
+    dckpt flattens itself) replaced by their ``state_dict()``, called here, in the
+    caller's thread (it may run collectives). Values dckpt cannot store are left as
+    they are, so the save that follows reports them on every rank. Raises what
+    ``leaf`` raises, and CheckpointError for a tensor dckpt cannot store."""
+
+    def walk(obj: Any, key: str) -> Any:
+        if is_sharded_tensor(obj):
+            shards = obj.local_shards()
+            if len(shards) != 1:  # nothing to copy, or the save refuses it
+                return obj
+            return restage_sharded(obj, walk(shards[0].tensor, key))
+        if isinstance(obj, DTensor):
+            local = walk(obj.to_local(), key)
+            return DTensor.from_local(local, obj.device_mesh, obj.placements,
+                                      run_check=False, shape=obj.shape, stride=obj.stride())
+        if isinstance(obj, torch.Tensor):
+            check_plain(key, obj)  # a clear error now, not a failed copy later
+            return leaf(key, obj)
+        if isinstance(obj, dict):
+            return {k: walk(v, f"{key}.{k}" if key else str(k)) for k, v in obj.items()}
+        if type(obj) in (list, tuple):
+            return type(obj)(walk(v, f"{key}.{i}" if key else str(i)) for i, v in enumerate(obj))
+        if isinstance(obj, JSON_TYPES):
+            return obj
+        if is_stateful(obj) and not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+            return walk(obj.state_dict(), key)
+        return obj
+
+    return walk(state, "")
+
+
+def live_view(state: Any) -> tuple[Any, int, bool]:
+    """``state`` with Stateful objects resolved (their ``state_dict()`` called now, in
+    the caller's thread) and every tensor kept as the live, detached tensor: what a
+    save may write later, from another thread, as long as nothing changes those
+    tensors first (a fence). Copies nothing. Returns (view, bytes of its tensors,
+    whether any tensor is on a GPU). Raises what :func:`walk_state` raises."""
+    nbytes, gpu = 0, False
+
+    def leaf(_key: str, t: torch.Tensor) -> torch.Tensor:
+        nonlocal nbytes, gpu
+        nbytes += t.numel() * t.element_size()
+        gpu = gpu or t.device.type != "cpu"
+        return t.detach()
+
+    return walk_state(state, leaf), nbytes, gpu

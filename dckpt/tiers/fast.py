@@ -13,6 +13,7 @@ import concurrent.futures as cf
 import logging
 import os
 import threading
+import time
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -20,7 +21,8 @@ import torch.distributed as dist
 from ..errors import CheckpointError, CommunicationError
 from ..policy import RetentionPolicy
 from ..protocol.collectives import Comm, OwnGroup, agree
-from ..engine.staging import StagingPool
+from ..engine.async_save import SaveHandle, _Unstageable
+from ..engine.staging import StagingPool, live_view
 from ..storage.fsspec_storage import make_storage
 from . import chooser, local, stager
 
@@ -51,7 +53,7 @@ class FastTier:
         self.pool = StagingPool()
         self._lock = threading.Lock()
         self._staging: set[int] = set()
-        self._local_job: cf.Future | None = None
+        self._local_job: SaveHandle | None = None
         self._stage_jobs: list[cf.Future] = []
         self._errors: list[BaseException] = []
         err = None
@@ -86,12 +88,22 @@ class FastTier:
         return due
 
     def save(self, step: int, state: Any, *, durable: bool, async_: bool,
-             on_commit: OnCommit | None = None) -> None:
+             on_commit: OnCommit | None = None, fence: list | None = None) -> None:
         """Commit ``state`` as ``step`` in every rank's fast tier, then queue its staging
         when ``durable``. Collective. Synchronous: returns after the local commit (and
-        raises its error). Asynchronous: returns after the snapshot into host buffers;
-        the local commit runs in the background, its error is raised by :meth:`wait`.
-        Waits for the previous local save first (its buffers are reused).
+        raises its error). Asynchronous: returns after the snapshot; the local commit
+        runs in the background, its error is raised by :meth:`wait`. Waits for the
+        previous local save first (one local save at a time).
+
+        Asynchronous with ``fence`` (optimizers or modules, see :func:`dckpt.async_save`)
+        and only CPU tensors: no snapshot at all. The call resolves the state (its
+        Stateful objects' ``state_dict()``) and returns; the background save writes the
+        tier's files straight from the live tensors, and the fenced optimizers' next
+        ``step()`` (modules' next forward) waits until this rank's files are written.
+        The fast tier's files are then the one host copy of the state: no staging
+        buffers are held. GPU tensors, or no fence: the state is copied into reused
+        host buffers first (pinned for GPU tensors), and written from them.
+
         ``on_commit(tier, commit, info)`` is called on this rank after the local commit
         (``"local"``, info None) and after the durable one (``"durable"``, the staged
         CheckpointInfo), in the thread that saw it (the save history); its errors are
@@ -100,18 +112,41 @@ class FastTier:
         if not async_:
             self._save_local(step, state, self.comm, durable, on_commit)
             return
+        t0 = time.perf_counter()
+        copied: threading.Event | None = None
         try:
-            snap, _ = self.pool.snapshot(state)
+            view = live_view(state) if fence else None
+            if view is not None and not view[2]:
+                snap, copied = view[0], threading.Event()
+                self.pool.buffers.clear()  # the tier's files are the one host copy
+            else:
+                snap, _ = self.pool.snapshot(state)
         except Exception as e:  # join the collective save anyway: it fails everywhere
-            from ..engine.async_save import _Unstageable
-            snap = {"state": _Unstageable(e)}
-        comm = Comm(self._local_group)
-        self._local_job = self._local_exec.submit(self._save_local, step, snap, comm, durable,
-                                                  on_commit)
+            snap, copied = {"state": _Unstageable(e)}, None
+        job = self._local_exec.submit(self._save_local, step, snap, Comm(self._local_group),
+                                      durable, on_commit, copied)
+        blocked = time.perf_counter() - t0
+        self._local_job = SaveHandle(job, self.step_dir(step), blocked, blocked, copied)
+        if copied is not None:
+            self._local_job._fence(fence)
+
+    def wait_snapshot(self) -> None:
+        """Block until the local save in flight no longer reads the live state (its
+        snapshot copied, or its files written). Not collective; no-op without one."""
+        if self._local_job is not None:
+            self._local_job.wait_snapshot()
+
+    def live_staging(self, state: Any, fence: list | None) -> bool:
+        """Whether an asynchronous save of ``state`` with ``fence`` writes the tier from
+        the live tensors (no staging buffers to prepare). Calls Stateful objects'
+        ``state_dict()``; no copy, no I/O."""
+        return bool(fence) and not live_view(state)[2]
 
     def _save_local(self, step: int, state: Any, comm: Comm, durable: bool,
-                    on_commit: OnCommit | None = None) -> local.LocalCommit:
-        commit = local.save_local(state, step, self.step_dir(step), self.storage, comm)
+                    on_commit: OnCommit | None = None,
+                    written: threading.Event | None = None) -> local.LocalCommit:
+        commit = local.save_local(state, step, self.step_dir(step), self.storage, comm,
+                                  written.set if written is not None else None)
         if comm.rank == 0:
             log.info("step %d committed in the fast tier %s in %.2f s", step, self.root,
                      commit.seconds)
@@ -170,6 +205,7 @@ class FastTier:
         job, self._local_job = self._local_job, None
         if job is not None:
             e = job.exception()
+            job._unfence()  # in the training thread: its fence hooks are spent
             if e is not None:
                 log.error("local checkpoint failed: %s", e)
                 self._errors.append(e)

@@ -27,7 +27,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -72,7 +72,8 @@ class LocalCommit:
     total_bytes: int = 0  # the global manifest's, every rank (what a durable copy writes)
 
 
-def save_local(state_dict: Any, step: int, step_dir: str, storage, comm: Comm) -> LocalCommit:
+def save_local(state_dict: Any, step: int, step_dir: str, storage, comm: Comm,
+               written: Callable[[], None] | None = None) -> LocalCommit:
     """Save ``state_dict`` under ``step_dir`` on every rank's own node. Collective over
     ``comm``: four small collectives plus the manifest's broadcast. Blocking I/O of this
     rank's bytes (its share and its replicas), into its own directory only.
@@ -80,7 +81,21 @@ def save_local(state_dict: Any, step: int, step_dir: str, storage, comm: Comm) -
     Raises on every rank alike what :func:`dckpt.save` raises for a bad state, a failed
     write or a dead rank. On failure every rank removes the files of this save it wrote;
     a local checkpoint of another step (or an earlier one of this step) is untouched
-    until this save's views are all written."""
+    until this save's views are all written.
+
+    ``written()``, if given, is called once this rank's tensors are no longer read: its
+    data and replica files are written (or their writing failed, or the save failed
+    before). A save written from live tensors (a fenced snapshot) lets training change
+    them from then on."""
+    try:
+        return _save_local(state_dict, step, step_dir, storage, comm, written)
+    finally:
+        if written is not None:
+            written()  # idempotent for the callers (an Event's set)
+
+
+def _save_local(state_dict: Any, step: int, step_dir: str, storage, comm: Comm,
+                written: Callable[[], None] | None) -> LocalCommit:
     t0 = time.perf_counter()
     r = comm.rank
     _, _, pieces, blob, _ = local_plan(state_dict, step_dir, None, r)
@@ -109,6 +124,8 @@ def save_local(state_dict: Any, step: int, step_dir: str, storage, comm: Comm) -
             storage.makedirs(step_dir)
             vote = write_file(storage, step_dir, data_name(save_id, r), r, mine)
             vote["replica"] = write_file(storage, step_dir, replica_name(save_id, r), r, replicas)
+            if written is not None:
+                written()
             _faults.fault("vote", r)
         except Exception as e:
             vote = {"error": error_payload(e)}

@@ -48,3 +48,43 @@ def _fenced(root: str) -> None:
 
 def test_fenced_fsdp2_saves(ranks, tmp_path):
     ranks(2).run(_fenced, str(tmp_path))
+
+
+def _fenced_tier(base: str) -> tuple:
+    """A manager with a fast tier saving an FSDP2 TrainingState: the tier is written
+    from the live DTensors' local shards (no staging buffers), the optimizer steps
+    right after each call, and both tiers hold the values at the call."""
+    import os
+
+    import dckpt
+
+    model, opt = _build(0)
+    _step(model, opt, 0)
+    wants = {}
+    kw = dict(async_save=True, capture_rng=False, every_steps=1, durable_every_steps=2,
+              local_root=os.path.join(base, f"node{dist.get_rank()}"))
+    with dckpt.CheckpointManager(os.path.join(base, "durable"), **kw) as mgr:
+        for s in (1, 2, 3, 4):
+            wants[s] = _full(model, opt)
+            mgr.save(s, {"train": dckpt.TrainingState(model, opt)})
+            assert mgr.tier.pool.nbytes == 0
+            _step(model, opt, s)  # right away
+        mgr.wait()
+        durable, local = mgr.steps(), mgr.steps(tier="local")
+    for tier_steps, want_tier in ((local, "local"), (durable, "durable")):
+        m2, o2 = _build(5)
+        with dckpt.CheckpointManager(os.path.join(base, "durable"), **kw) as mgr:
+            if want_tier == "durable":  # this rank's node lost its fast tier
+                import shutil
+
+                shutil.rmtree(kw["local_root"])
+            step = mgr.restore({"train": dckpt.TrainingState(m2, o2)})
+            assert (step, mgr.restored_from) == (max(tier_steps), want_tier)
+        got = _full(m2, o2)
+        for k, v in wants[step].items():
+            assert (torch.equal(v, got[k]) if torch.is_tensor(v) else v == got[k]), (step, k)
+    return durable, local
+
+
+def test_fenced_fsdp2_saves_into_a_fast_tier(ranks, tmp_path):
+    assert ranks(2).run(_fenced_tier, str(tmp_path)) == [([2, 4], [4])] * 2
