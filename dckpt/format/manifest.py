@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import itertools
 import math
 import re
 import sys
@@ -23,6 +22,8 @@ import numpy as np
 from ..errors import ManifestError
 from ..layout import tiling
 from . import intarray, sealed
+from .grid import grid_cells  # noqa: F401  (public here: readers and tools use it)
+from .grid import cells as _cells, parse_dim as _grid_dim
 from .sealed import seal  # noqa: F401  (public here: tools and tests reseal with it)
 from . import codec
 from .dtypes import ITEMSIZE
@@ -36,7 +37,6 @@ MAX_MANIFEST_BYTES = 1 << 30
 MAX_NDIM = tiling.MAX_NDIM
 # A file reference is one plain name inside the checkpoint directory: no separators,
 # no "..", no scheme, no leading dot.
-_SMALL = 64  # below this many values, plain Python is faster than numpy
 SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}$")
 _I64_MAX = (1 << 63) - 1
 _MAX_META_DEPTH = 32
@@ -133,50 +133,6 @@ class Manifest:
         return sum(f.size for f in self.files if f.dir)
 
 
-def grid_cells(grid: tuple[tuple[int, ...], ...]) -> tuple[np.ndarray, np.ndarray]:
-    """Offsets and sizes (n, ndim) of the cells of a grid, C order. O(cells * ndim)."""
-    if not grid:
-        return np.zeros((1, 0), np.int64), np.zeros((1, 0), np.int64)
-    ncells = math.prod(len(b) - 1 for b in grid)
-    if ncells <= _SMALL:
-        # Most tensors have a handful of cells: plain Python beats numpy's per-call cost
-        # (this runs once per tensor on every rank of every load).
-        cells = list(itertools.product(*(list(zip(b[:-1], b[1:])) for b in grid)))
-        offsets = np.array([[lo for lo, _ in c] for c in cells], np.int64)
-        sizes = np.array([[hi - lo for lo, hi in c] for c in cells], np.int64)
-        return offsets.reshape(ncells, len(grid)), sizes.reshape(ncells, len(grid))
-    bps = [np.asarray(b, np.int64) for b in grid]
-    if len(bps) == 1:  # the common case (FSDP): no index arithmetic
-        return bps[0][:-1, None].copy(), np.diff(bps[0])[:, None]
-    # Cell i's index along dim d, C order; not np.indices, which needs ndim + 1 <= 64 dims.
-    cell = np.arange(ncells)
-    offsets = np.empty((ncells, len(bps)), np.int64)
-    sizes = np.empty((ncells, len(bps)), np.int64)
-    stride = ncells
-    for d, b in enumerate(bps):
-        stride //= len(b) - 1
-        i = cell // stride % (len(b) - 1)
-        offsets[:, d], sizes[:, d] = b[:-1][i], np.diff(b)[i]
-    return offsets, sizes
-
-
-def _grid_dim(obj: Any, key: str, d: int, extent: int, nfiles: int) -> tuple[int, ...]:
-    """Validate one dim's breakpoints: integers rising strictly from 0 to ``extent``,
-    at most ``nfiles + 1`` of them. Raises ValueError."""
-    if isinstance(obj, list) and len(obj) <= _SMALL:  # fast path, no numpy
-        b = obj
-        ok = all(type(x) is int for x in b) and all(x < y for x, y in zip(b, b[1:]))
-    else:
-        arr = intarray.decode(obj, f"tensor {key!r} grid", nfiles + 1)
-        # values inside [0, extent] first, so the differences cannot overflow; rising
-        # strictly is checked here, not again per element in Python
-        ok = not ((arr < 0).any() or (arr > extent).any() or (len(arr) > 1 and (np.diff(arr) <= 0).any()))
-        b = arr.tolist()
-    if not (ok and len(b) >= 2 and len(b) <= nfiles + 1 and b[0] == 0 and b[-1] == extent):
-        raise ValueError(f"tensor {key!r}: grid of dim {d} must rise strictly from 0 to {extent}")
-    return tuple(b)
-
-
 # ----------------------------------------------------------------------------- writing
 
 def to_json(m: Manifest) -> bytes:
@@ -215,7 +171,9 @@ def _encoded_tensors(entries: dict) -> dict:
     for key, t in entries.items():
         c = t.chunks
         if c.grid is not None:
-            enc: dict[str, Any] = {"grid": [intarray.encode(np.asarray(b)) for b in c.grid]}
+            # fromiter: twice as fast as asarray on a tuple of 16,384 ints (FSDP at scale)
+            enc: dict[str, Any] = {"grid": [intarray.encode(np.fromiter(b, np.int64, len(b)))
+                                            for b in c.grid]}
         else:
             enc = {"offsets": c.offsets.tolist(), "sizes": c.sizes.tolist()}
         enc["file"] = intarray.encode(c.file)
@@ -289,10 +247,12 @@ def _parse_chunks(key: str, shape: tuple[int, ...], obj: Any, nfiles: int) -> Ch
             g = obj["grid"]
             if not isinstance(g, list) or len(g) != ndim:
                 raise ValueError(f"tensor {key!r}: grid needs one breakpoint list per dim")
-            grid = tuple(_grid_dim(b, key, d, shape[d], nfiles) for d, b in enumerate(g))
+            dims = [_grid_dim(b, key, d, shape[d], nfiles) for d, b in enumerate(g)]
+            grid = tuple(b for b, _ in dims)
             if math.prod(len(b) - 1 for b in grid) > max(nfiles, 1):
                 raise ValueError(f"tensor {key!r}: grid has more cells than there are files")
-            offsets, sizes = grid_cells(grid)
+            arrays = [np.asarray(b, np.int64) if a is None else a for b, a in dims]
+            offsets, sizes = _cells(grid, arrays)
         else:
             grid = None
             offsets, sizes = obj.get("offsets"), obj.get("sizes")

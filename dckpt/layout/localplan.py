@@ -41,13 +41,27 @@ def encode(plan: LocalPlan) -> bytes:
                      np.ascontiguousarray(plan.boxes, dtype="<i8").tobytes()))
 
 
+def _last_table(cache: dict | None, data: bytes, n: int) -> bytes | None:
+    """The cache's newest key table (dicts keep insertion order) when ``data`` carries
+    the same bytes, else None. Ranks of one job send byte-identical tables: comparing
+    against the newest one (a memcmp) and handing back that very bytes object skips
+    hashing a new ~30 KB copy per rank here, and again wherever the planner looks the
+    table up (a bytes object caches its hash). At 16,384 ranks that was 0.5 s. O(n)."""
+    if not cache or not isinstance(data, bytes):
+        return None
+    last = next(reversed(cache))
+    return last if len(last) == n and data.startswith(last, 8) else None
+
+
 def decode(data: bytes, cache: dict[bytes, list] | None = None) -> LocalPlan:
     """Parse :func:`encode`'s output. ``cache`` maps key-table bytes to parsed tables so
     identical tables are parsed once. Raises ValueError on malformed input."""
     mv = memoryview(data)
     try:
         (n,) = _U64.unpack_from(mv, 0)
-        keys_raw = bytes(mv[8:8 + n])
+        keys_raw = _last_table(cache, data, n)
+        if keys_raw is None:
+            keys_raw = bytes(mv[8:8 + n])
         pos = 8 + n
         (m,) = _U64.unpack_from(mv, pos)
         extra = json.loads(bytes(mv[pos + 8:pos + 8 + m]))

@@ -4,8 +4,9 @@ Given every rank's :class:`LocalPlan`, :func:`plan_global` checks that ranks agr
 each tensor's dtype and global shape, that every box lies inside its tensor, and that the
 boxes of each tensor (after dropping duplicates held by replicas) tile it exactly once;
 then it picks one writer per distinct box, spreading replicated boxes across their
-holders. Cost: O(N log N) in the number N of (rank, tensor) items, vectorised; key tables
-that are byte-identical across ranks are handled once.
+holders. Cost: O(N log N) in the number N of (rank, tensor) items, vectorised, and O(N)
+without a sort in the common case of one key table whose boxes ascend with the rank
+(:mod:`.keymajor`); key tables that are byte-identical across ranks are handled once.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import numpy as np
 from ..errors import StateMismatchError
 from ..format import manifest as mf
 from ..format.dtypes import ITEMSIZE
-from . import tiling
+from . import keymajor, tiling
 from .localplan import LocalPlan
 
 
@@ -114,36 +115,48 @@ def _items(plans, meta, table_ids, dmax):
             cat(off_l, (0, dmax)), cat(size_l, (0, dmax)))
 
 
-def _key_major(plans, table_ids, kid, rank, offs, sizes, keep) -> np.ndarray | None:
-    """The (key, box, rank) order of the kept rows without a sort, when every rank sent
-    the same key table (FSDP, DDP, tensor parallel: one table, rows rank-major) and each
-    key's boxes already ascend with the rank (torch.chunk shards do): the key-major
-    permutation, checked in one pass. None otherwise (the caller sorts). O(rows)."""
-    if len(table_ids) != 1 or not len(kid):
-        return None
-    world, n = len(plans), len(plans[0].items)
-    if n == 0 or len(kid) != world * n:
-        return None
-    ids = next(iter(table_ids.values()))
-    order = (np.argsort(ids, kind="stable")[:, None]
-             + n * np.arange(world, dtype=np.int64)[None, :]).reshape(-1)
-    order = order[keep[order]]
-    if len(order) < 2:
-        return order
-    box = np.concatenate([offs, sizes, rank[:, None]], axis=1)
-    b = box[order]
-    diff = b[1:] - b[:-1]
-    nz = diff != 0
-    first = nz.argmax(1)
-    step = diff[np.arange(len(diff)), first]
-    k = kid[order]
-    ascending = (k[1:] != k[:-1]) | (step > 0)
-    return order if ascending.all() else None
+def _sorted_rows(plans, meta, table_ids, names, shapes) -> keymajor.Rows:
+    """The general path: every rank's boxes stacked, checked, and sorted by (key, box,
+    rank) with a lexsort. O(N log N) in the number N of (rank, tensor) items. Raises
+    StateMismatchError for a malformed plan or a box outside its tensor."""
+    dmax = shapes.shape[1]
+    kid, rank, local, offs, sizes = _items(plans, meta, table_ids, dmax)
+    # offs > shape - sizes, not offs + sizes > shape: the sum of hostile numbers can wrap
+    bad = (offs < 0).any(1) | (sizes < 0).any(1) | (offs > shapes[kid] - sizes).any(1)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise StateMismatchError(
+            f"rank {rank[i]} holds a box of tensor {names[kid[i]]!r} outside its shape "
+            f"{list(meta[kid[i]][1])}: offsets {offs[i].tolist()} sizes {sizes[i].tolist()}")
+    keep = (sizes > 0).all(1)  # empty shards write nothing
+    kid, rank, local, offs, sizes = kid[keep], rank[keep], local[keep], offs[keep], sizes[keep]
+    order = np.lexsort(tuple([rank] + [sizes[:, d] for d in reversed(range(dmax))]
+                             + [offs[:, d] for d in reversed(range(dmax))] + [kid]))
+    kid, rank, local, offs, sizes = kid[order], rank[order], local[order], offs[order], sizes[order]
+    new = np.ones(len(kid), bool)
+    if len(kid) > 1:
+        new[1:] = ((kid[1:] != kid[:-1]) | (offs[1:] != offs[:-1]).any(1)
+                   | (sizes[1:] != sizes[:-1]).any(1))
+    return keymajor.Rows(kid, rank, local, list(offs.T), list(sizes.T), new)
+
+
+def _ascending(order: np.ndarray) -> bool:
+    """Whether a permutation is the identity (it ascends). O(n)."""
+    return len(order) < 2 or bool((order[1:] > order[:-1]).all())
+
+
+def _at(cols: list[np.ndarray], nd: int, rows, count: int) -> np.ndarray:
+    """(count, nd) array of the first ``nd`` columns at ``rows`` (indexes or a slice)."""
+    if nd == 0:
+        return np.zeros((count, 0), np.int64)
+    return np.stack([c[rows] for c in cols[:nd]], axis=1)
 
 
 def plan_global(plans: list[LocalPlan]) -> GlobalPlan:
     """Validate all local plans and assign writers. Pure; raises StateMismatchError
-    naming the tensor (and rank) at fault."""
+    naming the tensor (and rank) at fault. Cost: with one key table whose boxes ascend
+    with the rank (FSDP, DDP, TP), O(N) vectorised passes (:mod:`.keymajor`); else a
+    lexsort of the N items. Then O(boxes) per tensor for its tiling check."""
     world = len(plans)
     names, meta, table_ids = _key_table(plans)
     values: dict = {}
@@ -158,36 +171,26 @@ def plan_global(plans: list[LocalPlan]) -> GlobalPlan:
     if clash:
         raise StateMismatchError(f"key {sorted(clash)[0]!r} is a tensor on one rank and a "
                                  "plain value on another")
-    dmax = max([len(s) for _, s, _ in meta], default=0)
-    kid, rank, local, offs, sizes = _items(plans, meta, table_ids, dmax)
+    ndims = np.array([len(s) for _, s, _ in meta], np.int64)
+    dmax = int(ndims.max(initial=0))
     shapes = np.ones((len(meta), dmax), np.int64)
     for i, (_, s, _) in enumerate(meta):
         shapes[i, :len(s)] = s
-    bad = (offs < 0).any(1) | (sizes < 0).any(1) | (offs + sizes > shapes[kid]).any(1)
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        raise StateMismatchError(
-            f"rank {rank[i]} holds a box of tensor {names[kid[i]]!r} outside its shape "
-            f"{list(meta[kid[i]][1])}: offsets {offs[i].tolist()} sizes {sizes[i].tolist()}")
-    keep = (sizes > 0).all(1)  # empty shards write nothing
-
-    # Dedup: sort by (key, box, rank); equal boxes of one key are replicas.
-    order = _key_major(plans, table_ids, kid, rank, offs, sizes, keep)
-    if order is None:
-        kid, rank, local, offs, sizes = kid[keep], rank[keep], local[keep], offs[keep], sizes[keep]
-        order = np.lexsort(tuple([rank] + [sizes[:, d] for d in reversed(range(dmax))]
-                                 + [offs[:, d] for d in reversed(range(dmax))] + [kid]))
-    kid, rank, local, offs, sizes = kid[order], rank[order], local[order], offs[order], sizes[order]
-    new = np.ones(len(kid), bool)
-    if len(kid) > 1:
-        new[1:] = ((kid[1:] != kid[:-1]) | (offs[1:] != offs[:-1]).any(1)
-                   | (sizes[1:] != sizes[:-1]).any(1))
+    # Sorted by (key, box, rank): equal boxes of one key are replicas.
+    rows = keymajor.rows(plans, table_ids, shapes, ndims)
+    if rows is None:
+        rows = _sorted_rows(plans, meta, table_ids, names, shapes)
+    kid, rank, local, offs, sizes, new = (rows.kid, rows.rank, rows.local, rows.offs,
+                                          rows.sizes, rows.new)
     gstart = np.flatnonzero(new)
+    distinct = len(gstart) == len(kid)  # no replicas: every row is its own group
     gcount = np.diff(np.append(gstart, len(kid)))
-    gid = np.cumsum(new) - 1
 
     itemsize = np.array([ITEMSIZE[dt] for dt, _, _ in meta], np.int64)
-    gbytes = np.prod(sizes[gstart], axis=1) * itemsize[kid[gstart]] if len(gstart) else np.zeros(0, np.int64)
+    gk = kid if distinct else kid[gstart]
+    gbytes = itemsize[gk]
+    for c in sizes:
+        gbytes = gbytes * (c if distinct else c[gstart])  # padded dims have size 1
     # Writer choice: boxes held by one rank are written by it. Replicated boxes go round
     # robin over their holders, largest first, so replicated bytes spread evenly. The
     # round robin runs separately over each holder set (a fingerprint of the holding
@@ -205,8 +208,11 @@ def plan_global(plans: list[LocalPlan]) -> GlobalPlan:
         cls = np.cumsum(first) - 1
         pos = np.arange(len(by)) - np.flatnonzero(first)[cls]
         pick[rep[by]] = (pos + cls) % gcount[rep[by]]
-    writer_row = gstart + pick
-    wr, wl = rank[writer_row], local[writer_row]
+    if distinct:  # every box has one holder, its writer (FSDP): no gathers
+        wr, wl = rank, local
+    else:
+        writer_row = gstart + pick
+        wr, wl = rank[writer_row], local[writer_row]
     counts = np.array([len(p.items) for p in plans], np.int64)
     base = np.concatenate(([0], np.cumsum(counts)))
     mask = np.zeros(int(base[-1]), bool)
@@ -215,7 +221,6 @@ def plan_global(plans: list[LocalPlan]) -> GlobalPlan:
     bytes_per_rank = np.bincount(wr, weights=gbytes, minlength=world).astype(np.int64)
 
     # Per-key tiling over the distinct boxes.
-    gk = kid[gstart]
     kstart = np.searchsorted(gk, np.arange(len(meta)))
     kend = np.searchsorted(gk, np.arange(len(meta)), side="right")
     tensors: dict[str, PlannedTensor] = {}
@@ -223,7 +228,8 @@ def plan_global(plans: list[LocalPlan]) -> GlobalPlan:
         dt, shape, _ = meta[k]
         nd = len(shape)
         sl = slice(kstart[k], kend[k])
-        o, s = offs[gstart[sl], :nd], sizes[gstart[sl], :nd]
+        at = sl if distinct else gstart[sl]
+        o, s = _at(offs, nd, at, sl.stop - sl.start), _at(sizes, nd, at, sl.stop - sl.start)
         t = tiling.analyse(shape, o, s)
         if t.error:
             raise StateMismatchError(
@@ -231,7 +237,8 @@ def plan_global(plans: list[LocalPlan]) -> GlobalPlan:
                 f"{t.error}. Plain tensors must be identical on every rank; DTensors must "
                 "use Shard/Replicate placements")
         w = wr[sl]
-        if t.grid is not None and t.order is not None and len(t.order) == len(o):
+        if (t.grid is not None and t.order is not None and len(t.order) == len(o)
+                and not _ascending(t.order)):  # already in grid order (FSDP): no copies
             o, s, w = o[t.order], s[t.order], w[t.order]
         tensors[name] = PlannedTensor(name, dt, shape, o, s, w, t.grid)
     int_keys = sorted({k for p in plans for k in p.int_keys})

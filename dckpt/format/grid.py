@@ -1,0 +1,74 @@
+"""The grid form of a tensor's chunks: one breakpoint list per dim, the chunks being the
+cells of that grid in C order. Pure numpy. A manifest stores an FSDP tensor's 16,384
+chunks as one short run of breakpoints (see :mod:`.intarray`); these helpers turn the
+breakpoints into cells and validate them when a manifest is parsed.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+import numpy as np
+
+from . import intarray
+
+_SMALL = 64  # below this many values, plain Python is faster than numpy
+
+
+def grid_cells(grid: tuple[tuple[int, ...], ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Offsets and sizes (n, ndim) of the cells of a grid, C order. O(cells * ndim)."""
+    return cells(grid, None)
+
+
+def cells(grid: tuple[tuple[int, ...], ...],
+          arrays: list[np.ndarray] | None) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`grid_cells`, given the breakpoints also as int64 arrays when the caller
+    has them (the parser does): converting 16,384 Python ints back to numpy costs more
+    than the cells themselves."""
+    if not grid:
+        return np.zeros((1, 0), np.int64), np.zeros((1, 0), np.int64)
+    ncells = math.prod(len(b) - 1 for b in grid)
+    if ncells <= _SMALL:
+        # Most tensors have a handful of cells: plain Python beats numpy's per-call cost
+        # (this runs once per tensor on every rank of every load).
+        pairs = list(itertools.product(*(list(zip(b[:-1], b[1:])) for b in grid)))
+        offsets = np.array([[lo for lo, _ in c] for c in pairs], np.int64)
+        sizes = np.array([[hi - lo for lo, hi in c] for c in pairs], np.int64)
+        return offsets.reshape(ncells, len(grid)), sizes.reshape(ncells, len(grid))
+    bps = arrays if arrays is not None else [np.asarray(b, np.int64) for b in grid]
+    if len(bps) == 1:  # the common case (FSDP): no index arithmetic
+        return bps[0][:-1, None].copy(), np.diff(bps[0])[:, None]
+    # Cell i's index along dim d, C order; not np.indices, which needs ndim + 1 <= 64 dims.
+    cell = np.arange(ncells)
+    offsets = np.empty((ncells, len(bps)), np.int64)
+    sizes = np.empty((ncells, len(bps)), np.int64)
+    stride = ncells
+    for d, b in enumerate(bps):
+        stride //= len(b) - 1
+        if len(b) == 2:  # one cell along d (a dim not split): a constant column
+            offsets[:, d], sizes[:, d] = b[0], b[1] - b[0]
+            continue
+        i = cell // stride % (len(b) - 1)
+        offsets[:, d], sizes[:, d] = b[:-1][i], np.diff(b)[i]
+    return offsets, sizes
+
+
+def parse_dim(obj: Any, key: str, d: int, extent: int,
+              nfiles: int) -> tuple[tuple[int, ...], np.ndarray | None]:
+    """Validate one dim's breakpoints: integers rising strictly from 0 to ``extent``,
+    at most ``nfiles + 1`` of them. Returns them as a tuple, and as the int64 array they
+    were decoded into when they took numpy (else None). Raises ValueError."""
+    arr = None
+    if isinstance(obj, list) and len(obj) <= _SMALL:  # fast path, no numpy
+        b = obj
+        ok = all(type(x) is int for x in b) and all(x < y for x, y in zip(b, b[1:]))
+    else:
+        arr = intarray.decode(obj, f"tensor {key!r} grid", nfiles + 1)
+        # values inside [0, extent] first, so the differences cannot overflow; rising
+        # strictly is checked here, not again per element in Python
+        ok = not ((arr < 0).any() or (arr > extent).any() or (len(arr) > 1 and (np.diff(arr) <= 0).any()))
+        b = arr.tolist()
+    if not (ok and len(b) >= 2 and len(b) <= nfiles + 1 and b[0] == 0 and b[-1] == extent):
+        raise ValueError(f"tensor {key!r}: grid of dim {d} must rise strictly from 0 to {extent}")
+    return tuple(b), arr
