@@ -42,9 +42,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LIBS = ("dckpt", "dcp", "dcp_cached")
 # Training-loop modes: LIBS and dckpt with a fence on the optimizer (the copy overlaps
 # the next forward/backward; the next optimizer step waits for it).
-LOOP_MODES = LIBS + ("dckpt_fence",)
+# "dckpt_tier": a CheckpointManager saving into a /dev/shm fast tier (no durable copy in
+# the loop), fenced on the optimizer: the tier's files are written from the live tensors.
+LOOP_MODES = LIBS + ("dckpt_fence", "dckpt_tier")
 NAMES = {"dckpt": "dckpt", "dcp": "DCP (FileSystemWriter)", "dcp_cached": "DCP (reused stager)",
-         "dckpt_fence": "dckpt, fenced on the optimizer"}
+         "dckpt_fence": "dckpt, fenced on the optimizer",
+         "dckpt_tier": "dckpt manager, /dev/shm tier, fenced"}
 
 
 def _clean(x: Any) -> Any:
@@ -178,10 +181,18 @@ def worker(rank: int, world: int, init: str, a: dict, out: str) -> None:
     train_bytes = sum(t.numel() * t.element_size() for d in (full["model"], *full["optim"].values())
                       for t in d.values() if isinstance(t, torch.Tensor))
 
+    def tier_manager(rep: int, every: int):
+        shm = os.path.join("/dev/shm", os.path.basename(a["dir"].rstrip("/")) + f"-{rep}-{every}")
+        return dckpt.CheckpointManager(
+            os.path.join(a["dir"], f"loop-tier-{rep}-{every}"), async_save=True,
+            capture_rng=False, local_root=os.path.join(shm, f"r{rank}"),
+            durable_every_steps=10**9), shm
+
     def loop(mode: str, every: int, rep: int) -> dict[str, float]:
         dist.barrier()
         times, ckpt_steps, waits, pending = [], set(), [], None
         handles.clear()
+        mgr, shm = tier_manager(rep, every) if mode == "dckpt_tier" else (None, None)
         cpu0, main0 = time.process_time(), time.thread_time()
         t_start = time.perf_counter()
         for s in range(1, a["steps"] + 1):
@@ -191,7 +202,12 @@ def worker(rank: int, world: int, init: str, a: dict, out: str) -> None:
                 tw = time.perf_counter()
                 if pending is not None and not mode.startswith("dckpt"):
                     pending()  # one save in flight (dckpt.async_save waits by itself)
-                pending, _ = start(mode, full, os.path.join(a["dir"], f"loop-{mode}-{rep}-{s}"))
+                if mgr is not None:
+                    mgr.save(s, full, force=True, fence=opt)
+                    handles.append(mgr.tier._local_job)
+                    pending = mgr.wait
+                else:
+                    pending, _ = start(mode, full, os.path.join(a["dir"], f"loop-{mode}-{rep}-{s}"))
                 waits.append(time.perf_counter() - tw)
                 ckpt_steps.add(s - 1)
             times.append(time.perf_counter() - t0)
@@ -200,6 +216,8 @@ def worker(rank: int, world: int, init: str, a: dict, out: str) -> None:
         if pending is not None:
             pending()
         drain = time.perf_counter() - t0
+        if mgr is not None:
+            mgr.close()
         bg_cpu = (time.process_time() - cpu0) - (time.thread_time() - main0)  # other threads
         other = [t for i, t in enumerate(times) if i not in ckpt_steps]
         ck = [t for i, t in enumerate(times) if i in ckpt_steps] or [float("nan")]
@@ -211,6 +229,8 @@ def worker(rank: int, world: int, init: str, a: dict, out: str) -> None:
             for d in os.listdir(a["dir"]):
                 if d.startswith("loop-"):
                     shutil.rmtree(os.path.join(a["dir"], d), ignore_errors=True)
+            if shm is not None:
+                shutil.rmtree(shm, ignore_errors=True)
         return {**dict(zip(("step", "step_other", "step_ckpt", "save_call", "drain", "bg_cpu",
                             "lost"), r)),
                 "saves": len(waits)}

@@ -11,7 +11,7 @@ from .protocol.collectives import Comm, on_rank0
 from .protocol.commit import save as _save
 from .protocol.intent import live_save_ids
 from .engine.async_save import SaveHandle
-from .engine.async_save import _saver
+from .engine.async_save import _fence_targets, _saver
 from .engine.async_save import async_save as _async_save
 from .errors import CheckpointError
 from .format import manifest as mf
@@ -222,7 +222,7 @@ class CheckpointManager(RestoreMixin):
         return preempted, requested
 
     def save(self, step: int, state: Any, *, epoch: int | None = None,
-             force: bool = False) -> bool:
+             force: bool = False, fence: Any = None) -> bool:
         """Save ``state`` as ``step`` when the policy says so (or ``force``); returns
         whether a save started. Synchronous mode returns after the commit (and its
         history record); async mode after the snapshot. Waits for a previous async save
@@ -233,8 +233,13 @@ class CheckpointManager(RestoreMixin):
         and it is recorded with this save and the later ones. A separate call after the
         epoch's last step works too, but when that step was already saved by the call
         before, it is not saved again and that checkpoint records the previous epoch.
-        Raises ValueError when ``epoch`` is not an int >= 0 (before any collective)."""
+        Raises ValueError when ``epoch`` is not an int >= 0 (before any collective).
+
+        ``fence`` (async mode; optimizers or modules, as :func:`dckpt.async_save`'s):
+        more to fence on than the state's TrainingStates, e.g. the optimizer of a state
+        passed as a plain dict. Raises CheckpointError for anything else."""
         epoch = check_epoch(epoch)
+        fences = _fence_targets(fence)  # a bad one raises before any collective, as epoch
         preempted, requested = self._votes()
         if preempted:
             log.warning("preempted (SIGTERM): writing a final checkpoint of step %d", step)
@@ -254,6 +259,8 @@ class CheckpointManager(RestoreMixin):
             return False
         self._finish_inflight(raise_error=False)
         full = self._full(state)
+        if self.async_save:
+            fences = fence_targets(state) + fences
         t0 = time.perf_counter()
         path = self.path(step)
         pending = (history.PendingSave(self.history, step, self._epoch,
@@ -268,15 +275,14 @@ class CheckpointManager(RestoreMixin):
                 # from the live tensors while training goes on (one host copy); the
                 # optimizers' next step waits until they are written.
                 self.tier.save(step, full, durable=durable, async_=self.async_save,
-                               on_commit=self._tier_recorder(pending),
-                               fence=fence_targets(state) or None)
+                               on_commit=self._tier_recorder(pending), fence=fences)
                 blocked = time.perf_counter() - t0
             elif self.async_save:
                 # The copy overlaps the next forward/backward; the state's optimizers
                 # (TrainingState) wait for it at their next step.
                 h = _async_save(full, path, process_group=self.group,
                                 storage_options=self.storage_options, overwrite=True,
-                                fence=fence_targets(state) or None, **self._delta_args(step))
+                                fence=fences or None, **self._delta_args(step))
                 self._inflight = (step, h)
                 blocked = h.blocking_seconds
                 if pending is not None:  # recorded once committed, even if never waited for

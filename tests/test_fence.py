@@ -211,3 +211,25 @@ def test_fast_tier_without_a_fence_still_snapshots(tmp_path):
         mgr.wait()
     got = dckpt.load({"state": {"w": torch.zeros(512, 512)}}, mgr.path(1))
     assert torch.equal(got["state"]["w"], want)
+
+
+def test_manager_fence_argument_for_a_plain_dict(tmp_path):
+    """A state passed as a plain dict: ``save(..., fence=opt)`` gives it the fenced,
+    copy-free path into the fast tier; a bad fence is refused before anything."""
+    m, opt = _model(256)
+    _step(m, opt)
+    want = _snapshot(m, opt)
+    with dckpt.CheckpointManager(str(tmp_path / "r"), async_save=True, capture_rng=False,
+                                 local_root=str(tmp_path / "node")) as mgr:
+        with pytest.raises(CheckpointError, match="fence must be an optimizer or module"):
+            mgr.save(1, _state(m, opt), force=True, fence="opt")
+        mgr.save(1, _state(m, opt), force=True, fence=opt)
+        assert mgr.tier.pool.nbytes == 0
+        _step(m, opt)
+    _same(want, _from_manager(mgr.path(1), want))
+
+
+def _from_manager(path: str, like: dict) -> dict:
+    t = {"model": {k: torch.zeros_like(v) for k, v in like["model"].items()},
+         "opt": {k: {n: torch.zeros_like(x) for n, x in st.items()} for k, st in like["opt"].items()}}
+    return dckpt.load({"state": t}, path)["state"]
