@@ -204,3 +204,43 @@ def test_snapshot_failure_on_one_rank_fails_every_handle(ranks, tmp_path):
     assert msgs[0] == msgs[1]
     # The staging pool and the in-flight slot recovered: the next save commits.
     assert pool.run(_save_ok, str(tmp_path / "s")) == [2, 2]
+
+
+def _wrappers_follow_the_layout(root: str) -> list:
+    """The staging pool reuses a DTensor wrapper around a reused buffer only while the
+    layout is the same: a key that changes placements (same local shape) gets a new one,
+    and every snapshot saves the values at its call."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    import dckpt
+    from dckpt.engine.staging import StagingPool
+
+    w = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (w,))
+    local = torch.arange(12, dtype=torch.float32).reshape(3, 4) + dist.get_rank()
+    pool = StagingPool()
+    out = []
+    for i, placement in enumerate([Shard(0), Shard(0), Replicate()]):
+        if placement == Replicate():
+            local = torch.full((3, 4), 7.0)  # the same on every rank, as Replicate says
+        d = DTensor.from_local(local, mesh, [placement], run_check=False)
+        snap, _ = pool.snapshot({"x": d})
+        out.append((snap["x"].placements[0] == placement, snap["x"].shape == d.shape,
+                    id(snap["x"])))
+        dckpt.save(snap, f"{root}/c{i}")
+        local.add_(100)  # after the snapshot: not saved
+        full = torch.zeros(tuple(d.shape))
+        dckpt.load({"x": full}, f"{root}/c{i}")
+        want = torch.full((3, 4), 7.0) if placement == Replicate() else \
+            torch.cat([torch.arange(12, dtype=torch.float32).reshape(3, 4) + r + 100 * i
+                       for r in range(w)])
+        out.append(torch.equal(full, want))
+    return out
+
+
+def test_staging_reuses_dtensor_wrappers_only_for_the_same_layout(ranks, tmp_path):
+    for out in ranks(2).run(_wrappers_follow_the_layout, str(tmp_path)):
+        (ok0, s0, id0), v0, (ok1, s1, id1), v1, (ok2, s2, id2), v2 = out
+        assert ok0 and ok1 and ok2 and s0 and s1 and s2 and v0 and v1 and v2
+        assert id0 == id1 and id2 != id1  # reused, then rebuilt for the new placement
