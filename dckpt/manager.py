@@ -136,6 +136,7 @@ class CheckpointManager(RestoreMixin):
         self._last_time = time.monotonic()
         self._calls: tuple[int, float] | None = None  # (step, time) of the previous save() call
         self.save_seconds: float | None = None  # blocking time of the last save
+        self._lost: SaveHandle | None = None  # the last async save, until the next call
         self.step_seconds: float | None = None
         self._inflight: tuple[int, SaveHandle] | None = None
         self._error: BaseException | None = None
@@ -240,6 +241,10 @@ class CheckpointManager(RestoreMixin):
         passed as a plain dict. Raises CheckpointError for anything else."""
         epoch = check_epoch(epoch)
         fences = _fence_targets(fence)  # a bad one raises before any collective, as epoch
+        if self._lost is not None:
+            # The last async save's cost to training, its fence's wait included (that
+            # wait came at the optimizer step after it): what the "auto" policy weighs.
+            self.save_seconds, self._lost = self._lost.blocking_seconds, None
         preempted, requested = self._votes()
         if preempted:
             log.warning("preempted (SIGTERM): writing a final checkpoint of step %d", step)
@@ -274,8 +279,8 @@ class CheckpointManager(RestoreMixin):
                 # With a TrainingState on CPU, the tier's files are written straight
                 # from the live tensors while training goes on (one host copy); the
                 # optimizers' next step waits until they are written.
-                self.tier.save(step, full, durable=durable, async_=self.async_save,
-                               on_commit=self._tier_recorder(pending), fence=fences)
+                self._lost = self.tier.save(step, full, durable=durable, async_=self.async_save,
+                                            on_commit=self._tier_recorder(pending), fence=fences)
                 blocked = time.perf_counter() - t0
             elif self.async_save:
                 # The copy overlaps the next forward/backward; the state's optimizers
@@ -284,6 +289,7 @@ class CheckpointManager(RestoreMixin):
                                 storage_options=self.storage_options, overwrite=True,
                                 fence=fences or None, **self._delta_args(step))
                 self._inflight = (step, h)
+                self._lost = h
                 blocked = h.blocking_seconds
                 if pending is not None:  # recorded once committed, even if never waited for
                     h.add_done_callback(lambda h: self._record_async(pending, h))

@@ -233,3 +233,118 @@ def _from_manager(path: str, like: dict) -> dict:
     t = {"model": {k: torch.zeros_like(v) for k, v in like["model"].items()},
          "opt": {k: {n: torch.zeros_like(x) for n, x in st.items()} for k, st in like["opt"].items()}}
     return dckpt.load({"state": t}, path)["state"]
+
+
+def _tier_manager(tmp_path, **kw):
+    return dckpt.CheckpointManager(str(tmp_path / "r"), async_save=True, capture_rng=False,
+                                   local_root=str(tmp_path / "node"), **kw)
+
+
+def test_fast_tier_batchnorm_saved_in_eval_mode(tmp_path, monkeypatch):
+    """Validate in eval mode, save, go back to train(): the next forward updates the
+    running stats, so the model is fenced whatever its mode at the call."""
+    monkeypatch.setenv("DCKPT_FAULT", "write:*:sleep=0.3")
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    m(torch.randn(16, 64)).sum().backward()
+    opt.step()
+    m.eval()
+    want = {k: v.clone() for k, v in m.state_dict().items()}
+    with _tier_manager(tmp_path) as mgr:
+        mgr.save(1, {"train": dckpt.TrainingState(m, opt)}, force=True)
+        m.train()
+        m(torch.randn(16, 64))  # updates running_mean/var: waits for the files first
+        assert not torch.equal(m[1].running_mean, want["1.running_mean"])
+    monkeypatch.delenv("DCKPT_FAULT")
+    m2 = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64))
+    o2 = torch.optim.SGD(m2.parameters(), lr=0.1)
+    with _tier_manager(tmp_path) as mgr:
+        assert mgr.restore({"train": dckpt.TrainingState(m2, o2)}) == 1
+        assert mgr.restored_from == "local"
+    for k, v in want.items():
+        assert torch.equal(m2.state_dict()[k], v), k
+
+
+def test_fence_runs_before_earlier_step_pre_hooks(tmp_path, monkeypatch):
+    """A step pre-hook registered before the save changes a saved buffer: the fence
+    waits first, so the checkpoint holds the value at the call."""
+    monkeypatch.setenv("DCKPT_FAULT", "write:*:sleep=0.3")
+    m, opt = _model(64)
+    m.register_buffer("bias_balance", torch.zeros(4096))
+
+    def balance(*_args) -> None:
+        m.bias_balance.add_(1.0)
+
+    opt.register_step_pre_hook(balance)
+    _step(m, opt)
+    want = m.bias_balance.clone()
+    with _tier_manager(tmp_path) as mgr:
+        mgr.save(1, {"train": dckpt.TrainingState(m, opt)}, force=True)
+        _step(m, opt)
+    got = dckpt.load({"state": {"train": {"model": {"bias_balance": torch.zeros(4096)}}}},
+                     mgr.path(1), strict=False)
+    assert torch.equal(got["state"]["train"]["model"]["bias_balance"], want)
+
+
+def test_unfenced_change_during_a_live_write_fails_the_save(tmp_path, monkeypatch):
+    """Something the fence does not cover changes a saved tensor while the tier is
+    written from it: the save fails with a clear error instead of committing a
+    checkpoint that cannot load, and the previous step stays restorable."""
+    import threading
+    import time
+
+    from dckpt import _faults
+
+    m, opt = _model(256)
+    _step(m, opt)
+    want = _snapshot(m, opt)
+    mid_write, go_on = threading.Event(), threading.Event()
+
+    def gate(point: str, rank: int) -> None:  # after the file's first data writes
+        if point == "write":
+            mid_write.set()
+            go_on.wait(10)
+
+    with _tier_manager(tmp_path) as mgr:
+        mgr.save(1, {"train": dckpt.TrainingState(m, opt)}, force=True)
+        mgr.wait()
+        monkeypatch.setenv("DCKPT_FAULT", "write:*:sleep=0")
+        monkeypatch.setattr(_faults, "fault", gate)
+        mgr.save(2, {"train": dckpt.TrainingState(m, opt)}, force=True)
+        assert mid_write.wait(10)
+        time.sleep(0.1)  # the checksum thread has read every tensor by now
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(1.0)  # not through the optimizer: nothing waits
+        go_on.set()
+        with pytest.raises(CheckpointError, match="changed while the fast tier was written"):
+            mgr.wait()
+        monkeypatch.delenv("DCKPT_FAULT")
+        assert mgr.steps(tier="local") == [1] and mgr.steps() == [1]
+    m2, o2 = _model(256)
+    with _tier_manager(tmp_path) as mgr:
+        assert mgr.restore({"train": dckpt.TrainingState(m2, o2)}) == 1
+    _same(want, _snapshot(m2, o2))
+
+
+def test_the_policy_weighs_the_fence_wait_of_the_last_save(tmp_path, monkeypatch):
+    """The time a fenced save cost training shows at the optimizer step after it: the
+    next save() hands the policy that whole cost, not the call's few milliseconds."""
+    monkeypatch.setenv("DCKPT_FAULT", "write:*:sleep=0.3")
+    m, opt = _model(64)
+    _step(m, opt)
+    seen = []
+    with _tier_manager(tmp_path) as mgr:
+        real = mgr.policy.due
+
+        def due(step, last, since, save_s, *a, **kw):
+            seen.append(save_s)
+            return real(step, last, since, save_s, *a, **kw)
+
+        monkeypatch.setattr(mgr.policy, "due", due)
+        mgr.save(1, {"train": dckpt.TrainingState(m, opt)}, force=True)
+        assert mgr.save_seconds < 0.3  # the call alone
+        _step(m, opt)  # waits for the files
+        mgr.save(2, {"train": dckpt.TrainingState(m, opt)})
+    assert len(seen) == 1 and seen[0] >= 0.3  # the forced first save asks no policy

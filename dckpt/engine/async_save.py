@@ -69,8 +69,17 @@ class SaveHandle:
         for t in targets:
             # Removing a hook while torch iterates over the hooks is not safe: a fired
             # hook stays as a no-op until the next async_save (or result()) removes it.
-            self._hooks.append(t.register_step_pre_hook(wait) if hasattr(t, "register_step_pre_hook")
-                               else t.register_forward_pre_hook(wait))
+            # First in line: a pre-hook registered earlier may change state too (a
+            # load-balancing bias updated before each step). torch's global optimizer
+            # pre-hooks still run before it.
+            if hasattr(t, "register_step_pre_hook"):
+                h = t.register_step_pre_hook(wait)
+                hooks = getattr(t, "_optimizer_step_pre_hooks", None)
+                if hooks is not None and h.id in hooks:
+                    hooks.move_to_end(h.id, last=False)
+            else:
+                h = t.register_forward_pre_hook(wait, prepend=True)
+            self._hooks.append(h)
 
     def _unfence(self) -> None:
         hooks, self._hooks = self._hooks, []

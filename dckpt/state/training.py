@@ -60,15 +60,16 @@ class TrainingState:
 def fence_targets(state: Any) -> list:
     """What an overlapped async save of ``state`` must fence on: the optimizer of every
     :class:`TrainingState` in it (nested in dicts, lists, tuples), and its model too
-    when a module of it changes buffers in forward (BatchNorm with running stats in
-    training mode). No I/O; O(containers + modules)."""
+    when a module of it may change buffers in forward: BatchNorm with running stats,
+    in whatever mode it is now (a loop that validates in eval mode, saves, then goes
+    back to train() updates them in the next forward). No I/O; O(containers + modules)."""
     out: list = []
 
     def walk(obj: Any) -> None:
         if isinstance(obj, TrainingState):
             if obj.optimizer is not None:
                 out.append(obj.optimizer)
-            if any(isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.training
+            if any(isinstance(m, torch.nn.modules.batchnorm._NormBase)
                    and m.track_running_stats for m in obj.model.modules()):
                 out.append(obj.model)
         elif isinstance(obj, dict):

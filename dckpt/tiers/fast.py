@@ -88,7 +88,8 @@ class FastTier:
         return due
 
     def save(self, step: int, state: Any, *, durable: bool, async_: bool,
-             on_commit: OnCommit | None = None, fence: list | None = None) -> None:
+             on_commit: OnCommit | None = None,
+             fence: list | None = None) -> SaveHandle | None:
         """Commit ``state`` as ``step`` in every rank's fast tier, then queue its staging
         when ``durable``. Collective. Synchronous: returns after the local commit (and
         raises its error). Asynchronous: returns after the snapshot; the local commit
@@ -107,11 +108,12 @@ class FastTier:
         ``on_commit(tier, commit, info)`` is called on this rank after the local commit
         (``"local"``, info None) and after the durable one (``"durable"``, the staged
         CheckpointInfo), in the thread that saw it (the save history); its errors are
-        logged, never raised."""
+        logged, never raised. Returns the asynchronous save's handle (its
+        ``blocking_seconds`` grows by a fence's wait), None for a synchronous one."""
         self.wait_local()
         if not async_:
             self._save_local(step, state, self.comm, durable, on_commit)
-            return
+            return None
         t0 = time.perf_counter()
         copied: threading.Event | None = None
         try:
@@ -119,8 +121,8 @@ class FastTier:
             if view is not None and not view[2]:
                 snap, copied = view[0], threading.Event()
                 self.pool.buffers.clear()  # the tier's files are the one host copy
-            else:
-                snap, _ = self.pool.snapshot(state)
+            else:  # the state resolved once: state_dict() is not called twice
+                snap, _ = self.pool.snapshot(state if view is None else view[0])
         except Exception as e:  # join the collective save anyway: it fails everywhere
             snap, copied = {"state": _Unstageable(e)}, None
         job = self._local_exec.submit(self._save_local, step, snap, Comm(self._local_group),
@@ -129,6 +131,7 @@ class FastTier:
         self._local_job = SaveHandle(job, self.step_dir(step), blocked, blocked, copied)
         if copied is not None:
             self._local_job._fence(fence)
+        return self._local_job
 
     def wait_snapshot(self) -> None:
         """Block until the local save in flight no longer reads the live state (its

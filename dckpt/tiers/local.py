@@ -34,6 +34,7 @@ import numpy as np
 from .. import _faults
 from ..errors import CheckpointError, ManifestError
 from ..format import manifest as mf
+from ..format import shards
 from ..layout import plan as gplan
 from ..protocol.collectives import Comm, agree, error_payload, raise_gathered, rank0_bytes
 from ..protocol.commit import local_plan, write_file
@@ -126,6 +127,7 @@ def _save_local(state_dict: Any, step: int, step_dir: str, storage, comm: Comm,
             vote["replica"] = write_file(storage, step_dir, replica_name(save_id, r), r, replicas)
             if written is not None:
                 written()
+                recheck(storage, step_dir, vote, r)
             _faults.fault("vote", r)
         except Exception as e:
             vote = {"error": error_payload(e)}
@@ -157,6 +159,39 @@ def _save_local(state_dict: Any, step: int, step_dir: str, storage, comm: Comm,
     files = (vote["file"],) if vote.get("file") else ()
     return LocalCommit(step, step_dir, save_id, data, files, nbytes, time.perf_counter() - t0,
                        m.total_bytes)
+
+
+_RECHECK = 4 << 20  # bytes per read: a multiple of any checksum block, little memory
+
+
+def recheck(storage, step_dir: str, vote: dict, rank: int) -> None:
+    """After a save written straight from live tensors (no snapshot): read this rank's
+    files back and check every block against the checksums computed while writing.
+    Those were computed from a second read of the same tensors, so a tensor changed
+    during the write (by something the fence does not cover) shows as a mismatch, and
+    the save fails on every rank instead of committing a checkpoint that cannot load.
+    Blocking I/O of this rank's bytes (out of the page cache or tmpfs: about a memcpy
+    and a CRC pass), in the background after training was released; memory 4 MiB.
+    Raises CheckpointError naming the tensor."""
+    for v in (vote, vote.get("replica") or {}):
+        if not v.get("file"):
+            continue
+        path = storage.join(step_dir, v["file"])
+        tensors, block = shards.parse_header(storage.read(path, 0, 8 + v["hlen"]), path, v["size"])
+        for st in tensors.values():
+            for pos in range(0, st.nbytes, _RECHECK):
+                data = storage.read(path, st.start + pos, min(_RECHECK, st.nbytes - pos))
+                try:
+                    shards.verify(memoryview(data), pos // block, st.crcs, block,
+                                  f"{path}: tensor {st.name!r}")
+                except CheckpointError as e:
+                    raise CheckpointError(
+                        f"rank {rank}: tensor {st.name!r} changed while the fast tier was "
+                        "written from it (no snapshot copy is made for a fenced save): "
+                        "something modified it before the fenced optimizer step or module "
+                        "forward; fence that too (save(..., fence=)) or call "
+                        f"wait_snapshot() before changing it. The save is not committed "
+                        f"({e})") from None
 
 
 def local_view(m: mf.Manifest, rank: int, replica_vote: dict, replicas: list) -> mf.Manifest:
