@@ -10,6 +10,7 @@ the no-checkpoint loops of the same reps. Each run starts from an empty checkpoi
 
     python benchmarks/bench_manager.py [--nproc 2] [--steps 60] [--every 10 20] [--reps 3]
     python benchmarks/bench_manager.py --kinds async tier --every 10 --steps 100 --durable-every 50
+    python benchmarks/bench_manager.py --kinds async dcp --every 10 25 50 --steps 100
 
 ``tier``: async saves to a fast tier on /dev/shm (``--local-root``), every
 ``--durable-every`` steps staged to the durable root in the background.
@@ -42,6 +43,8 @@ def run_job(a, root: str, every: int | None, kind: str) -> dict:
            "--seq", str(a.seq), "--vocab", str(a.vocab)]
     if kind in ("async", "tier"):
         cmd.append("--async-save")
+    if kind == "dcp":  # the same loop saving with DCP's async_save (reused stager)
+        cmd.append("--dcp")
     local = None
     if kind == "tier":  # async saves to a /dev/shm fast tier, some staged to ``root``
         local = tempfile.mkdtemp(prefix="dckpt-manager-shm-", dir=a.shm)
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--dir", default=None, help="parent of the scratch dir (None: system temp)")
     p.add_argument("--kinds", nargs="+", default=["sync", "async"],
-                   choices=["sync", "async", "tier"], help="checkpointing modes to run")
+                   choices=["sync", "async", "tier", "dcp"], help="checkpointing modes to run")
     p.add_argument("--durable-every", type=int, default=50, help="tier: durable every N steps")
     p.add_argument("--shm", default="/dev/shm", help="tier: parent of the fast tier")
     p.add_argument("--json", default=None, help="write results as JSON here")

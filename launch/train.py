@@ -69,6 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default: every save)")
     p.add_argument("--keep-last-local", type=int, default=1)
     p.add_argument("--async-save", action="store_true")
+    p.add_argument("--dcp", action="store_true",
+                   help="benchmark baseline: save the same state with DCP's async_save "
+                        "(reused stager) every --every steps instead of dckpt; no restore")
     p.add_argument("--save-on-sigterm", action="store_true")
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--depth", type=int, default=2)
@@ -188,6 +191,8 @@ def main(argv=None) -> None:
         sampler = ResumableSampler(args.data_samples, args.batch, seed=args.seed, rank=rank,
                                    world=world)
         state["data"] = sampler  # saved through its state_dict, restored in place
+    if args.dcp:
+        return _dcp_baseline(args, model, opt, sched, state, device, rank)
     mgr = dckpt.CheckpointManager(args.ckpt_root, every_steps=args.every,
                                   keep_last=args.keep_last, async_save=args.async_save,
                                   save_on_sigterm=args.save_on_sigterm,
@@ -238,6 +243,43 @@ def main(argv=None) -> None:
     # interpreter shutdown can abort the process ("terminate called without an active
     # exception", seen once under load in CI).
     del state, mgr, opt, sched, model, mesh, sampler
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def _dcp_baseline(args, model, opt, sched, state, device, rank: int) -> None:
+    """The same loop saving with torch.distributed.checkpoint.async_save (a reused
+    stager, as torchtitan does; one save in flight) every ``--every`` steps, for
+    benchmarks/bench_manager.py's DCP column. Starts fresh; logs like the dckpt loop."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    pg = dist.new_group(backend="gloo")  # DCP's background collectives
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    pending = None
+    t0 = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device=device)
+        logits = model(tokens[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        state["step"] = step
+        if step % args.every == 0:
+            if pending is not None:
+                pending.result()
+            r = dcp.async_save(state, checkpoint_id=os.path.join(args.ckpt_root, f"step-{step:08d}"),
+                               process_group=pg, async_stager=stager)
+            pending = getattr(r, "upload_completion", r)
+        if step % args.log_every == 0 or step == args.steps:
+            log.info("step %d loss %.4f lr %.2e (%.3f s/step)", step, loss.item(),
+                     sched.get_last_lr()[0], (time.perf_counter() - t0) / step)
+    if pending is not None:
+        pending.result()
+    stager.close()
+    del state, opt, sched, model
     gc.collect()
     dist.destroy_process_group()
 
