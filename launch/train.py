@@ -90,6 +90,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def train_step(model: nn.Module, opt, sched, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """One optimizer step of next-token prediction on ``tokens``; returns the loss."""
+    logits = model(tokens[:, :-1])
+    loss = nn.functional.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    sched.step()
+    return loss
+
+
 def params_sha256(model: nn.Module) -> str:
     """Collective: SHA-256 of every full parameter, in name order."""
     h = hashlib.sha256()
@@ -221,12 +232,7 @@ def main(argv=None) -> None:
             tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device=device)
         else:
             tokens = sampler.next_tokens(args.vocab, args.seq + 1, device)
-        logits = model(tokens[:, :-1])
-        loss = nn.functional.cross_entropy(logits.reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
+        loss = train_step(model, opt, sched, tokens, args.vocab)
         state["step"] = step
         if args.step_sleep:
             time.sleep(args.step_sleep)
@@ -260,12 +266,7 @@ def _dcp_baseline(args, model, opt, sched, state, device, rank: int) -> None:
     t0 = time.perf_counter()
     for step in range(1, args.steps + 1):
         tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device=device)
-        logits = model(tokens[:, :-1])
-        loss = nn.functional.cross_entropy(logits.reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
+        loss = train_step(model, opt, sched, tokens, args.vocab)
         state["step"] = step
         if step % args.every == 0:
             if pending is not None:
