@@ -14,6 +14,7 @@ each of its collectives.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import concurrent.futures.thread  # noqa: F401  (registers its exit hook before ours)
 import logging
 import os
 import threading
@@ -127,6 +128,34 @@ class _Saver:
 
 _SAVERS: dict[Any, _Saver] = {}
 _LOCK = threading.Lock()
+
+
+def _finish_at_exit() -> None:
+    """At interpreter exit, let the saves still in flight commit (or fail) while
+    background threads can still start work: once concurrent.futures has begun its own
+    exit, a save in flight could no longer start the threads its writer uses and would
+    fail. Blocking, up to each save's own duration; errors are logged, not raised."""
+    with _LOCK:
+        inflight = [s.inflight for s in _SAVERS.values() if s.inflight is not None]
+    for h in inflight:
+        if not h.done():
+            log.info("waiting for the async save to %s before the process exits", h.path)
+        try:
+            h._future.result()
+        except Exception as e:  # already reported through its handle, if anyone looked
+            log.error("async save to %s failed: %s", h.path, e)
+
+
+def at_thread_exit(fn: Callable[[], None]) -> None:
+    """Run ``fn`` at interpreter exit before concurrent.futures stops its executors
+    (threading's exit hooks run in reverse order of registration, before atexit's;
+    concurrent.futures.thread registered its own when it was imported, above)."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:  # private since 3.9; without it, saves in flight may fail
+        register(fn)
+
+
+at_thread_exit(_finish_at_exit)
 
 
 def _saver(group: Any) -> _Saver:

@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from ..errors import CheckpointError, CommunicationError
 from ..policy import RetentionPolicy
 from ..protocol.collectives import Comm, OwnGroup, agree
-from ..engine.async_save import SaveHandle, _Unstageable
+from ..engine.async_save import SaveHandle, _Unstageable, at_thread_exit
 from ..engine.staging import StagingPool, live_view
 from ..storage.fsspec_storage import make_storage
 from . import chooser, local, stager
@@ -29,6 +30,22 @@ from . import chooser, local, stager
 log = logging.getLogger(__name__)
 # on_commit(tier, commit, info): "local" (info None) or "durable" (the staged CheckpointInfo)
 OnCommit = Callable[[str, "local.LocalCommit", Any], None]
+
+
+_LIVE: "weakref.WeakSet[FastTier]" = weakref.WeakSet()
+
+
+def _finish_at_exit() -> None:
+    """At exit, let every tier's saves in flight commit in every tier (see
+    :func:`dckpt.engine.async_save.at_thread_exit`); errors are logged."""
+    for tier in list(_LIVE):
+        try:
+            tier.wait(raise_error=False)
+        except Exception as e:
+            log.error("fast tier %s at exit: %s", tier.root, e)
+
+
+at_thread_exit(_finish_at_exit)
 
 
 class FastTier:
@@ -62,6 +79,7 @@ class FastTier:
         except OSError as e:
             err = CheckpointError(f"cannot create local_root {self.root}: {e}")
         agree(comm, err, f"create local_root {local_root}")
+        _LIVE.add(self)
         self._local_exec = cf.ThreadPoolExecutor(1, thread_name_prefix="dckpt-local")
         self._stage_exec = cf.ThreadPoolExecutor(1, thread_name_prefix="dckpt-stage")
         self._local_group = self._stage_group = None
