@@ -2,34 +2,30 @@
 from __future__ import annotations
 
 import logging
-import re
 import signal
 import time
 from typing import Any
 
 from .protocol.collectives import Comm, on_rank0
 from .protocol.commit import save as _save
-from .protocol.intent import live_save_ids
 from .engine.async_save import SaveHandle
 from .engine.async_save import _fence_targets, _saver
 from .engine.async_save import async_save as _async_save
 from .errors import CheckpointError
-from .format import manifest as mf
 from .format.codec import compression_flag
-from .catalog import remove_checkpoints
 from .policy import RetentionPolicy, SavePolicy, check_epoch, estimate_mtbf_hours
 from . import failures, history
 from .state import rng
 from .state.training import fence_targets
 from .tiers.fast import FastTier
 from .manager_restore import RestoreMixin
+from .manager_retention import RetentionMixin
 from .storage.fsspec_storage import make_storage
 
 log = logging.getLogger(__name__)
-STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-class CheckpointManager(RestoreMixin):
+class CheckpointManager(RetentionMixin, RestoreMixin):
     """Saves a training state under ``root/step-<N>`` on a policy, keeps what the
     retention policy says, and restores the newest checkpoint that loads.
 
@@ -161,19 +157,6 @@ class CheckpointManager(RestoreMixin):
     def path(self, step: int) -> str:
         """Where ``step``'s checkpoint lives or would live. No I/O."""
         return self.storage.join(self._root_arg.rstrip("/"), f"step-{int(step):08d}")
-
-    def _local_steps(self) -> tuple[list[int], list[int]]:
-        committed, partial = [], []
-        try:
-            entries = self.storage.listdir(self.root)
-        except FileNotFoundError:
-            return [], []
-        for e in entries:
-            m = STEP_DIR.match(e.name)
-            if e.is_dir and m:
-                done = self.storage.exists(self.storage.join(self.root, e.name, mf.MANIFEST_NAME))
-                (committed if done else partial).append(int(m.group(1)))
-        return sorted(committed), sorted(partial)
 
     def steps(self, tier: str = "durable") -> list[int]:
         """Committed steps, ascending. Collective. ``tier="durable"`` (the default): the
@@ -391,44 +374,6 @@ class CheckpointManager(RestoreMixin):
         if raise_error and self._error is not None:
             err, self._error = self._error, None
             raise err
-
-    def _after_commit(self, step: int) -> None:
-        """Rank 0: now that ``step`` is committed, remove the committed steps newer than
-        it (an abandoned timeline), apply retention, and remove leftovers of failed
-        saves of earlier steps (never a directory whose save is still in progress).
-        Local to rank 0, no collective; failures are logged, never raised."""
-        if self.comm.rank != 0:
-            return
-        try:
-            committed, partial = self._local_steps()
-            abandoned = [s for s in committed if s > step]
-            if abandoned:
-                log.warning("step %d committed under %s: removing step(s) %s of the "
-                            "abandoned timeline (saved before the job was rewound)",
-                            step, self.root, abandoned)
-            kept = [s for s in committed if s <= step]
-            doomed = abandoned + self.retention.to_delete(kept, protected={step})
-            doomed += [s for s in partial if s < step and not self._in_progress(s)]
-        except Exception as e:
-            log.warning("cleanup after step %d skipped: %s", step, e)
-            return
-        if not doomed:
-            return
-        # Manifests first, then only the files no kept step references: a newer
-        # incremental step may use an older step's data.
-        try:
-            remove_checkpoints(self.storage, self.root, [f"step-{s:08d}" for s in doomed])
-            log.info("removed checkpoint step(s) %s under %s", sorted(doomed), self.root)
-        except Exception as e:
-            log.warning("could not remove checkpoint step(s) %s: %s", sorted(doomed), e)
-
-    def _in_progress(self, step: int) -> bool:
-        """Whether a save of ``step`` holds a live lease (another process saving it)."""
-        try:
-            entries = self.storage.listdir(self.storage.join(self.root, f"step-{step:08d}"))
-        except OSError:
-            return False
-        return bool(live_save_ids(entries))
 
     def wait_snapshot(self) -> None:
         """Block until the in-flight async save's snapshot copy is complete (changing
