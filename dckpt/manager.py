@@ -11,6 +11,7 @@ from .protocol.commit import save as _save
 from .engine.async_save import SaveHandle
 from .engine.async_save import _fence_targets, _saver
 from .engine.async_save import async_save as _async_save
+from .engine.staging import live_view
 from .errors import CheckpointError
 from .format.codec import compression_flag
 from .policy import RetentionPolicy, SavePolicy, check_epoch, estimate_mtbf_hours
@@ -350,8 +351,10 @@ class CheckpointManager(RetentionMixin, RestoreMixin):
             return
         try:
             full = self._full(state)
-            if self.tier is not None and self.tier.live_staging(full, fence_targets(state)):
-                return  # the tier is written from the live tensors: no buffers to hold
+            if self.tier is not None and fence_targets(state):
+                full, _, gpu = live_view(full)  # resolved once, for the check and the buffers
+                if not gpu:
+                    return  # the tier is written from the live tensors: no buffers to hold
             pool = self.tier.pool if self.tier is not None else _saver(self.group).pool
             nbytes = pool.prepare(full)
             log.debug("staging buffers ready: %.1f MiB", nbytes / 2**20)

@@ -54,7 +54,7 @@ def verify_checkpoint(path: str, storage_options: dict | None = None) -> VerifyR
             tensors, block = reader.header(fi)
             covered = 8 + f.header_len
             for name, st in sorted(tensors.items(), key=lambda kv: kv[1].start):
-                _check_tensor(storage, file_path(storage, root, f), st, block)
+                check_tensor(storage, file_path(storage, root, f), st, block)
                 covered += st.nbytes
                 progress.add(st.nbytes)
             if covered != f.size:
@@ -97,8 +97,12 @@ def _check_encoded(reader: ChunkReader, t, ci: int, report: VerifyReport) -> Non
                 return
 
 
-def _check_tensor(storage, path: str, st: shards.StoredTensor, block: int) -> None:
-    step = max(block, _READ // block * block)
+def check_tensor(storage, path: str, st: shards.StoredTensor, block: int,
+                 read: int = _READ) -> None:
+    """Read stored tensor ``st`` of file ``path`` ``read`` bytes at a time and check
+    every block against its checksum. Blocking I/O of its bytes; memory one read.
+    Raises CheckpointError naming the file, tensor and block."""
+    step = max(block, read // block * block)
     for pos in range(0, st.nbytes, step):
         n = min(step, st.nbytes - pos)
         data = storage.read(path, st.start + pos, n)

@@ -157,12 +157,6 @@ class FastTier:
         if self._local_job is not None:
             self._local_job.wait_snapshot()
 
-    def live_staging(self, state: Any, fence: list | None) -> bool:
-        """Whether an asynchronous save of ``state`` with ``fence`` writes the tier from
-        the live tensors (no staging buffers to prepare). Calls Stateful objects'
-        ``state_dict()``; no copy, no I/O."""
-        return bool(fence) and not live_view(state)[2]
-
     def _save_local(self, step: int, state: Any, comm: Comm, durable: bool,
                     on_commit: OnCommit | None = None,
                     written: threading.Event | None = None) -> local.LocalCommit:

@@ -40,6 +40,7 @@ from ..protocol.collectives import Comm, agree, error_payload, raise_gathered, r
 from ..protocol.commit import local_plan, write_file
 from ..protocol.coordinator import _pack, _unpack, data_name, validate_plans, vote_files
 from ..protocol.restore import MAX_MANIFEST
+from ..verify import check_tensor
 
 log = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -179,19 +180,16 @@ def recheck(storage, step_dir: str, vote: dict, rank: int) -> None:
         path = storage.join(step_dir, v["file"])
         tensors, block = shards.parse_header(storage.read(path, 0, 8 + v["hlen"]), path, v["size"])
         for st in tensors.values():
-            for pos in range(0, st.nbytes, _RECHECK):
-                data = storage.read(path, st.start + pos, min(_RECHECK, st.nbytes - pos))
-                try:
-                    shards.verify(memoryview(data), pos // block, st.crcs, block,
-                                  f"{path}: tensor {st.name!r}")
-                except CheckpointError as e:
-                    raise CheckpointError(
-                        f"rank {rank}: tensor {st.name!r} changed while the fast tier was "
-                        "written from it (no snapshot copy is made for a fenced save): "
-                        "something modified it before the fenced optimizer step or module "
-                        "forward; fence that too (save(..., fence=)) or call "
-                        f"wait_snapshot() before changing it. The save is not committed "
-                        f"({e})") from None
+            try:
+                check_tensor(storage, path, st, block, _RECHECK)
+            except CheckpointError as e:
+                raise CheckpointError(
+                    f"rank {rank}: tensor {st.name!r} changed while the fast tier was "
+                    "written from it (no snapshot copy is made for a fenced save): "
+                    "something modified it before the fenced optimizer step or module "
+                    "forward; fence that too (save(..., fence=)) or call "
+                    f"wait_snapshot() before changing it. The save is not committed "
+                    f"({e})") from None
 
 
 def local_view(m: mf.Manifest, rank: int, replica_vote: dict, replicas: list) -> mf.Manifest:
