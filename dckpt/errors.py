@@ -75,3 +75,10 @@ ERROR_TYPES: dict[str, type[CheckpointError]] = {
         CommunicationError,
     )
 }
+
+
+def preview(keys: list, n: int = 6) -> str:
+    """A short list of keys for an error message: the first ``n``, then how many more.
+    Pure."""
+    out = ", ".join(repr(k) for k in keys[:n])
+    return out + (f" and {len(keys) - n} more" if len(keys) > n else "")

@@ -165,8 +165,9 @@ _LAST_TENSORS: tuple = (None, None)
 
 def _encoded_tensors(entries: dict) -> dict:
     global _LAST_TENSORS
-    if _LAST_TENSORS[0] is entries:
-        return _LAST_TENSORS[1]
+    owner, enc = _LAST_TENSORS  # one read: another thread may swap the pair meanwhile
+    if owner is entries:
+        return enc
     tensors = {}
     for key, t in entries.items():
         c = t.chunks

@@ -87,12 +87,6 @@ def slab_rows(shape: tuple[int, ...], itemsize: int, budget: int) -> int:
     return shape[0] if row == 0 else max(1, min(shape[0], budget // row))
 
 
-def preview(keys: list[str], n: int = 6) -> str:
-    """A short list of keys for an error message. Pure."""
-    out = ", ".join(repr(k) for k in keys[:n])
-    return out + (f" and {len(keys) - n} more" if len(keys) > n else "")
-
-
 _MADV_DONTNEED = 4  # Linux's value; the call is only made on Linux
 _libc = None
 

@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, UnsupportedValueError
+from ..errors import CheckpointError, UnsupportedValueError, preview
 from ..format.dtypes import to_code
 from ..state.flatten import flatten
-from .common import preview, trim_heap
+from .common import trim_heap
 from .sources import Source, SourceTensor, _rows
 
 log = logging.getLogger("dckpt.interop")

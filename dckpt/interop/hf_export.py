@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import CheckpointError, IntegrityError
+from ..errors import CheckpointError, IntegrityError, preview
 from ..format import manifest as mf
 from ..format import shards
 from ..format.dtypes import ITEMSIZE, to_code, to_torch
@@ -39,7 +39,7 @@ from ..protocol.restore import read_manifest
 from ..reader import ChunkReader
 from ..state.tensors import LocalPiece, as_bytes
 from ..storage.fsspec_storage import FsspecStorage, make_storage
-from .common import (CONVERTIBLE, log, norm_prefix, parse_dtype, parse_size, preview, slab_rows,
+from .common import (CONVERTIBLE, log, norm_prefix, parse_dtype, parse_size, slab_rows,
                      trim_heap)
 
 SINGLE = "model.safetensors"

@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ERROR_TYPES, CheckpointError, StateMismatchError, UnsupportedValueError
+from ..errors import (ERROR_TYPES, CheckpointError, StateMismatchError, UnsupportedValueError,
+                      preview)
 from ..engine.encode import Encoding
 from ..format import codec
 from ..format import manifest as mf
@@ -29,10 +30,10 @@ from ..layout import delta
 from ..layout.chunks import Box
 from ..progress import Progress
 from ..protocol.commit import CheckpointInfo, write_file
-from ..protocol.coordinator import _Coordinator, _unpack, data_name
+from ..protocol.coordinator import _Coordinator, _unpack, data_name, dckpt_version
 from ..state.tensors import LocalPiece
 from ..storage.fsspec_storage import make_storage
-from .common import log, norm_prefix, parse_size, preview, slab_rows, trim_heap
+from .common import log, norm_prefix, parse_size, slab_rows, trim_heap
 from .sources import SafetensorsSource, Source, SourceTensor, TorchSaveSource, detect
 
 FORMATS = ("auto", "dcp", "safetensors", "torch")
@@ -216,7 +217,7 @@ def _write(source: Source, files: list[list[Chunk]], tensors: list[SourceTensor]
         progress.add(nbytes)
         log.info("import: wrote %s (%d chunks, %.1f MiB), file %d of %d", name, len(chunks),
                  nbytes / 2**20, i + 1, len(files))
-    meta: dict[str, Any] = {"dckpt_version": _version(), "save_seconds":
+    meta: dict[str, Any] = {"dckpt_version": dckpt_version(), "save_seconds":
                             round(time.perf_counter() - t0, 3),
                             "imported_from": {"format": kind, "source": src}}
     if source.int_keys:
@@ -255,6 +256,3 @@ def _entry(t: SourceTensor, placed: list[tuple[int, int]]) -> mf.TensorEntry:
     return mf.TensorEntry(t.key, to_code(t.dtype, t.key), t.shape, chunks)
 
 
-def _version() -> str:
-    from .. import __version__
-    return __version__

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, preview
 from ..format.dtypes import ITEMSIZE, to_code, to_torch
 from ..state.flatten import flatten
-from .common import drop_pages, file_mappings, preview
+from .common import drop_pages, file_mappings
 
 MAX_HEADER = 100 << 20  # as safetensors itself: refuse absurd headers before allocating
 INDEX_NAME = "model.safetensors.index.json"

@@ -41,6 +41,17 @@ def encode(plan: LocalPlan) -> bytes:
                      np.ascontiguousarray(plan.boxes, dtype="<i8").tobytes()))
 
 
+def structure_views(blob: bytes) -> tuple[memoryview, memoryview]:
+    """The parts of :func:`encode`'s output that describe a plan's structure: (the key
+    table with its length prefix, the boxes), as views of ``blob`` (no copy). What a
+    plan cache hashes; kept here, beside the encoding it reads. Raises struct.error on
+    a blob too short to hold them."""
+    mv = memoryview(blob)
+    (n,) = _U64.unpack_from(mv, 0)
+    (m,) = _U64.unpack_from(mv, 8 + n)
+    return mv[:8 + n], mv[16 + n + m:]
+
+
 def _last_table(cache: dict | None, data: bytes, n: int) -> bytes | None:
     """The cache's newest key table (dicts keep insertion order) when ``data`` carries
     the same bytes, else None. Ranks of one job send byte-identical tables: comparing

@@ -168,7 +168,7 @@ class _Coordinator:
         if errors:
             return _pack({"errors": errors})
         try:
-            meta = {"dckpt_version": _version(), "save_seconds": round(time.perf_counter() - t0, 3)}
+            meta = {"dckpt_version": dckpt_version(), "save_seconds": round(time.perf_counter() - t0, 3)}
             reports = {r: [delta.ChunkReport.from_json(x) for x in v["chunks"]]
                        for r, v in enumerate(votes) if "chunks" in v}
             if self.base is not None:
@@ -296,7 +296,8 @@ def _remove_files(storage, root: str, select) -> int:
     return removed
 
 
-def _version() -> str:
+def dckpt_version() -> str:
+    """This dckpt's version, recorded in every manifest it writes."""
     from .. import __version__
     return __version__
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -38,7 +37,6 @@ from ..layout import plan as gplan
 CACHED, FULL = b"C", b"F"
 HASH = 16
 PLAN_ID = 8
-_U64 = struct.Struct("<Q")
 _NO_HASH = bytes(HASH)
 
 
@@ -46,11 +44,10 @@ def fingerprints(plan: localplan.LocalPlan, blob: bytes) -> tuple[bytes, bytes]:
     """(structure hash, values hash) of a local plan and its encoding ``blob``: the
     structure is hashed from the key table and boxes already encoded in ``blob`` (not
     serialised again). O(plan size), no I/O."""
-    n = _U64.unpack_from(blob, 0)[0]
-    m = _U64.unpack_from(blob, 8 + n)[0]
+    table, boxes = localplan.structure_views(blob)
     h = codec._xxh().xxh3_128()
-    h.update(memoryview(blob)[:8 + n])  # the key table
-    h.update(memoryview(blob)[16 + n + m:])  # the boxes
+    h.update(table)
+    h.update(boxes)
     h.update(json.dumps(plan.int_keys).encode())
     return h.digest(), values_hash(plan.values)
 

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from .. import _faults
-from ..errors import (CheckpointError, ManifestError, NotCommittedError, StateMismatchError,
+from ..errors import (CheckpointError, preview, ManifestError, NotCommittedError, StateMismatchError,
                       UnsupportedValueError)
 from ..format import manifest as mf
 from ..format.dtypes import to_torch
@@ -159,7 +159,7 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
     if unexpected:
         raise StateMismatchError(
             f"checkpoint {root} has {len(unexpected)} key(s) the state_dict lacks: "
-            f"{_preview(unexpected)} (pass strict=False to ignore them)")
+            f"{preview(unexpected, 8)} (pass strict=False to ignore them)")
 
     t_match = time.perf_counter()
     # Phase 2: read, verify, copy.
@@ -184,10 +184,6 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
     if comm.rank == 0:
         log.info("loaded %s: %.1f MiB on rank 0 in %.2f s", root, nbytes / 2**20, t_end - t0)
     return state_dict
-
-
-def _preview(keys: list[str], n: int = 8) -> str:
-    return ", ".join(repr(k) for k in keys[:n]) + (f" and {len(keys) - n} more" if len(keys) > n else "")
 
 
 def _fill_cast(pieces: list, reader: ChunkReader, workers: int, budget: int, what: str) -> int:
@@ -251,11 +247,11 @@ def _match(m: mf.Manifest, tensors: dict, values: dict, cast: bool = False):
         if key not in m.values:
             (wrong if key in m.tensors else missing).append(key)
     if wrong:
-        raise StateMismatchError(f"key(s) {_preview(wrong)} are tensors on one side and plain "
+        raise StateMismatchError(f"key(s) {preview(wrong, 8)} are tensors on one side and plain "
                                  "values on the other")
     if missing:
         raise StateMismatchError(f"the checkpoint lacks {len(missing)} key(s) of the "
-                                 f"state_dict: {_preview(missing)}")
+                                 f"state_dict: {preview(missing, 8)}")
     wanted = set(tensors) | set(values)
     unexpected = [k for k in (*m.tensors, *m.values) if k not in wanted]
     return pieces, unexpected

@@ -38,7 +38,8 @@ from ..format import shards
 from ..layout import plan as gplan
 from ..protocol.collectives import Comm, agree, error_payload, raise_gathered, rank0_bytes
 from ..protocol.commit import local_plan, write_file
-from ..protocol.coordinator import _pack, _unpack, data_name, validate_plans, vote_files
+from ..protocol.coordinator import (_pack, _unpack, data_name, dckpt_version, validate_plans,
+                                    vote_files)
 from ..protocol.restore import MAX_MANIFEST
 from ..verify import check_tensor
 
@@ -140,7 +141,7 @@ def _save_local(state_dict: Any, step: int, step_dir: str, storage, comm: Comm,
             if errors:
                 raise_gathered(errors, f"local save to {step_dir}")
             m = gplan.to_manifest(gp, vote_files(vs), save_id, comm.size,
-                                  {"dckpt_version": _version(), "step": step})
+                                  {"dckpt_version": dckpt_version(), "step": step})
             return mf.to_json(m)
 
         data = rank0_bytes(comm, global_manifest, f"local save to {step_dir}")
@@ -313,7 +314,3 @@ def _view_save_id(storage, step_dir: str, name: str) -> str | None:
     except (OSError, CheckpointError):
         return None
 
-
-def _version() -> str:
-    from .. import __version__
-    return __version__
