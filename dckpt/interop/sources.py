@@ -127,13 +127,14 @@ def read_safetensors_header(path: str) -> dict[str, _Stored]:
     return out
 
 
-def safetensors_files(src: str) -> list[str]:
-    """The safetensors files of ``src``: the file itself; in a directory, the files of
-    ``model.safetensors.index.json`` when there is one, else every ``*.safetensors``.
-    Listing and index read only. Raises CheckpointError: no file, a bad index, an index
-    naming a file outside the directory."""
+def safetensors_files(src: str) -> tuple[list[str], dict | None]:
+    """The safetensors files of ``src`` and the index's weight_map (None without one):
+    the file itself; in a directory, the files of ``model.safetensors.index.json`` when
+    there is one, else every ``*.safetensors``. Listing and index read only. Raises
+    CheckpointError: no file, a bad index, an index naming a file outside the
+    directory."""
     if os.path.isfile(src):
-        return [src]
+        return [src], None
     index = os.path.join(src, INDEX_NAME)
     if os.path.isfile(index):
         try:
@@ -151,11 +152,11 @@ def safetensors_files(src: str) -> list[str]:
         missing = [v for v in files if not os.path.isfile(os.path.join(src, v))]
         if missing:
             raise CheckpointError(f"{index} names file(s) missing from {src}: {preview(missing)}")
-        return [os.path.join(src, v) for v in files]
+        return [os.path.join(src, v) for v in files], wm
     files = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
     if not files:
         raise CheckpointError(f"{src} holds no .safetensors file")
-    return [os.path.join(src, n) for n in files]
+    return [os.path.join(src, n) for n in files], None
 
 
 class SafetensorsSource(Source):
@@ -166,16 +167,15 @@ class SafetensorsSource(Source):
     def __init__(self, src: str, prefix: str) -> None:
         self.src, self.values, self.int_keys = src, {}, []
         self.stored: dict[str, _Stored] = {}
-        for path in safetensors_files(src):
+        paths, wm = safetensors_files(src)  # the index read once, checked
+        for path in paths:
             for name, st in read_safetensors_header(path).items():
                 if name in self.stored:
                     raise CheckpointError(f"tensor {name!r} is in both {self.stored[name].path} "
                                           f"and {path}")
                 self.stored[name] = st
-        index = os.path.join(src, INDEX_NAME)
-        if os.path.isdir(src) and os.path.isfile(index):
-            with open(index, "rb") as f:
-                wm = json.load(f)["weight_map"]
+        if wm is not None:
+            index = os.path.join(src, INDEX_NAME)
             wrong = [k for k, v in wm.items()
                      if os.path.basename(self.stored.get(k, _NONE).path) != v]
             if wrong:
