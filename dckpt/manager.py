@@ -11,6 +11,7 @@ from .protocol.commit import save as _save
 from .engine.async_save import SaveHandle
 from .engine.async_save import _fence_targets, _saver
 from .engine.async_save import async_save as _async_save
+from .engine import devstream
 from .engine.staging import live_view
 from .errors import CheckpointError
 from .format.codec import compression_flag
@@ -352,9 +353,12 @@ class CheckpointManager(RetentionMixin, RestoreMixin):
         try:
             full = self._full(state)
             if self.tier is not None and fence_targets(state):
-                full, _, gpu = live_view(full)  # resolved once, for the check and the buffers
-                if not gpu:
-                    return  # the tier is written from the live tensors: no buffers to hold
+                full, _, devices = live_view(full)  # resolved once, for the check and the buffers
+                if devstream.live_devices_ok(devices):
+                    # the tier is written from the live tensors (GPU ones through a
+                    # small pinned bounce pair, pinned now): no buffers to hold
+                    devstream.prepare(devices)
+                    return
             pool = self.tier.pool if self.tier is not None else _saver(self.group).pool
             nbytes = pool.prepare(full)
             log.debug("staging buffers ready: %.1f MiB", nbytes / 2**20)

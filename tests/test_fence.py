@@ -348,3 +348,16 @@ def test_the_policy_weighs_the_fence_wait_of_the_last_save(tmp_path, monkeypatch
         _step(m, opt)  # waits for the files
         mgr.save(2, {"train": dckpt.TrainingState(m, opt)})
     assert len(seen) == 1 and seen[0] >= 0.3  # the forced first save asks no policy
+
+
+def test_a_step_kept_while_staging_is_dropped_once_staged(tmp_path, monkeypatch):
+    """keep_last_local=1: step 1 is still being uploaded when step 2 commits locally,
+    so that save's cleanup keeps it; waiting for the upload applies the retention."""
+    monkeypatch.setenv("DCKPT_FAULT", "stage:*:sleep=0.5")
+    with dckpt.CheckpointManager(str(tmp_path / "r"), capture_rng=False, keep_last_local=1,
+                                 local_root=str(tmp_path / "node")) as mgr:
+        mgr.save(1, {"w": torch.ones(8)}, force=True)
+        mgr.save(2, {"w": torch.ones(8) * 2}, force=True)
+        assert 1 in mgr.steps(tier="local")  # still uploading: kept
+        mgr.wait()
+        assert mgr.steps(tier="local") == [2] and mgr.steps() == [1, 2]

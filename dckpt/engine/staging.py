@@ -194,19 +194,20 @@ def walk_state(state: Any, leaf: Callable[[str, torch.Tensor], torch.Tensor],
     return walk(state, "")
 
 
-def live_view(state: Any) -> tuple[Any, int, bool]:
+def live_view(state: Any) -> tuple[Any, int, set]:
     """``state`` with Stateful objects resolved (their ``state_dict()`` called now, in
     the caller's thread) and every tensor kept as the live, detached tensor: what a
     save may write later, from another thread, as long as nothing changes those
-    tensors first (a fence). Copies nothing. Returns (view, bytes of its tensors,
-    whether any tensor is on a GPU). Raises what :func:`walk_state` raises."""
-    nbytes, gpu = 0, False
+    tensors first (a fence). Copies nothing. Returns (view, bytes of its tensors, the
+    non-CPU devices its tensors are on). Raises what :func:`walk_state` raises."""
+    nbytes, devices = 0, set()
 
     def leaf(_key: str, t: torch.Tensor) -> torch.Tensor:
-        nonlocal nbytes, gpu
+        nonlocal nbytes
         nbytes += t.numel() * t.element_size()
-        gpu = gpu or t.device.type != "cpu"
+        if t.device.type != "cpu":
+            devices.add(t.device)
         return t.detach()
 
     # a DTensor is kept as it is: its local shard is the live tensor already
-    return walk_state(state, leaf, lambda _k, d, _local: d), nbytes, gpu
+    return walk_state(state, leaf, lambda _k, d, _local: d), nbytes, devices

@@ -71,7 +71,7 @@ def order_entries(entries: list[tuple[str, str, tuple[int, ...], int]]) -> list[
 
 
 def write_shard(writer, entries: list[tuple[str, str, tuple[int, ...], int]],
-                buffers: list[memoryview], random_write: bool,
+                buffers: list, random_write: bool,
                 block: int = BLOCK) -> tuple[int, int, int]:
     """Write one shard file through ``writer`` (a storage Writer, not yet committed).
 
@@ -82,7 +82,10 @@ def write_shard(writer, entries: list[tuple[str, str, tuple[int, ...], int]],
 
     A buffer may instead be a callable returning the bytes (an encoded chunk, made
     while the previous one is written); its entry's size is then an upper bound, and
-    the header, reserved for the bounds, is padded to the reservation."""
+    the header, reserved for the bounds, is padded to the reservation. Or a streamed
+    source (``len()`` and ``blocks(multiple)``, see dckpt.engine.devstream): its bytes
+    arrive a bounded block at a time and are checksummed as they are written (twice
+    produced for a streaming writer, which needs the checksums first)."""
     if any(callable(b) for b in buffers):
         return _write_lazy(writer, entries, buffers, random_write, block)
     align = getattr(writer, "alignment", 8)
@@ -90,25 +93,51 @@ def write_shard(writer, entries: list[tuple[str, str, tuple[int, ...], int]],
     hlen = len(_header(entries, placeholder, block, align))
     data_start = 8 + hlen
     if random_write:
-        with ThreadPoolExecutor(1) as pool:
-            futs = [pool.submit(block_crcs, b, block) for b in buffers]
+        with ThreadPoolExecutor(1) as pool, ThreadPoolExecutor(1) as side:
+            futs = [None if _streamed(b) else pool.submit(block_crcs, b, block)
+                    for b in buffers]
             pos = data_start
-            for b in buffers:
-                writer.pwrite(b, pos)
+            for i, b in enumerate(buffers):
+                if _streamed(b):
+                    futs[i] = _write_blocks(writer, b, pos, block, side)
+                else:
+                    writer.pwrite(b, pos)
                 pos += len(b)
-            crcs = [f.result() for f in futs]
+            crcs = [f if isinstance(f, list) else f.result() for f in futs]
         head = _U64.pack(hlen) + _header(entries, crcs, block, align)
         writer.pwrite(head, 0)
     else:
-        crcs = [block_crcs(b, block) for b in buffers]
+        crcs = [_streamed_crcs(b, block) if _streamed(b) else block_crcs(b, block)
+                for b in buffers]
         head = _U64.pack(hlen) + _header(entries, crcs, block, align)
         writer.write(head)
         pos = data_start
         for b in buffers:
-            writer.write(b)
+            for v in (b.blocks(block) if _streamed(b) else (b,)):
+                writer.write(v)
             pos += len(b)
     assert len(head) == data_start, "header length changed between layout and write"
     return pos, hlen, crc32(head)
+
+
+def _streamed(b) -> bool:
+    return hasattr(b, "blocks")
+
+
+def _write_blocks(writer, src, pos: int, block: int, side: ThreadPoolExecutor) -> list[int]:
+    """Write streamed ``src`` at ``pos``, checksumming each of its views in ``side``
+    while it is written (both release the GIL). Returns its block checksums."""
+    crcs: list[int] = []
+    for v in src.blocks(block):
+        f = side.submit(block_crcs, v, block)
+        writer.pwrite(v, pos)
+        pos += len(v)
+        crcs += f.result()  # before the next view: this one's buffer is then reused
+    return crcs or [0]
+
+
+def _streamed_crcs(src, block: int) -> list[int]:
+    return [c for v in src.blocks(block) for c in block_crcs(v, block)] or [0]
 
 
 def _write_lazy(writer, entries, buffers, random_write: bool, block: int) -> tuple[int, int, int]:

@@ -31,7 +31,7 @@ from ..format import manifest as mf
 from ..format import codec, shards
 from ..layout import localplan, plan as gplan
 from ..reader import ChunkReader
-from ..engine import encode
+from ..engine import devstream, encode
 from ..engine.encode import Encoding
 from ..progress import CountingWriter, Progress
 from ..state.flatten import flatten
@@ -196,15 +196,19 @@ def local_plan(state_dict: Any, path: str, storage_options: dict | None,
 
 
 def write_file(storage, root: str, name: str, rank: int, pieces: list,
-               enc: Encoding | None = None) -> dict:
+               enc: Encoding | None = None, after: dict | None = None) -> dict:
     """Write ``pieces`` as the shard file ``root/name`` and fsync it. Returns this rank's
     vote ({"file", "size", "hlen", "crc"}, or {"file": None} when there is nothing to
     write). With ``enc``, every piece is hashed in blocks and written plain, encoded or
-    not at all (see dckpt.engine.encode), and the vote's "chunks" report each. Blocking
-    I/O (with a base, reads of the base's blocks for deltas); raises OSError; a partial
-    file is removed."""
+    not at all (see dckpt.engine.encode), and the vote's "chunks" report each. Without,
+    CUDA tensors are written through a bounded pinned bounce buffer, after the events
+    ``after`` ({device: CUDA event}, see dckpt.engine.devstream), instead of copied to
+    the host whole. Blocking I/O (with a base, reads of the base's blocks for deltas);
+    raises OSError; a partial file is removed."""
     reports = None
-    buffers = [as_bytes(p.local) for p in pieces]
+    buffers: list = [as_bytes(p.local) if enc is not None or not devstream.streams(p.local)
+                     else devstream.DeviceSource(p.local, (after or {}).get(p.local.device))
+                     for p in pieces]
     if enc is not None and pieces:
         with ThreadPoolExecutor(2, thread_name_prefix="dckpt-encode") as pool:
             plans = encode.plan_pieces(pieces, buffers, enc, pool)

@@ -23,6 +23,7 @@ from ..errors import CheckpointError, CommunicationError
 from ..policy import RetentionPolicy
 from ..protocol.collectives import Comm, OwnGroup, agree
 from ..engine.async_save import SaveHandle, _Unstageable, at_thread_exit
+from ..engine import devstream
 from ..engine.staging import StagingPool, live_view
 from ..storage.fsspec_storage import make_storage
 from . import chooser, local, stager
@@ -73,6 +74,7 @@ class FastTier:
         self._local_job: SaveHandle | None = None
         self._stage_jobs: list[cf.Future] = []
         self._errors: list[BaseException] = []
+        self._last_local: int | None = None  # the newest step committed locally
         err = None
         try:
             self.storage.makedirs(self.root)
@@ -115,13 +117,15 @@ class FastTier:
         previous local save first (one local save at a time).
 
         Asynchronous with ``fence`` (optimizers or modules, see :func:`dckpt.async_save`)
-        and only CPU tensors: no snapshot at all. The call resolves the state (its
-        Stateful objects' ``state_dict()``) and returns; the background save writes the
-        tier's files straight from the live tensors, and the fenced optimizers' next
-        ``step()`` (modules' next forward) waits until this rank's files are written.
-        The fast tier's files are then the one host copy of the state: no staging
-        buffers are held. GPU tensors, or no fence: the state is copied into reused
-        host buffers first (pinned for GPU tensors), and written from them.
+        and CPU or CUDA tensors: no snapshot at all. The call resolves the state (its
+        Stateful objects' ``state_dict()``), records a CUDA event per GPU, and returns;
+        the background save writes the tier's files straight from the live tensors
+        (CUDA ones through a small pinned bounce pair on a side stream, after the
+        event: dckpt.engine.devstream), and the fenced optimizers' next ``step()``
+        (modules' next forward) waits until this rank's files are written. The fast
+        tier's files are then the one host copy of the state: no staging buffers are
+        held. No fence (or another accelerator): the state is copied into reused host
+        buffers first (pinned for GPU tensors), and written from them.
 
         ``on_commit(tier, commit, info)`` is called on this rank after the local commit
         (``"local"``, info None) and after the durable one (``"durable"``, the staged
@@ -134,17 +138,19 @@ class FastTier:
             return None
         t0 = time.perf_counter()
         copied: threading.Event | None = None
+        after: dict | None = None
         try:
             view = live_view(state) if fence else None
-            if view is not None and not view[2]:
+            if view is not None and devstream.live_devices_ok(view[2]):
                 snap, copied = view[0], threading.Event()
+                after = devstream.mark(view[2])  # the values at the call, on every GPU
                 self.pool.buffers.clear()  # the tier's files are the one host copy
             else:  # the state resolved once: state_dict() is not called twice
                 snap, _ = self.pool.snapshot(state if view is None else view[0])
         except Exception as e:  # join the collective save anyway: it fails everywhere
             snap, copied = {"state": _Unstageable(e)}, None
         job = self._local_exec.submit(self._save_local, step, snap, Comm(self._local_group),
-                                      durable, on_commit, copied)
+                                      durable, on_commit, copied, after)
         blocked = time.perf_counter() - t0
         self._local_job = SaveHandle(job, self.step_dir(step), blocked, blocked, copied)
         if copied is not None:
@@ -159,12 +165,14 @@ class FastTier:
 
     def _save_local(self, step: int, state: Any, comm: Comm, durable: bool,
                     on_commit: OnCommit | None = None,
-                    written: threading.Event | None = None) -> local.LocalCommit:
+                    written: threading.Event | None = None,
+                    after: dict | None = None) -> local.LocalCommit:
         commit = local.save_local(state, step, self.step_dir(step), self.storage, comm,
-                                  written.set if written is not None else None)
+                                  written.set if written is not None else None, after)
         if comm.rank == 0:
             log.info("step %d committed in the fast tier %s in %.2f s", step, self.root,
                      commit.seconds)
+        self._last_local = step
         _notify(on_commit, "local", commit, None)
         if durable:
             with self._lock:
@@ -227,13 +235,19 @@ class FastTier:
 
     def wait(self, raise_error: bool = True) -> None:
         """Block until every save so far is committed in every tier it is meant for;
-        raise the first error (then forget them all)."""
+        raise the first error (then forget them all). Then apply the local retention
+        once more: a step that was being staged when a newer one committed was kept
+        (never deleted while uploading), and is dropped now if retention says so."""
         self.wait_local()
         jobs, self._stage_jobs = self._stage_jobs, []
         for job in jobs:
             e = job.exception()
             if e is not None:
                 self._errors.append(e)
+        if jobs and self._last_local is not None:
+            # nothing in flight now: no local job, no upload (cleanup is not safe
+            # beside a local save, which may be committing a newer step)
+            self.cleanup(self._last_local)
         if raise_error and self._errors:
             first, self._errors = self._errors[0], []
             raise first

@@ -34,6 +34,7 @@ import numpy as np
 from .. import _faults
 from ..errors import CheckpointError, ManifestError
 from ..format import manifest as mf
+from ..engine import devstream
 from ..format import shards
 from ..layout import plan as gplan
 from ..protocol.collectives import Comm, agree, error_payload, raise_gathered, rank0_bytes
@@ -76,7 +77,8 @@ class LocalCommit:
 
 
 def save_local(state_dict: Any, step: int, step_dir: str, storage, comm: Comm,
-               written: Callable[[], None] | None = None) -> LocalCommit:
+               written: Callable[[], None] | None = None,
+               after: dict | None = None) -> LocalCommit:
     """Save ``state_dict`` under ``step_dir`` on every rank's own node. Collective over
     ``comm``: four small collectives plus the manifest's broadcast. Blocking I/O of this
     rank's bytes (its share and its replicas), into its own directory only.
@@ -89,16 +91,18 @@ def save_local(state_dict: Any, step: int, step_dir: str, storage, comm: Comm,
     ``written()``, if given, is called once this rank's tensors are no longer read: its
     data and replica files are written (or their writing failed, or the save failed
     before). A save written from live tensors (a fenced snapshot) lets training change
-    them from then on."""
+    them from then on. CUDA tensors are written through a bounded pinned bounce
+    buffer, after ``after`` ({device: CUDA event recorded at the call}), never copied
+    to the host whole (see :mod:`dckpt.engine.devstream`)."""
     try:
-        return _save_local(state_dict, step, step_dir, storage, comm, written)
+        return _save_local(state_dict, step, step_dir, storage, comm, written, after)
     finally:
         if written is not None:
             written()  # idempotent for the callers (an Event's set)
 
 
 def _save_local(state_dict: Any, step: int, step_dir: str, storage, comm: Comm,
-                written: Callable[[], None] | None) -> LocalCommit:
+                written: Callable[[], None] | None, after: dict | None) -> LocalCommit:
     t0 = time.perf_counter()
     r = comm.rank
     _, _, pieces, blob, _ = local_plan(state_dict, step_dir, None, r)
@@ -125,11 +129,14 @@ def _save_local(state_dict: Any, step: int, step_dir: str, storage, comm: Comm,
         vote: dict[str, Any]
         try:
             storage.makedirs(step_dir)
-            vote = write_file(storage, step_dir, data_name(save_id, r), r, mine)
-            vote["replica"] = write_file(storage, step_dir, replica_name(save_id, r), r, replicas)
+            vote = write_file(storage, step_dir, data_name(save_id, r), r, mine, after=after)
+            vote["replica"] = write_file(storage, step_dir, replica_name(save_id, r), r,
+                                         replicas, after=after)
             if written is not None:
                 written()
-                recheck(storage, step_dir, vote, r)
+                # a streamed tensor's checksums came from the bytes written: nothing to see
+                recheck(storage, step_dir, vote, r,
+                        {p.key for p in mine + replicas if devstream.streams(p.local)})
             _faults.fault("vote", r)
         except Exception as e:
             vote = {"error": error_payload(e)}
@@ -166,7 +173,7 @@ def _save_local(state_dict: Any, step: int, step_dir: str, storage, comm: Comm,
 _RECHECK = 4 << 20  # bytes per read: a multiple of any checksum block, little memory
 
 
-def recheck(storage, step_dir: str, vote: dict, rank: int) -> None:
+def recheck(storage, step_dir: str, vote: dict, rank: int, skip: set = frozenset()) -> None:
     """After a save written straight from live tensors (no snapshot): read this rank's
     files back and check every block against the checksums computed while writing.
     Those were computed from a second read of the same tensors, so a tensor changed
@@ -174,6 +181,7 @@ def recheck(storage, step_dir: str, vote: dict, rank: int) -> None:
     the save fails on every rank instead of committing a checkpoint that cannot load.
     Blocking I/O of this rank's bytes (out of the page cache or tmpfs: about a memcpy
     and a CRC pass), in the background after training was released; memory 4 MiB.
+    ``skip``: names not to read (tensors whose checksums came from the bytes written).
     Raises CheckpointError naming the tensor."""
     for v in (vote, vote.get("replica") or {}):
         if not v.get("file"):
@@ -181,6 +189,8 @@ def recheck(storage, step_dir: str, vote: dict, rank: int) -> None:
         path = storage.join(step_dir, v["file"])
         tensors, block = shards.parse_header(storage.read(path, 0, 8 + v["hlen"]), path, v["size"])
         for st in tensors.values():
+            if st.name in skip:
+                continue
             try:
                 check_tensor(storage, path, st, block, _RECHECK)
             except CheckpointError as e:
