@@ -50,13 +50,30 @@ def test_fenced_fsdp2_saves(ranks, tmp_path):
     ranks(2).run(_fenced, str(tmp_path))
 
 
-def _fenced_tier(base: str) -> tuple:
+def _fenced_tier(base: str, streamed: bool = False) -> tuple:
     """A manager with a fast tier saving an FSDP2 TrainingState: the tier is written
     from the live DTensors' local shards (no staging buffers), the optimizer steps
-    right after each call, and both tiers hold the values at the call."""
+    right after each call, and both tiers hold the values at the call. ``streamed``:
+    through 64 KiB bounce buffers, the path GPU shards take (dckpt.engine.devstream)."""
     import os
 
     import dckpt
+    from dckpt.engine import devstream
+
+    saved = devstream.STREAM_CPU, devstream.BOUNCE
+    devstream.STREAM_CPU, devstream.BOUNCE = streamed, 64 << 10
+    try:
+        return _tier_rounds(base, streamed)
+    finally:  # the rank processes run this module's other jobs too
+        devstream.STREAM_CPU, devstream.BOUNCE = saved
+
+
+def _tier_rounds(base: str, streamed: bool) -> tuple:
+    import os
+
+    import dckpt
+    from dckpt.engine import devstream
+
 
     model, opt = _build(0)
     _step(model, opt, 0)
@@ -71,6 +88,7 @@ def _fenced_tier(base: str) -> tuple:
             _step(model, opt, s)  # right away
         mgr.wait()
         durable, local = mgr.steps(), mgr.steps(tier="local")
+    assert bool(devstream._FREE) == streamed  # a bounce pair was used, and returned
     for tier_steps, want_tier in ((local, "local"), (durable, "durable")):
         m2, o2 = _build(5)
         with dckpt.CheckpointManager(os.path.join(base, "durable"), **kw) as mgr:
@@ -88,3 +106,7 @@ def _fenced_tier(base: str) -> tuple:
 
 def test_fenced_fsdp2_saves_into_a_fast_tier(ranks, tmp_path):
     assert ranks(2).run(_fenced_tier, str(tmp_path)) == [([2, 4], [4])] * 2
+
+
+def test_fenced_fsdp2_streamed_into_a_fast_tier(ranks, tmp_path):
+    assert ranks(2).run(_fenced_tier, str(tmp_path), True) == [([2, 4], [4])] * 2
