@@ -18,6 +18,7 @@ changed densely, as in pre-training), the chunk's other blocks are not read.
 from __future__ import annotations
 
 import logging
+import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -57,15 +58,21 @@ class Planned:
     max_bytes: int = 0
 
 
-def plan_pieces(pieces: list, buffers: list[memoryview], enc: Encoding,
+def plan_pieces(pieces: list, buffers: list, enc: Encoding,
                 pool: ThreadPoolExecutor) -> list[Planned]:
     """Hash every piece's blocks (in ``pool``) and decide how each is written. CPU only
-    (XXH3 releases the GIL on large blocks)."""
-    hashes = list(pool.map(codec.block_hashes, buffers))
+    (XXH3 releases the GIL on large blocks). A streamed buffer (a GPU tensor, see
+    dckpt.engine.devstream; only when ``enc`` is not active) is planned plain, its
+    hashes left for :func:`hashing` to fill while it is written."""
+    hashes = list(pool.map(lambda b: b"" if _streamed(b) else codec.block_hashes(b), buffers))
     out = []
     for p, buf, h in zip(pieces, buffers, hashes):
         offsets = [int(x) for x in p.box.offsets]
         rep = delta.ChunkReport(p.key, offsets, h)
+        if _streamed(buf):
+            assert not enc.active, "a streamed piece needs its bytes whole to be encoded"
+            out.append(Planned(rep, True))
+            continue
         bc = None
         if enc.base is not None:
             bc = delta.base_chunk(enc.base, p.key, p.dtype, p.shape, p.box.offsets, p.box.sizes)
@@ -90,6 +97,33 @@ def plan_pieces(pieces: list, buffers: list[memoryview], enc: Encoding,
             continue
         out.append(_encoded(p, buf, rep, bc, ch, enc, pool, try_delta=worth))
     return out
+
+
+def _streamed(b) -> bool:
+    return hasattr(b, "blocks")
+
+
+class _Hashing:
+    """A streamed source that fills ``report.hashes`` with its block hashes as the
+    writer reads it (the hash blocks divide the views it asks for)."""
+
+    def __init__(self, src, report: delta.ChunkReport) -> None:
+        self.src, self.report = src, report
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+    def blocks(self, multiple: int):
+        hashes = []
+        for v in self.src.blocks(math.lcm(multiple, codec.HASH_BLOCK)):
+            hashes.append(codec.block_hashes(v))
+            yield v
+        self.report.hashes = b"".join(hashes)  # the last full pass's
+
+
+def hashing(buf, report: delta.ChunkReport):
+    """``buf`` as written: a streamed one wrapped to fill ``report``'s hashes."""
+    return _Hashing(buf, report) if _streamed(buf) else buf
 
 
 SAMPLE = 64 << 10  # bytes of an anchor peeked at to rule a delta out cheaply

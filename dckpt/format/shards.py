@@ -42,13 +42,16 @@ def block_crcs(buf: memoryview, block: int = BLOCK) -> list[int]:
     return [crc32(buf[i:i + block]) for i in range(0, len(buf), block)] or [0]
 
 
-def _header(entries, crcs: list[list[int]], block: int, align: int = 8,
-            length: int | None = None) -> bytes:
-    meta = {"format": "pt", "dckpt.block": str(block)}
+def _header(entries, crcs: list[list[int]] | None = None, block: int = BLOCK,
+            align: int = 8, length: int | None = None) -> bytes:
+    """The header JSON (no length prefix) of ``entries`` in file order, padded. Without
+    ``crcs``: plain safetensors (``__metadata__`` only ``{"format": "pt"}``)."""
+    meta = {"format": "pt"} if crcs is None else {"format": "pt", "dckpt.block": str(block)}
     body: dict = {}
     pos = 0
-    for (name, dtype, shape, nbytes), c in zip(entries, crcs):
-        meta["crc32:" + name] = "".join(f"{x:08x}" for x in c)
+    for i, (name, dtype, shape, nbytes) in enumerate(entries):
+        if crcs is not None:
+            meta["crc32:" + name] = "".join(f"{x:08x}" for x in crcs[i])
         body[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
         pos += nbytes
     raw = json.dumps({"__metadata__": meta, **body}, separators=(",", ":")).encode()
@@ -175,6 +178,23 @@ def _make(b) -> memoryview:
     return memoryview(b() if callable(b) else b).cast("B")
 
 
+def check_entry(name: str, t, data_start: int, size: int) -> tuple[str, tuple[int, ...], int, int]:
+    """Check one tensor's entry ``t`` of a safetensors header (any safetensors file, no
+    dckpt metadata needed): a dtype dckpt stores, a shape of non-negative ints, a byte
+    range that matches them and lies inside the file (``size`` bytes, data from
+    ``data_start``). Returns (dtype code, shape, absolute start, nbytes). Pure. Raises
+    ValueError naming the tensor, or KeyError/TypeError for a malformed entry."""
+    s, e = t["data_offsets"]
+    shape = t["shape"]
+    if not (isinstance(shape, list) and all(type(x) is int and x >= 0 for x in shape)):
+        raise ValueError(f"tensor {name!r} has a bad shape")
+    if not (type(s) is int and type(e) is int and 0 <= s <= e and data_start + e <= size) \
+            or t["dtype"] not in ITEMSIZE \
+            or e - s != math.prod(shape) * ITEMSIZE[t["dtype"]]:
+        raise ValueError(f"tensor {name!r} has bad offsets or dtype")
+    return t["dtype"], tuple(shape), data_start + s, e - s
+
+
 def parse_header(head: bytes, file: str, size: int) -> tuple[dict[str, StoredTensor], int]:
     """Parse a shard header (``head`` = the first 8+hlen bytes, already checksummed).
     Returns ({name: StoredTensor}, block). Raises IntegrityError naming ``file``."""
@@ -192,19 +212,12 @@ def parse_header(head: bytes, file: str, size: int) -> tuple[dict[str, StoredTen
         out = {}
         data_start = 8 + hlen
         for name, t in doc.items():
-            s, e = t["data_offsets"]
-            shape = t["shape"]
-            if not (isinstance(shape, list) and all(type(x) is int and x >= 0 for x in shape)):
-                raise ValueError(f"tensor {name!r} has a bad shape")
-            if not (type(s) is int and type(e) is int and 0 <= s <= e and data_start + e <= size) \
-                    or t["dtype"] not in ITEMSIZE \
-                    or e - s != math.prod(shape) * ITEMSIZE[t["dtype"]]:
-                raise ValueError(f"tensor {name!r} has bad offsets or dtype")
+            dtype, shape, start, nbytes = check_entry(name, t, data_start, size)
             hexs = meta.get("crc32:" + name, "")
             crcs = np.array([int(hexs[i:i + 8], 16) for i in range(0, len(hexs), 8)], np.uint32)
-            if len(crcs) != max(1, -(-(e - s) // block)):
+            if len(crcs) != max(1, -(-nbytes // block)):
                 raise ValueError(f"tensor {name!r} has {len(crcs)} checksums")
-            out[name] = StoredTensor(name, t["dtype"], tuple(shape), data_start + s, e - s, crcs)
+            out[name] = StoredTensor(name, dtype, shape, start, nbytes, crcs)
         return out, block
     except (ValueError, KeyError, TypeError, struct.error) as e:
         raise IntegrityError(f"shard file {file}: unreadable header ({e})") from None

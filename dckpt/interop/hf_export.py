@@ -220,14 +220,7 @@ def _header(group: list[_Out]) -> tuple[bytes, list[int]]:
     first, so every tensor starts at a multiple of its item size. Pure."""
     entries = [(o.name, to_code(o.dtype, o.name), o.entry.shape, o.nbytes) for o in group]
     order = shards.order_entries(entries)
-    body: dict = {"__metadata__": {"format": "pt"}}
-    pos = 0
-    for i in order:
-        name, code, shape, n = entries[i]
-        body[name] = {"dtype": code, "shape": list(shape), "data_offsets": [pos, pos + n]}
-        pos += n
-    raw = json.dumps(body, separators=(",", ":")).encode()
-    raw += b" " * (-(8 + len(raw)) % 8)
+    raw = shards._header([entries[i] for i in order])  # plain: no dckpt checksums
     return len(raw).to_bytes(8, "little") + raw, order
 
 

@@ -20,11 +20,12 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, preview
-from ..format.dtypes import ITEMSIZE, to_code, to_torch
+from ..format.dtypes import to_code, to_torch
+from ..format.shards import MAX_HEADER, check_entry
 from ..state.flatten import flatten
+from ..storage.local import LocalReader
 from .common import drop_pages, file_mappings
 
-MAX_HEADER = 100 << 20  # as safetensors itself: refuse absurd headers before allocating
 INDEX_NAME = "model.safetensors.index.json"
 _PLAIN = re.compile(r"^[^/\\\x00]+\.safetensors$")
 
@@ -109,21 +110,17 @@ def read_safetensors_header(path: str) -> dict[str, _Stored]:
         if name == "__metadata__":
             continue
         try:
-            dtype = to_torch(t["dtype"]) if t["dtype"] in ITEMSIZE else None
-            shape, (s, e) = t["shape"], t["data_offsets"]
-            ok = (isinstance(shape, list) and all(type(x) is int and x >= 0 for x in shape)
-                  and type(s) is int and type(e) is int and 0 <= s <= e
-                  and 8 + n + e <= size)
-        except (KeyError, TypeError, ValueError):
-            ok, dtype = False, None
-        if dtype is None:
+            dtype = to_torch(t["dtype"])
+        except (KeyError, TypeError):
             raise CheckpointError(f"{path}: tensor {name!r} has dtype "
                                   f"{t.get('dtype') if isinstance(t, dict) else t!r}, "
-                                  "which dckpt does not store (or no dtype)")
-        if not ok or e - s != math.prod(shape) * dtype.itemsize:
+                                  "which dckpt does not store (or no dtype)") from None
+        try:
+            _, shape, start, nbytes = check_entry(name, t, 8 + n, size)
+        except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: tensor {name!r} has a bad shape or byte range "
-                                  "(a damaged or truncated file)")
-        out[name] = _Stored(path, dtype, tuple(shape), 8 + n + s, e - s)
+                                  "(a damaged or truncated file)") from None
+        out[name] = _Stored(path, dtype, shape, start, nbytes)
     return out
 
 
@@ -183,10 +180,10 @@ class SafetensorsSource(Source):
                                       "file the weight_map names")
         self.tensors = [SourceTensor(prefix + n, n, s.dtype, s.shape)
                         for n, s in self.stored.items()]
-        self.fds: dict[str, int] = {}
+        self.files: dict[str, LocalReader] = {}
 
     def read(self, name: str, r0: int, r1: int) -> torch.Tensor:
-        """Rows ``[r0, r1)`` of ``name``, read with pread into a new tensor. Blocking
+        """Rows ``[r0, r1)`` of ``name``, read with preadv into a new tensor. Blocking
         I/O of those bytes only. Raises CheckpointError on a short read."""
         st = self.stored[name]
         rows = st.shape[0] if st.shape else 1
@@ -196,23 +193,18 @@ class SafetensorsSource(Source):
         want = out.numel() * st.dtype.itemsize
         if not want:
             return out
-        fd = self.fds.get(st.path)
-        if fd is None:
-            fd = self.fds[st.path] = os.open(st.path, os.O_RDONLY)
-        view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
-        got, pos = 0, st.start + r0 * row
-        while got < want:
-            n = os.preadv(fd, [view[got:]], pos + got)
-            if n <= 0:
-                raise CheckpointError(f"{st.path}: short read of tensor {name!r} (the file "
-                                      "shrank while being imported)")
-            got += n
+        f = self.files.get(st.path)
+        if f is None:
+            f = self.files[st.path] = LocalReader(st.path)
+        if f.readv(st.start + r0 * row, [out.reshape(-1).view(torch.uint8).numpy()]) < want:
+            raise CheckpointError(f"{st.path}: short read of tensor {name!r} (the file "
+                                  "shrank while being imported)")
         return out
 
     def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
+        for f in self.files.values():
+            f.close()
+        self.files.clear()
 
 
 _NONE = _Stored("", torch.uint8, (), 0, 0)

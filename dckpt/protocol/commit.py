@@ -200,18 +200,21 @@ def write_file(storage, root: str, name: str, rank: int, pieces: list,
     """Write ``pieces`` as the shard file ``root/name`` and fsync it. Returns this rank's
     vote ({"file", "size", "hlen", "crc"}, or {"file": None} when there is nothing to
     write). With ``enc``, every piece is hashed in blocks and written plain, encoded or
-    not at all (see dckpt.engine.encode), and the vote's "chunks" report each. Without,
-    CUDA tensors are written through a bounded pinned bounce buffer, after the events
-    ``after`` ({device: CUDA event}, see dckpt.engine.devstream), instead of copied to
-    the host whole. Blocking I/O (with a base, reads of the base's blocks for deltas);
-    raises OSError; a partial file is removed."""
+    not at all (see dckpt.engine.encode), and the vote's "chunks" report each. Unless
+    ``enc`` compresses or has a base, CUDA tensors are written through a bounded pinned
+    bounce buffer, after the events ``after`` ({device: CUDA event}, see
+    dckpt.engine.devstream), never copied to the host whole. Blocking I/O (with a
+    base, reads of the base's blocks for deltas); raises OSError; a partial file is
+    removed."""
     reports = None
-    buffers: list = [as_bytes(p.local) if enc is not None or not devstream.streams(p.local)
-                     else devstream.DeviceSource(p.local, (after or {}).get(p.local.device))
+    plain = enc is None or not enc.active  # nothing to encode: a GPU tensor can stream
+    buffers: list = [devstream.DeviceSource(p.local, (after or {}).get(p.local.device))
+                     if plain and devstream.streams(p.local) else as_bytes(p.local)
                      for p in pieces]
     if enc is not None and pieces:
         with ThreadPoolExecutor(2, thread_name_prefix="dckpt-encode") as pool:
             plans = encode.plan_pieces(pieces, buffers, enc, pool)
+            buffers = [encode.hashing(b, pl.report) for b, pl in zip(buffers, plans)]
             keep = [i for i, pl in enumerate(plans) if pl.write]
             entries = [(pieces[i].key, "U8", (plans[i].max_bytes,), plans[i].max_bytes)
                        if plans[i].produce else
