@@ -15,14 +15,10 @@ import sys
 import traceback
 
 from .errors import CheckpointError
+from .progress import size_text
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+_size = size_text
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:

@@ -11,25 +11,13 @@ import statistics
 from typing import Sequence
 
 from .history import SaveRecord
+from .progress import byte_unit, size_text
 
 # Durable drawn first and larger, so that where a staged copy has its local save's
 # values (size, blocking) both stay visible.
 _STYLE = {"durable": ("tab:blue", "o", 7), "local": ("tab:orange", "s", 4)}
-_UNITS = (("B", 1), ("KiB", 1 << 10), ("MiB", 1 << 20), ("GiB", 1 << 30), ("TiB", 1 << 40))
-
-
-def _unit(nbytes: float) -> tuple[str, int]:
-    """The largest binary unit that ``nbytes`` reaches (B for less than 1 KiB)."""
-    name, div = _UNITS[0]
-    for n, d in _UNITS:
-        if nbytes >= d:
-            name, div = n, d
-    return name, div
-
-
 def _rate(bps: float) -> str:
-    name, div = _unit(bps)
-    return f"{bps / div:.1f} {name}/s"
+    return f"{size_text(bps)}/s"
 
 
 def plot_history(records: Sequence[SaveRecord], path: str, title: str) -> None:
@@ -50,7 +38,7 @@ def plot_history(records: Sequence[SaveRecord], path: str, title: str) -> None:
     fig = Figure(figsize=(11, 8.5), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)  # Agg, explicitly: renders to a file, never to a display
     ax_block, ax_total, ax_size = fig.subplots(3, 1, sharex=True)
-    unit, div = _unit(max(r.bytes for r in records))
+    unit, div = byte_unit(max(r.bytes for r in records))
     tiers = [t for t in ("durable", "local") if any(r.tier == t for r in records)]
     tiers += sorted({r.tier for r in records} - set(tiers))  # a newer writer's tier names
     many = len(records) > 300  # thin lines without markers stay readable when dense

@@ -14,6 +14,22 @@ import threading
 import time
 
 DEFAULT_EVERY = 10.0
+UNITS = (("B", 1), ("KiB", 1 << 10), ("MiB", 1 << 20), ("GiB", 1 << 30), ("TiB", 1 << 40))
+
+
+def byte_unit(nbytes: float) -> tuple[str, int]:
+    """The largest binary unit that ``nbytes`` reaches (B below 1 KiB): (name, bytes)."""
+    name, div = UNITS[0]
+    for n, d in UNITS:
+        if nbytes >= d:
+            name, div = n, d
+    return name, div
+
+
+def size_text(nbytes: float) -> str:
+    """``nbytes`` for people: ``512 B``, ``1.5 MiB``, ``2.0 TiB``."""
+    name, div = byte_unit(nbytes)
+    return f"{nbytes:.0f} B" if div == 1 else f"{nbytes / div:.1f} {name}"
 
 
 def _every() -> float:
