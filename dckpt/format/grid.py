@@ -22,10 +22,11 @@ def grid_cells(grid: tuple[tuple[int, ...], ...]) -> tuple[np.ndarray, np.ndarra
 
 
 def cells(grid: tuple[tuple[int, ...], ...],
-          arrays: list[np.ndarray] | None) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`grid_cells`, given the breakpoints also as int64 arrays when the caller
-    has them (the parser does): converting 16,384 Python ints back to numpy costs more
-    than the cells themselves."""
+          arrays: list[np.ndarray | None] | None) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`grid_cells`, given per dim the breakpoints also as an int64 array where
+    the caller has one (the parser does; None where not): converting 16,384 Python ints
+    back to numpy costs more than the cells themselves. Missing arrays are built only
+    when needed: a grid of at most ``_SMALL`` cells never uses them."""
     if not grid:
         return np.zeros((1, 0), np.int64), np.zeros((1, 0), np.int64)
     ncells = math.prod(len(b) - 1 for b in grid)
@@ -36,7 +37,8 @@ def cells(grid: tuple[tuple[int, ...], ...],
         offsets = np.array([[lo for lo, _ in c] for c in pairs], np.int64)
         sizes = np.array([[hi - lo for lo, hi in c] for c in pairs], np.int64)
         return offsets.reshape(ncells, len(grid)), sizes.reshape(ncells, len(grid))
-    bps = arrays if arrays is not None else [np.asarray(b, np.int64) for b in grid]
+    bps = [np.asarray(b, np.int64) if a is None else a
+           for b, a in zip(grid, arrays or (None,) * len(grid))]
     if len(bps) == 1:  # the common case (FSDP): no index arithmetic
         return bps[0][:-1, None].copy(), np.diff(bps[0])[:, None]
     # Cell i's index along dim d, C order; not np.indices, which needs ndim + 1 <= 64 dims.

@@ -14,7 +14,6 @@ import binascii
 import math
 import re
 import sys
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -27,6 +26,9 @@ from .grid import cells as _cells, parse_dim as _grid_dim
 from .sealed import seal  # noqa: F401  (public here: tools and tests reseal with it)
 from . import codec
 from .dtypes import ITEMSIZE
+# The data model lives in .manifest_types; it is public here, where callers import it.
+from .manifest_types import (  # noqa: F401
+    TABLE_COLS, ChunkBlocks, Chunks, FileEntry, JsonLeaf, Manifest, TensorEntry)
 from .shards import MAX_HEADER
 
 FORMAT = "dckpt"
@@ -40,97 +42,6 @@ MAX_NDIM = tiling.MAX_NDIM
 SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}$")
 _I64_MAX = (1 << 63) - 1
 _MAX_META_DEPTH = 32
-
-JsonLeaf = None | bool | int | float | str
-
-
-@dataclass(frozen=True)
-class FileEntry:
-    """One data file: its name (relative to the checkpoint), total size, and the length
-    and CRC32 of its safetensors header (which holds the chunk checksums)."""
-
-    name: str
-    size: int
-    header_len: int
-    header_crc32: int
-    rank: int
-    # "" for a file of this checkpoint; else the sibling checkpoint directory (same
-    # parent) holding it: an incremental save references its base's files.
-    dir: str = ""
-
-
-@dataclass(frozen=True, eq=False)
-class Chunks:
-    """The saved boxes of one tensor: ``offsets`` and ``sizes`` are (n, ndim) int64,
-    ``file`` is (n,) int64 indexes into ``Manifest.files``. ``grid`` is the per-dim
-    breakpoints when the boxes are the cells of a grid (C order), else None."""
-
-    offsets: np.ndarray
-    sizes: np.ndarray
-    file: np.ndarray
-    grid: tuple[tuple[int, ...], ...] | None = None
-
-    def __len__(self) -> int:
-        return len(self.file)
-
-
-TABLE_COLS = 8  # file, offset, length, codec, anchor file, offset, length, codec
-
-
-@dataclass(frozen=True, eq=False)
-class ChunkBlocks:
-    """One chunk cut into blocks of ``size`` raw bytes: ``hashes`` (16 bytes per block,
-    XXH3-128 of the raw block) and, for an encoded chunk, ``table`` (n, 8) int64: per
-    block the file index, offset inside that file's entry of this tensor's key, stored
-    length and codec flags, then the same four for its XOR anchor (-1 when none). A
-    chunk without a table is stored plain in ``chunks.file``."""
-
-    size: int
-    hashes: bytes
-    table: np.ndarray | None = None
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    key: str
-    dtype: str
-    shape: tuple[int, ...]
-    chunks: Chunks
-    blocks: tuple[ChunkBlocks, ...] | None = None  # per chunk; None: no hashes (plain)
-
-    def encoded(self, chunk: int) -> np.ndarray | None:
-        """The block table of ``chunk`` when it is encoded, else None."""
-        return self.blocks[chunk].table if self.blocks is not None else None
-
-    def chunk_nbytes(self, chunk: int) -> int:
-        return int(np.prod(self.chunks.sizes[chunk])) * ITEMSIZE[self.dtype]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * ITEMSIZE[self.dtype]
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """A parsed, validated manifest. Construct with :func:`parse` or :func:`build`."""
-
-    save_id: str
-    world_size: int
-    created: float
-    files: tuple[FileEntry, ...]
-    tensors: dict[str, TensorEntry]
-    values: dict[str, JsonLeaf]
-    meta: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def total_bytes(self) -> int:
-        """Bytes of this checkpoint's own files (not those it references)."""
-        return sum(f.size for f in self.files if not f.dir)
-
-    @property
-    def referenced_bytes(self) -> int:
-        """Bytes of the sibling checkpoints' files this one references."""
-        return sum(f.size for f in self.files if f.dir)
 
 
 # ----------------------------------------------------------------------------- writing
@@ -252,8 +163,7 @@ def _parse_chunks(key: str, shape: tuple[int, ...], obj: Any, nfiles: int) -> Ch
             grid = tuple(b for b, _ in dims)
             if math.prod(len(b) - 1 for b in grid) > max(nfiles, 1):
                 raise ValueError(f"tensor {key!r}: grid has more cells than there are files")
-            arrays = [np.asarray(b, np.int64) if a is None else a for b, a in dims]
-            offsets, sizes = _cells(grid, arrays)
+            offsets, sizes = _cells(grid, [a for _, a in dims])
         else:
             grid = None
             offsets, sizes = obj.get("offsets"), obj.get("sizes")

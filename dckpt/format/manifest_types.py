@@ -1,0 +1,105 @@
+"""The manifest's data model: the validated, immutable entries a parsed manifest holds.
+
+Pure (numpy, no torch.distributed). :mod:`.manifest` writes and parses these (and
+re-exports them: import them from there); see docs/FORMAT.md for the JSON schema.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .dtypes import ITEMSIZE
+
+JsonLeaf = None | bool | int | float | str
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One data file: its name (relative to the checkpoint), total size, and the length
+    and CRC32 of its safetensors header (which holds the chunk checksums)."""
+
+    name: str
+    size: int
+    header_len: int
+    header_crc32: int
+    rank: int
+    # "" for a file of this checkpoint; else the sibling checkpoint directory (same
+    # parent) holding it: an incremental save references its base's files.
+    dir: str = ""
+
+
+@dataclass(frozen=True, eq=False)
+class Chunks:
+    """The saved boxes of one tensor: ``offsets`` and ``sizes`` are (n, ndim) int64,
+    ``file`` is (n,) int64 indexes into ``Manifest.files``. ``grid`` is the per-dim
+    breakpoints when the boxes are the cells of a grid (C order), else None."""
+
+    offsets: np.ndarray
+    sizes: np.ndarray
+    file: np.ndarray
+    grid: tuple[tuple[int, ...], ...] | None = None
+
+    def __len__(self) -> int:
+        return len(self.file)
+
+
+TABLE_COLS = 8  # file, offset, length, codec, anchor file, offset, length, codec
+
+
+@dataclass(frozen=True, eq=False)
+class ChunkBlocks:
+    """One chunk cut into blocks of ``size`` raw bytes: ``hashes`` (16 bytes per block,
+    XXH3-128 of the raw block) and, for an encoded chunk, ``table`` (n, 8) int64: per
+    block the file index, offset inside that file's entry of this tensor's key, stored
+    length and codec flags, then the same four for its XOR anchor (-1 when none). A
+    chunk without a table is stored plain in ``chunks.file``."""
+
+    size: int
+    hashes: bytes
+    table: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: Chunks
+    blocks: tuple[ChunkBlocks, ...] | None = None  # per chunk; None: no hashes (plain)
+
+    def encoded(self, chunk: int) -> np.ndarray | None:
+        """The block table of ``chunk`` when it is encoded, else None."""
+        return self.blocks[chunk].table if self.blocks is not None else None
+
+    def chunk_nbytes(self, chunk: int) -> int:
+        return int(np.prod(self.chunks.sizes[chunk])) * ITEMSIZE[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A parsed, validated manifest. Construct with :func:`parse` or :func:`build`."""
+
+    save_id: str
+    world_size: int
+    created: float
+    files: tuple[FileEntry, ...]
+    tensors: dict[str, TensorEntry]
+    values: dict[str, JsonLeaf]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of this checkpoint's own files (not those it references)."""
+        return sum(f.size for f in self.files if not f.dir)
+
+    @property
+    def referenced_bytes(self) -> int:
+        """Bytes of the sibling checkpoints' files this one references."""
+        return sum(f.size for f in self.files if f.dir)
