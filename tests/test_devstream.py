@@ -170,6 +170,64 @@ def test_durable_save_streams_and_its_hashes_serve_an_incremental_save(streamed,
     assert torch.equal(got["a"], sd["a"]) and torch.equal(got["b"], sd["b"]) and got["step"] == 1
 
 
+def test_fingerprint_sees_changes_and_odd_offsets():
+    """The device-side detector: equal for equal bytes, different after an update or
+    a one-byte overwrite, and works on views whose offset is not 8-byte aligned (the
+    byte-sum fallback)."""
+    t = torch.randn(1001)
+    fp = devstream.fingerprint
+    flat = t.view(torch.uint8)
+    assert torch.equal(fp(flat), fp(t.clone().view(torch.uint8)))
+    u = t.clone()
+    u[500] += 1e-3
+    assert not torch.equal(fp(flat), fp(u.view(torch.uint8)))
+    odd = flat[3:3 + 4000]  # offset 3: no int64 view
+    changed = odd.clone()
+    changed[-1] ^= 1
+    assert not torch.equal(fp(odd), fp(changed))
+    assert fp(flat[:0]).item() == 0
+
+
+def test_unfenced_change_during_a_streamed_write_fails_the_save(streamed, tmp_path, monkeypatch):
+    """The GPU path has no read-back (its checksums come from the bytes copied):
+    a tensor changed between its first and last block, by something no fence held
+    back, is caught by its fingerprint, and the save fails on every rank, naming it;
+    the previous step stays."""
+    import threading
+
+    from dckpt import _faults
+
+    m, opt = _model(256)
+    _step(m, opt)
+    want = _snapshot(m, opt)
+    mid_write, go_on = threading.Event(), threading.Event()
+
+    def gate(point: str, rank: int) -> None:  # after the file's first data writes
+        if point == "write":
+            mid_write.set()
+            go_on.wait(10)
+
+    with _tier_manager(tmp_path) as mgr:
+        mgr.save(1, {"train": dckpt.TrainingState(m, opt)}, force=True)
+        mgr.wait()
+        monkeypatch.setenv("DCKPT_FAULT", "write:*:sleep=0")
+        monkeypatch.setattr(_faults, "fault", gate)
+        mgr.save(2, {"train": dckpt.TrainingState(m, opt)}, force=True)
+        assert mid_write.wait(10)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(1.0)  # not through the optimizer: nothing waits
+        go_on.set()
+        with pytest.raises(dckpt.CheckpointError, match="changed while it was written"):
+            mgr.wait()
+        monkeypatch.delenv("DCKPT_FAULT")
+        assert mgr.steps(tier="local") == [1] and mgr.steps() == [1]
+    m2, o2 = _model(256)
+    with _tier_manager(tmp_path) as mgr:
+        assert mgr.restore({"train": dckpt.TrainingState(m2, o2)}) == 1
+    _same(want, _snapshot(m2, o2))
+
+
 # ----------------------------------------------------------------------------- CUDA
 
 def _cuda_model(width: int = 512):
@@ -214,11 +272,13 @@ def test_cuda_copy_sees_kernels_queued_before_the_call(tmp_path):
     x = torch.nn.Parameter(torch.zeros(1 << 20, device="cuda"))
     opt = torch.optim.SGD([x], lr=1.0)
     x.grad = torch.ones_like(x)
+    torch.cuda.synchronize()
     with torch.no_grad():
-        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the add
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time ahead of the add
         x.add_(2.0)
     with _tier_manager(tmp_path) as mgr:
         mgr.save(1, {"x": x}, force=True, fence=opt)
+        assert not torch.cuda.current_stream().query()  # the add has not run yet
         opt.step()  # x -> 1.0, once the files are written
     got = dckpt.load({"state": {"x": torch.zeros(1 << 20)}}, mgr.path(1))["state"]["x"]
     assert torch.equal(got, torch.full((1 << 20,), 2.0))
@@ -240,3 +300,35 @@ def test_cuda_sync_tier_save_streams(tmp_path):
         assert mgr.restore(t) == 1 and mgr.restored_from == "local"
     for k in want:
         assert torch.equal(t[k].cpu(), want[k]), k
+
+
+@cuda
+def test_cuda_sync_save_waits_for_queued_kernels(tmp_path):
+    """A plain synchronous dckpt.save right after kernels were queued (no .cpu() or
+    synchronize() in between) writes their results: the bytes are streamed after an
+    event recorded in the caller's thread."""
+    x = torch.zeros(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)
+    x.add_(3.0)
+    assert not torch.cuda.current_stream().query()
+    dckpt.save({"x": x}, str(tmp_path / "c"))
+    got = dckpt.load({"x": torch.zeros(1 << 20)}, str(tmp_path / "c"))["x"]
+    assert torch.equal(got, torch.full((1 << 20,), 3.0))
+
+
+@cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_cuda_second_device_streams_without_touching_the_first(tmp_path):
+    """A rank on cuda:1 streams from cuda:1 (a background thread's current device is 0:
+    entering only the stream would make a CUDA context there); where no context on
+    cuda:0 existed before, none exists after."""
+    fresh = not torch._C._cuda_hasPrimaryContext(0)
+    t = torch.randn(1 << 20, device="cuda:1")
+    with dckpt.CheckpointManager(str(tmp_path / "r"), capture_rng=False,
+                                 local_root=str(tmp_path / "node")) as mgr:
+        mgr.save(1, {"t": t}, force=True)
+    got = dckpt.load({"state": {"t": torch.zeros(1 << 20)}}, mgr.path(1))["state"]["t"]
+    assert torch.equal(got, t.cpu())
+    if fresh:
+        assert not torch._C._cuda_hasPrimaryContext(0)

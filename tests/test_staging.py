@@ -76,3 +76,29 @@ def test_async_save_of_cuda_state(tmp_path):
     t = {"w": torch.zeros(256, 256, device="cuda"), "step": 0}
     dckpt.load(t, str(tmp_path / "c"))
     assert torch.equal(t["w"].cpu(), want)
+
+
+def test_pinned_rounding_waste_is_reported_once(caplog, monkeypatch):
+    """torch rounds every pinned allocation up to a power of two: sizes just above one
+    nearly double the staging's host memory. The pool says so once, with the setting
+    that avoids it, and stays quiet when that setting is made or the waste is small."""
+    import logging
+
+    from dckpt.engine import staging
+
+    assert staging.pinned_waste([1 << 24, 0]) == 0
+    assert staging.pinned_waste([(1 << 24) + 4096]) == (1 << 24) - 4096
+    monkeypatch.setattr(staging, "_warned_rounding", False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    with caplog.at_level(logging.WARNING, logger="dckpt.engine.staging"):
+        staging._warn_rounding([1 << 24, 1 << 20])  # powers of two: no waste
+        assert not caplog.records
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "pinned_max_round_threshold_mb:16")
+        staging._warn_rounding([(1 << 24) + 1])
+        assert not caplog.records
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+        staging._warn_rounding([(1 << 24) + 1])
+        staging._warn_rounding([(1 << 24) + 1])
+    assert len(caplog.records) == 1
+    assert "pinned_max_round_threshold_mb" in caplog.records[0].getMessage()

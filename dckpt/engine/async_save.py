@@ -26,6 +26,7 @@ import torch.distributed as dist
 from ..errors import CheckpointError
 from ..protocol.collectives import OwnGroup, drop_dead
 from ..protocol.commit import CheckpointInfo, save
+from . import devstream
 from .staging import StagingPool
 
 log = logging.getLogger(__name__)
@@ -249,16 +250,10 @@ def _fence_targets(fence: Any) -> list:
     return items
 
 
-def _cuda_event(copies: list):
-    """A CUDA event recorded now on the current stream when any source is on a GPU:
-    the background copies start after the kernels queued so far, not later ones."""
-    if any(src.device.type == "cuda" for _, src in copies):
-        import torch
-
-        ev = torch.cuda.Event()
-        ev.record()
-        return ev
-    return None
+def _cuda_event(copies: list) -> dict:
+    """A CUDA event recorded now on the current stream of every GPU holding a source
+    ({device: event}): the background copies start after the kernels queued so far."""
+    return devstream.mark({src.device for _, src in copies})
 
 
 def _copy_then_save(pool: StagingPool, copies: list, after, copied: threading.Event,

@@ -9,11 +9,16 @@ stream, so the copy of block k+1 runs while block k is written and checksummed. 
 memory: 2 x BOUNCE per device and concurrent writer, whatever the state's size.
 
 Ordering: the side stream first waits for ``after``, a CUDA event recorded on the
-caller's stream when the save was asked for (see :func:`mark`): the bytes are the
-values at the call, never those of kernels queued after it. Without an event it waits
-for the writing thread's current stream. Nothing here stops a kernel queued later from
-changing a tensor before its copy is issued: the caller fences the optimizer (see
+caller's stream when the save was asked for (see :func:`mark`; without one, when the
+source is made): every kernel queued before it has run. Nothing here stops a kernel
+queued later from changing a tensor before or while it is copied (blocks are copied as
+the writer reaches them, possibly seconds later): the caller fences the optimizer (see
 the ``fence`` of :func:`dckpt.async_save`) and releases it once the files are written.
+What the fence does not hold back is caught, not prevented: each tensor's
+:func:`fingerprint` before its first block and after its last must agree, else the
+save fails naming it (the CPU path's equivalent is the fast tier's read-back). The event
+covers the caller's current stream only: a tensor last written on another stream must
+be synchronised into it first, as for any CUDA consumer.
 
 ``STREAM_CPU`` (tests only) sends CPU tensors through the same blocks, with plain
 buffers and no stream, so the block logic runs on machines without a GPU.
@@ -26,7 +31,7 @@ from typing import Any, Iterator
 
 import torch
 
-from .staging import aligned_empty
+from ..errors import CheckpointError
 
 BOUNCE = 16 << 20  # bytes per bounce buffer (two per writer): ~1 ms of a PCIe copy
 STREAM_CPU = False  # tests: stream CPU tensors too
@@ -52,13 +57,16 @@ def mark(devices: set) -> dict:
 
 
 class _Bounce:
-    """Two host buffers of ``size`` bytes (pinned for CUDA) and a side stream."""
+    """Two host buffers of ``size`` bytes, pinned for a CUDA ``device``."""
 
     def __init__(self, device: torch.device, size: int) -> None:
+        from .staging import aligned_empty  # staging imports this module
+
         cuda = device.type == "cuda"
         self.size = size
+        # ``size`` is a power of two (BOUNCE) in use: pinned exactly, with no rounding
         self.bufs = [aligned_empty((size,), torch.uint8, cuda) for _ in range(2)]
-        self.stream = torch.cuda.Stream(device) if cuda else None
+        self.cuda = cuda
 
 
 _FREE: dict[tuple[str, int], list[_Bounce]] = {}
@@ -78,8 +86,6 @@ def _bounce(device: torch.device, size: int) -> Iterator[_Bounce]:
     try:
         yield b
     finally:
-        if b.stream is not None:
-            b.stream.synchronize()  # a copy still landing must not hit the next user
         with _LOCK:
             if not _FREE.get(key):
                 _FREE[key] = [b]
@@ -99,13 +105,61 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
+@contextlib.contextmanager
+def on(stream: Any) -> Iterator[None]:
+    """``stream`` as the current stream, on its own device (no-op for None: CPU work).
+    The device is entered first: ``torch.cuda.stream`` alone restores, on exit, the
+    stream of the thread's current device, which in a fresh thread is GPU 0, and so
+    makes a CUDA context there on every rank."""
+    if stream is None:
+        yield
+        return
+    with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+        yield
+
+
+def side_stream(device: torch.device, after: Any = None) -> Any:
+    """A side stream of ``device`` that first waits for the event ``after`` or, without
+    one, for everything queued so far on this thread's current stream of ``device``.
+    Cheap, does not block."""
+    s = torch.cuda.Stream(device)
+    if after is not None:
+        s.wait_event(after)
+    else:
+        s.wait_stream(torch.cuda.current_stream(device))  # read before entering ``s``
+    return s
+
+
+def fingerprint(flat: torch.Tensor) -> torch.Tensor:
+    """A wrapping int64 sum of the bytes of ``flat`` (uint8, 1-D) read as words: one
+    reduction at memory speed on its own device, no copy, no sync. Any realistic
+    change (an update, a partial overwrite) changes it; it is a detector of a tensor
+    changed while it was written, not a checksum of the file (CRC32s are that)."""
+    words = flat.numel() // 8
+    head = None
+    if words:
+        try:  # a view needs an 8-byte aligned offset; else bytes, 8x more adds
+            head = flat[:words * 8].view(torch.int64).sum()
+        except RuntimeError:
+            head = None
+    if head is None:
+        return flat.sum(dtype=torch.int64)
+    return head + flat[words * 8:].sum(dtype=torch.int64)
+
+
 class DeviceSource:
     """A tensor's bytes for :func:`dckpt.format.shards.write_shard`, produced block by
     block (see the module docstring). ``len()`` is its byte count; :meth:`blocks` may
-    be iterated more than once (a streamed writer checksums first, then writes)."""
+    be iterated more than once (a streamed writer checksums first, then writes).
 
-    def __init__(self, tensor: torch.Tensor, after: Any = None) -> None:
-        self.tensor, self.after = tensor, after
+    Without ``after`` an event is recorded now on the current stream of the tensor's
+    device: build it in the thread that queued the tensor's kernels (a synchronous
+    save's caller). ``name`` names the tensor in errors."""
+
+    def __init__(self, tensor: torch.Tensor, after: Any = None, name: str = "") -> None:
+        self.tensor, self.after, self.name = tensor, after, name
+        if after is None and tensor.device.type == "cuda":
+            self.after = torch.cuda.current_stream(tensor.device).record_event()
 
     def __len__(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
@@ -113,40 +167,52 @@ class DeviceSource:
     def blocks(self, multiple: int) -> Iterator[memoryview]:
         """The bytes in order, in views of a multiple of ``multiple`` bytes (but the
         last): about BOUNCE each. A view is valid until the next one is asked for.
-        Blocking per block: waits for its device-to-host copy. Raises what the copy
-        raises (a CUDA error); the bounce pair is released on any exit."""
+        Blocking per block: waits for its device-to-host copy. After the last block,
+        the tensor's :func:`fingerprint` is compared with the one taken before the
+        first: a tensor changed while it was copied (by something no fence held back)
+        raises CheckpointError naming it, instead of a torn tensor being saved. Raises
+        what the copy raises (a CUDA error); the bounce pair is released on any exit."""
         n = len(self)
         if n == 0:
             return
         step = max(1, BOUNCE // multiple) * multiple
         spans = [(off, min(step, n - off)) for off in range(0, n, step)]
-        with _bounce(self.tensor.device, step) as b:
-            s = b.stream
-
-            def on() -> Any:  # the side stream as the current one (a fresh context each time)
-                return torch.cuda.stream(s) if s is not None else contextlib.nullcontext()
-
-            with on(), torch.no_grad():
+        dev = self.tensor.device
+        with _bounce(dev, step) as b:
+            s = side_stream(dev, self.after) if b.cuda else None
+            try:
+                yield from self._copies(b, s, spans)
+            finally:
                 if s is not None:
-                    if self.after is not None:
-                        s.wait_event(self.after)
-                    else:
-                        s.wait_stream(torch.cuda.current_stream(self.tensor.device))
-                # made on the side stream, after the event: a non-contiguous tensor's
-                # packed copy lives in device memory, never on the host
-                flat = _flat_bytes(self.tensor)
-            landed: list[Any] = [None, None]
+                    s.synchronize()  # a copy still landing must not hit the next user
 
-            def issue(i: int) -> None:
-                off, k = spans[i]
-                with on(), torch.no_grad():
-                    b.bufs[i % 2][:k].copy_(flat[off:off + k], non_blocking=s is not None)
-                    landed[i % 2] = s.record_event() if s is not None else None
+    def _copies(self, b: _Bounce, s: Any, spans: list) -> Iterator[memoryview]:
+        with on(s), torch.no_grad():
+            # made on the side stream, after the event: a non-contiguous tensor's
+            # packed copy lives in device memory, never on the host
+            flat = _flat_bytes(self.tensor)
+            before = fingerprint(flat)
+        landed: list[Any] = [None, None]
 
-            issue(0)
-            for i, (_, k) in enumerate(spans):
-                if i + 1 < len(spans):
-                    issue(i + 1)  # into the other buffer, whose block was consumed
-                if landed[i % 2] is not None:
-                    landed[i % 2].synchronize()
-                yield memoryview(b.bufs[i % 2][:k].numpy())
+        def issue(i: int) -> None:
+            off, k = spans[i]
+            with on(s), torch.no_grad():
+                b.bufs[i % 2][:k].copy_(flat[off:off + k], non_blocking=s is not None)
+                landed[i % 2] = s.record_event() if s is not None else None
+
+        issue(0)
+        for i, (_, k) in enumerate(spans):
+            if i + 1 < len(spans):
+                issue(i + 1)  # into the other buffer, whose block was consumed
+            if landed[i % 2] is not None:
+                landed[i % 2].synchronize()
+            yield memoryview(b.bufs[i % 2][:k].numpy())
+        with on(s), torch.no_grad():
+            after = fingerprint(_flat_bytes(self.tensor))
+            same = bool(torch.equal(before, after))  # syncs ``s``
+        if not same:
+            raise CheckpointError(
+                f"tensor {self.name!r} ({self.tensor.device}) changed while it was written: something "
+                "modified it before the fenced optimizer step or module forward; fence "
+                "that too (save(..., fence=)) or call wait_snapshot() before changing "
+                "it. The save is not committed")

@@ -1,9 +1,9 @@
 """Snapshotting a state into reusable host buffers (pinned for CUDA tensors)."""
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
+import os
 from typing import Any, Callable
 
 import torch
@@ -12,17 +12,52 @@ from ..errors import CheckpointError
 from ..state.flatten import JSON_TYPES, is_stateful
 from ..state.tensors import DTensor, check_plain, is_sharded_tensor, restage_sharded
 from ..storage.direct import ALIGN
+from . import devstream
 
 log = logging.getLogger(__name__)
 
 
 def aligned_empty(shape, dtype: torch.dtype, pinned: bool = False) -> torch.Tensor:
     """An uninitialised contiguous tensor whose data starts on a 4 KiB boundary: a
-    direct-I/O writer sends it to the device without a bounce copy. Costs up to 4 KiB."""
+    direct-I/O writer sends it to the device without a bounce copy. Costs up to 4 KiB
+    (pinned: nothing when the allocation is page aligned, as CUDA's host allocations
+    are; 4 KiB more would push a power-of-two size to twice its size, see
+    :func:`pinned_waste`)."""
     nbytes = math.prod(shape) * dtype.itemsize
+    if pinned:
+        exact = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        if exact.data_ptr() % ALIGN == 0:
+            return exact.view(dtype).view(shape)
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pinned)
     skip = (-raw.data_ptr()) % ALIGN
     return raw[skip:skip + nbytes].view(dtype).view(shape)
+
+
+_ROUND_CONF = "pinned_max_round_threshold_mb"
+_warned_rounding = False
+
+
+def pinned_waste(sizes: list[int]) -> int:
+    """Host bytes torch's caching host allocator adds to pinned buffers of ``sizes``: it
+    rounds each allocation up to a power of two (unless ``pinned_max_round_threshold_mb``
+    in PYTORCH_CUDA_ALLOC_CONF says otherwise). Pure."""
+    return sum((1 << (n - 1).bit_length()) - n for n in sizes if n > 0)
+
+
+def _warn_rounding(sizes: list[int]) -> None:
+    """Warn once per process when rounding costs over 10% of the pinned staging."""
+    global _warned_rounding
+    waste = pinned_waste(sizes)
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    if _warned_rounding or waste <= 0.1 * sum(sizes) or _ROUND_CONF in conf:
+        return
+    _warned_rounding = True
+    log.warning(
+        "pinned staging of %.1f MiB takes %.1f MiB more host memory: torch rounds each "
+        "pinned allocation up to a power of two. Set PYTORCH_CUDA_ALLOC_CONF="
+        "%s:16 (before CUDA starts) to pin large buffers at their size, or save into a "
+        "fast tier with a fence (no staging buffers)", sum(sizes) / 2**20, waste / 2**20,
+        _ROUND_CONF)
 
 
 class StagingPool:
@@ -116,33 +151,40 @@ class StagingPool:
         for stale in set(self.buffers) - seen:  # keys gone from the state free their memory
             del self.buffers[stale]
             self._wrapped.pop(stale, None)
+        pinned = [b.numel() * b.element_size() for b, src in copies if src.device.type == "cuda"]
+        if pinned:
+            _warn_rounding(pinned)
         return snap, copies, sum(b.numel() * b.element_size() for b, _ in copies)
 
     @staticmethod
-    def run(copies: list, copy: bool = True, after: Any = None) -> None:
+    def run(copies: list, copy: bool = True, after: dict | None = None) -> None:
         """Copy every source into its buffer (``copy=False``: touch the buffers only).
         Blocking until every copy has landed. CUDA sources are copied on a side stream
-        that first waits for ``after`` (a CUDA event recorded when the snapshot was
-        asked for: the copies see every kernel queued before it, and none after), then
-        one stream synchronisation (without ``after``: the side stream waits for the
-        caller's current stream). CPU copies release the GIL, so this may run in a
-        background thread while training goes on."""
-        cuda = copy and any(src.device.type == "cuda" for _, src in copies)
-        stream = torch.cuda.Stream() if cuda else None
-        if stream is not None:
-            if after is not None:
-                stream.wait_event(after)
-            else:  # called right away: after everything queued on the caller's stream
-                stream.wait_stream(torch.cuda.current_stream())
-        with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None
-                               else contextlib.nullcontext()):
-            for buf, src in copies:
-                if copy:
-                    buf.copy_(src.detach(), non_blocking=src.device.type == "cuda")
-                else:
+        of their own device that first waits for ``after[device]`` (a CUDA event
+        recorded when the snapshot was asked for, see devstream.mark: the copies see
+        every kernel queued before it), then one synchronisation per device (without an
+        event: the side stream waits for the calling thread's current stream of that
+        device). CPU copies release the GIL, so this may run in a background thread
+        while training goes on."""
+        with torch.no_grad():
+            if not copy:
+                for buf, _ in copies:
                     buf.zero_()  # touch every page now
-        if stream is not None:
-            stream.synchronize()  # the snapshot is complete before anyone moves on
+                return
+            by_device: dict[Any, list] = {}
+            for buf, src in copies:
+                by_device.setdefault(src.device, []).append((buf, src))
+            streams = []
+            for dev, pairs in by_device.items():
+                s = devstream.side_stream(dev, (after or {}).get(dev)) \
+                    if dev.type == "cuda" else None
+                with devstream.on(s):
+                    for buf, src in pairs:
+                        buf.copy_(src.detach(), non_blocking=s is not None)
+                streams.append(s)
+        for s in streams:
+            if s is not None:
+                s.synchronize()  # the snapshot is complete before anyone moves on
 
 
 

@@ -208,7 +208,7 @@ def write_file(storage, root: str, name: str, rank: int, pieces: list,
     removed."""
     reports = None
     plain = enc is None or not enc.active  # nothing to encode: a GPU tensor can stream
-    buffers: list = [devstream.DeviceSource(p.local, (after or {}).get(p.local.device))
+    buffers: list = [devstream.DeviceSource(p.local, (after or {}).get(p.local.device), p.key)
                      if plain and devstream.streams(p.local) else as_bytes(p.local)
                      for p in pieces]
     if enc is not None and pieces:

@@ -134,7 +134,8 @@ def _save_local(state_dict: Any, step: int, step_dir: str, storage, comm: Comm,
                                          replicas, after=after)
             if written is not None:
                 written()
-                # a streamed tensor's checksums came from the bytes written: nothing to see
+                # a streamed (GPU) tensor was checked on its device (its fingerprint
+                # before and after the copy): its checksums came from the bytes written
                 recheck(storage, step_dir, vote, r,
                         {p.key for p in mine + replicas if devstream.streams(p.local)})
             _faults.fault("vote", r)
