@@ -14,7 +14,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
@@ -98,6 +98,98 @@ def test_intarray_decode_rejects(obj):
     with pytest.raises(ValueError) as e:
         intarray.decode(obj, "tensor 'w' grid")
     assert "tensor 'w' grid" in str(e.value)
+
+
+# Values a hand-built triple may hold: near the fast path's bounds (64 values), int64
+# edges, and what the parser must refuse. None in [5000, 2**31]: as a count, the general
+# path would allocate it.
+_RUN_INT = st.one_of(
+    st.integers(-3, 70), I64.map(lambda x: -x if 5000 <= x <= 2**31 else x),
+    st.sampled_from([2**63, -(2**63) - 1, 2**64, 2**31 + 1, 2**62, 2**63 - 1, -(2**63)]))
+_JUNK = st.sampled_from([None, 1.0, 2.5, True, False, "1", [], [1], {}, (0, 1, 2)])
+
+
+@st.composite
+def _run_triples(draw):
+    """A [first, step, count] triple, one of whose values may be bad, or not a triple."""
+    r = [draw(_RUN_INT), draw(_RUN_INT), draw(st.integers(1, 40) | _RUN_INT)]
+    how = draw(st.integers(0, 5))
+    if how == 4:
+        r[draw(st.integers(0, 2))] = draw(_JUNK | _RUN_INT)
+    return draw(st.lists(_RUN_INT | _JUNK, max_size=4) | _JUNK) if how == 5 else r
+
+
+@st.composite
+def int_encodings(draw):
+    """What decode may meet: encode's output for short and long arrays, hand-built runs
+    (well-formed or not), and mutations of both."""
+    kind = draw(st.integers(0, 4))
+    if kind == 0:  # encode of a random array (0 to ~240 values)
+        return intarray.encode(draw(int_arrays()))
+    if kind == 1:  # long runs, plus a short tail
+        n = draw(st.integers(1, 5000))
+        head = np.arange(n, dtype=np.int64) * draw(st.integers(-5, 5)) + draw(I64)
+        return intarray.encode(np.concatenate([head, draw(int_arrays())]))
+    if kind == 2:  # hand-built triples, mostly well-formed
+        return {"runs": draw(st.lists(_run_triples(), max_size=8))}
+    if kind == 3:  # a plain list, maybe with junk
+        return draw(st.lists(_RUN_INT | _JUNK if draw(st.booleans()) else _RUN_INT, max_size=70))
+    if draw(st.booleans()):  # junk at the top, or a key added
+        obj = copy.deepcopy(draw(int_encodings()))
+        if isinstance(obj, dict) and draw(st.booleans()):
+            obj[draw(st.sampled_from(["x", "run"]))] = 1
+            return obj
+        return draw(_JUNK | st.just({"runs": obj}) | st.just({"runs": [], "x": 1}))
+    # a few short well-formed runs (the fast path's input), one value then replaced
+    small = st.integers(-(2**40), 2**40)
+    runs = draw(st.lists(st.tuples(small, small, st.integers(1, 20)).map(list),
+                         min_size=1, max_size=4))
+    runs[draw(st.integers(0, len(runs) - 1))][draw(st.integers(0, 2))] = draw(_JUNK | _RUN_INT)
+    return {"runs": runs}
+
+
+def _decode_outcome(fn, obj, limit):
+    """What ``fn`` makes of ``obj``: the array's type, dtype, shape, flags and values,
+    or the error's type and message."""
+    try:
+        a = fn(obj, "tensor 'w' grid", limit)
+    except Exception as e:  # noqa: BLE001 -- any error must match too
+        return ("error", type(e), str(e))
+    return ("ok", type(a), a.dtype, a.shape, a.flags.writeable, a.flags.c_contiguous,
+            a.flags.owndata, a.tolist())
+
+
+@settings(max_examples=_n(400), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(int_encodings(), st.one_of(st.just(1 << 31), st.integers(-2, 300)))
+@example({"runs": [[0, 1, 64]]}, 1 << 31)            # the fast path's largest
+@example({"runs": [[0, 1, 60], [7, 0, 5]]}, 1 << 31)  # one over: general path
+@example({"runs": [[0, 1, 8]]}, 8)                   # limit met exactly
+@example({"runs": [[0, 1, 8]]}, 7)                   # and exceeded
+@example({"runs": [[2**63 - 3, 1, 6], [5, 0, 1]]}, 1 << 31)  # wraps past int64 max
+@example({"runs": [[-(2**63), -(2**63), 3]]}, 1 << 31)      # wraps past int64 min
+@example({"runs": []}, -1)
+@example({"runs": [[0, 2**63, 1]]}, 1 << 31)  # out-of-range step, count 1: no wrap hides it
+@example({"runs": [[-(2**63) - 1, 0, 1]]}, 1 << 31)
+@example({"runs": [[0, 1, 2], [0, 1, 0]]}, 1 << 31)
+@example({"runs": [[0, 1, 2**31 + 1]]}, 1 << 31)
+@example({"runs": [[0, 0, 2**62]] * 4}, 1 << 31)
+def test_intarray_decode_fast_path_agrees(obj, limit):
+    """decode (with its small-input fast path) and _decode_general agree on every input:
+    same array or same error, and neither touches its input."""
+    before = copy.deepcopy(obj)
+    fast = _decode_outcome(intarray.decode, obj, limit)
+    assert obj == before
+    assert fast == _decode_outcome(intarray._decode_general, obj, limit)
+
+
+def test_intarray_decode_fast_path_taken(monkeypatch):
+    """Small well-formed runs never reach the numpy path (the parser's hot case)."""
+    def general(*a):
+        raise AssertionError("general path taken")
+    monkeypatch.setattr(intarray, "_decode_general", general)
+    a = intarray.decode({"runs": [[0, 4096, 8], [32768, 0, 1]]}, "x", 9)
+    assert a.dtype == np.int64 and a.tolist() == [4096 * i for i in range(9)]
 
 
 # ----------------------------------------------------------------------------- golden manifest

@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 
 _LO, _HI = -(1 << 63), (1 << 63) - 1
+_MASK = (1 << 64) - 1
+_SMALL = 64  # at most this many values decode in plain Python
 
 
 def encode(values: np.ndarray) -> list[int] | dict[str, list[list[int]]]:
@@ -33,6 +35,33 @@ def encode(values: np.ndarray) -> list[int] | dict[str, list[list[int]]]:
 def decode(obj: Any, what: str, limit: int = 1 << 31) -> np.ndarray:
     """Decode what :func:`encode` wrote, refusing more than ``limit`` values (a hostile
     manifest must not make a reader allocate). Raises ValueError naming ``what``."""
+    # Fast path: a few short, well-formed runs (a manifest's chunk-file and grid arrays)
+    # in plain Python and one numpy call; ~10 numpy calls cost more than the values.
+    # Anything else -- malformed, long, over ``limit`` -- takes the general path, which
+    # raises its errors, so both agree on every input (tests/test_format.py checks).
+    if type(obj) is dict and len(obj) == 1 and type(runs := obj.get("runs")) is list \
+            and len(runs) <= _SMALL:
+        out: list[int] = []
+        for r in runs:
+            if not (type(r) is list and len(r) == 3):
+                break
+            first, step, count = r
+            if not (type(first) is int and type(step) is int and type(count) is int
+                    and _LO <= first <= _HI and _LO <= step <= _HI
+                    and 1 <= count <= _SMALL - len(out)):
+                break
+            vals = [first + step * i for i in range(count)]
+            if not _LO <= vals[-1] <= _HI:  # wraps modulo 2**64, as int64 arithmetic does
+                vals = [((x - _LO) & _MASK) + _LO for x in vals]
+            out += vals
+        else:
+            if not out or len(out) <= limit:
+                return np.array(out, dtype=np.int64)
+    return _decode_general(obj, what, limit)
+
+
+def _decode_general(obj: Any, what: str, limit: int = 1 << 31) -> np.ndarray:
+    """:func:`decode` without its fast path (numpy throughout); kept for the tests."""
     if isinstance(obj, list):
         if len(obj) > limit:
             raise ValueError(f"{what}: more than {limit} values")
