@@ -75,6 +75,32 @@ def test_streamed_shard_is_byte_identical(sizes, block, memory):
     assert got == plain
 
 
+def test_change_between_a_sequential_writers_two_passes_fails(streamed):
+    """A sequential writer (memory://, an object store) reads a streamed tensor twice:
+    checksums first, then the data. A change between the passes would commit
+    checksums that do not match the data: the second pass compares against the first
+    pass's fingerprint, and the write fails naming the tensor."""
+    storage, root = make_storage(f"memory://ds-{uuid.uuid4().hex}")
+    assert not storage.random_write
+    t = torch.randn(8192)
+
+    class Changing:
+        def __init__(self, w) -> None:
+            self.w, self.first = w, True
+
+        def write(self, data) -> None:
+            if self.first:  # the header: checksums are done, the data pass is next
+                self.first = False
+                t.add_(1.0)
+            self.w.write(data)
+
+    w = storage.open_write(storage.join(root, "f"))
+    with pytest.raises(dckpt.CheckpointError, match="'t' .*changed while it was written"):
+        shards.write_shard(Changing(w), [("t", "F32", (8192,), 8192 * 4)],
+                           [devstream.DeviceSource(t, name="t")], False, 1024)
+    w.abort()
+
+
 def test_blocks_of_a_non_contiguous_tensor(streamed):
     """A transposed tensor streams its packed bytes, in views that are whole
     multiples of the asked size but the last."""

@@ -175,16 +175,20 @@ class StagingPool:
             for buf, src in copies:
                 by_device.setdefault(src.device, []).append((buf, src))
             streams = []
-            for dev, pairs in by_device.items():
-                s = devstream.side_stream(dev, (after or {}).get(dev)) \
-                    if dev.type == "cuda" else None
-                with devstream.on(s):
-                    for buf, src in pairs:
-                        buf.copy_(src.detach(), non_blocking=s is not None)
-                streams.append(s)
-        for s in streams:
-            if s is not None:
-                s.synchronize()  # the snapshot is complete before anyone moves on
+            try:
+                for dev, pairs in by_device.items():
+                    s = devstream.side_stream(dev, (after or {}).get(dev)) \
+                        if dev.type == "cuda" else None
+                    streams.append(s)
+                    with devstream.on(s):
+                        for buf, src in pairs:
+                            buf.copy_(src.detach(), non_blocking=s is not None)
+            finally:
+                # the snapshot is complete before anyone moves on; after a failed
+                # copy too, so that no copy still lands in a buffer being reused
+                for s in streams:
+                    if s is not None:
+                        s.synchronize()
 
 
 

@@ -245,9 +245,13 @@ class FastTier:
             if e is not None:
                 self._errors.append(e)
         if jobs and self._last_local is not None:
-            # nothing in flight now: no local job, no upload (cleanup is not safe
-            # beside a local save, which may be committing a newer step)
-            self.cleanup(self._last_local)
+            # In the local saves' own thread: a cleanup beside a local save could take
+            # the step it is committing for an abandoned timeline (wait() also runs
+            # from the exit hook, while a training thread may still be saving).
+            try:
+                self._local_exec.submit(self.cleanup, self._last_local).result()
+            except RuntimeError as e:  # closed: the next tier's save cleans up
+                log.debug("fast-tier cleanup skipped: %s", e)
         if raise_error and self._errors:
             first, self._errors = self._errors[0], []
             raise first

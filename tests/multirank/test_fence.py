@@ -55,17 +55,14 @@ def _fenced_tier(base: str, streamed: bool = False) -> tuple:
     from the live DTensors' local shards (no staging buffers), the optimizer steps
     right after each call, and both tiers hold the values at the call. ``streamed``:
     through 64 KiB bounce buffers, the path GPU shards take (dckpt.engine.devstream)."""
-    import os
-
-    import dckpt
     from dckpt.engine import devstream
 
-    saved = devstream.STREAM_CPU, devstream.BOUNCE
-    devstream.STREAM_CPU, devstream.BOUNCE = streamed, 64 << 10
+    saved = devstream.STREAM_CPU, devstream.BOUNCE, devstream._FREE
+    devstream.STREAM_CPU, devstream.BOUNCE, devstream._FREE = streamed, 64 << 10, {}
     try:
         return _tier_rounds(base, streamed)
-    finally:  # the rank processes run this module's other jobs too
-        devstream.STREAM_CPU, devstream.BOUNCE = saved
+    finally:  # the rank processes run this module's other jobs too, in any order
+        devstream.STREAM_CPU, devstream.BOUNCE, devstream._FREE = saved
 
 
 def _tier_rounds(base: str, streamed: bool) -> tuple:
@@ -73,7 +70,6 @@ def _tier_rounds(base: str, streamed: bool) -> tuple:
 
     import dckpt
     from dckpt.engine import devstream
-
 
     model, opt = _build(0)
     _step(model, opt, 0)
