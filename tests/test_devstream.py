@@ -18,7 +18,8 @@ from dckpt.format import shards
 from dckpt.state.tensors import as_bytes
 from dckpt.storage.fsspec_storage import make_storage
 
-from .test_fence import _model, _same, _snapshot, _step, _tier_manager
+from .test_fence import (_model, _same, _snapshot, _step, _tier_manager,
+                         unfenced_change_fails)
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -215,43 +216,11 @@ def test_fingerprint_sees_changes_and_odd_offsets():
 
 
 def test_unfenced_change_during_a_streamed_write_fails_the_save(streamed, tmp_path, monkeypatch):
-    """The GPU path has no read-back (its checksums come from the bytes copied):
-    a tensor changed between its first and last block, by something no fence held
-    back, is caught by its fingerprint, and the save fails on every rank, naming it;
-    the previous step stays."""
-    import threading
-
-    from dckpt import _faults
-
-    m, opt = _model(256)
-    _step(m, opt)
-    want = _snapshot(m, opt)
-    mid_write, go_on = threading.Event(), threading.Event()
-
-    def gate(point: str, rank: int) -> None:  # after the file's first data writes
-        if point == "write":
-            mid_write.set()
-            go_on.wait(10)
-
-    with _tier_manager(tmp_path) as mgr:
-        mgr.save(1, {"train": dckpt.TrainingState(m, opt)}, force=True)
-        mgr.wait()
-        monkeypatch.setenv("DCKPT_FAULT", "write:*:sleep=0")
-        monkeypatch.setattr(_faults, "fault", gate)
-        mgr.save(2, {"train": dckpt.TrainingState(m, opt)}, force=True)
-        assert mid_write.wait(10)
-        with torch.no_grad():
-            for p in m.parameters():
-                p.add_(1.0)  # not through the optimizer: nothing waits
-        go_on.set()
-        with pytest.raises(dckpt.CheckpointError, match="changed while it was written"):
-            mgr.wait()
-        monkeypatch.delenv("DCKPT_FAULT")
-        assert mgr.steps(tier="local") == [1] and mgr.steps() == [1]
-    m2, o2 = _model(256)
-    with _tier_manager(tmp_path) as mgr:
-        assert mgr.restore({"train": dckpt.TrainingState(m2, o2)}) == 1
-    _same(want, _snapshot(m2, o2))
+    """The GPU path has no read-back (its checksums come from the bytes copied): a
+    tensor changed between its first and last block, by something no fence held
+    back, is caught by its fingerprint, and the save fails, naming it; the previous
+    step stays."""
+    unfenced_change_fails(tmp_path, monkeypatch, "changed while it was written")
 
 
 # ----------------------------------------------------------------------------- CUDA

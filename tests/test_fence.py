@@ -291,6 +291,14 @@ def test_unfenced_change_during_a_live_write_fails_the_save(tmp_path, monkeypatc
     """Something the fence does not cover changes a saved tensor while the tier is
     written from it: the save fails with a clear error instead of committing a
     checkpoint that cannot load, and the previous step stays restorable."""
+    unfenced_change_fails(tmp_path, monkeypatch, "changed while the fast tier was written")
+
+
+def unfenced_change_fails(tmp_path, monkeypatch, match: str) -> None:
+    """Save step 1, then step 2 with every parameter changed in mid-write (after the
+    file's first data writes, outside the fence): step 2 fails with ``match``, step 1
+    stays in both tiers and restores. Also run with the bounce path
+    (tests/test_devstream.py)."""
     import threading
     import time
 
@@ -318,7 +326,7 @@ def test_unfenced_change_during_a_live_write_fails_the_save(tmp_path, monkeypatc
             for p in m.parameters():
                 p.add_(1.0)  # not through the optimizer: nothing waits
         go_on.set()
-        with pytest.raises(CheckpointError, match="changed while the fast tier was written"):
+        with pytest.raises(CheckpointError, match=match):
             mgr.wait()
         monkeypatch.delenv("DCKPT_FAULT")
         assert mgr.steps(tier="local") == [1] and mgr.steps() == [1]
