@@ -32,6 +32,7 @@ from typing import Any, Iterator
 import torch
 
 from ..errors import CheckpointError
+from ..state.tensors import byte_tensor
 
 BOUNCE = 16 << 20  # bytes per bounce buffer (two per writer): ~1 ms of a PCIe copy
 STREAM_CPU = False  # tests: stream CPU tensors too
@@ -63,7 +64,6 @@ class _Bounce:
         from .staging import aligned_empty  # staging imports this module
 
         cuda = device.type == "cuda"
-        self.size = size
         # ``size`` is a power of two (BOUNCE) in use: pinned exactly, with no rounding
         self.bufs = [aligned_empty((size,), torch.uint8, cuda) for _ in range(2)]
         self.cuda = cuda
@@ -98,11 +98,6 @@ def prepare(devices: set) -> None:
         if d.type == "cuda":
             with _bounce(d, BOUNCE):
                 pass
-
-
-def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
-    return t.view(torch.uint8)
 
 
 @contextlib.contextmanager
@@ -191,7 +186,7 @@ class DeviceSource:
         with on(s), torch.no_grad():
             # made on the side stream, after the event: a non-contiguous tensor's
             # packed copy lives in device memory, never on the host
-            flat = _flat_bytes(self.tensor)
+            flat = byte_tensor(self.tensor)
             if self._first is None:
                 self._first = fingerprint(flat)
             # a sequential writer reads twice (checksums, then data): both passes
@@ -213,7 +208,7 @@ class DeviceSource:
                 landed[i % 2].synchronize()
             yield memoryview(b.bufs[i % 2][:k].numpy())
         with on(s), torch.no_grad():
-            after = fingerprint(_flat_bytes(self.tensor))
+            after = fingerprint(byte_tensor(self.tensor))
             same = bool(torch.equal(before, after))  # syncs ``s``
         if not same:
             raise CheckpointError(

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..format import codec
+from ..format.shards import is_streamed
 from ..format import manifest as mf
 from ..format.dtypes import ITEMSIZE
 from ..layout import delta
@@ -64,12 +65,12 @@ def plan_pieces(pieces: list, buffers: list, enc: Encoding,
     (XXH3 releases the GIL on large blocks). A streamed buffer (a GPU tensor, see
     dckpt.engine.devstream; only when ``enc`` is not active) is planned plain, its
     hashes left for :func:`hashing` to fill while it is written."""
-    hashes = list(pool.map(lambda b: b"" if _streamed(b) else codec.block_hashes(b), buffers))
+    hashes = list(pool.map(lambda b: b"" if is_streamed(b) else codec.block_hashes(b), buffers))
     out = []
     for p, buf, h in zip(pieces, buffers, hashes):
         offsets = [int(x) for x in p.box.offsets]
         rep = delta.ChunkReport(p.key, offsets, h)
-        if _streamed(buf):
+        if is_streamed(buf):
             assert not enc.active, "a streamed piece needs its bytes whole to be encoded"
             out.append(Planned(rep, True))
             continue
@@ -99,10 +100,6 @@ def plan_pieces(pieces: list, buffers: list, enc: Encoding,
     return out
 
 
-def _streamed(b) -> bool:
-    return hasattr(b, "blocks")
-
-
 class _Hashing:
     """A streamed source that fills ``report.hashes`` with its block hashes as the
     writer reads it (the hash blocks divide the views it asks for)."""
@@ -123,7 +120,7 @@ class _Hashing:
 
 def hashing(buf, report: delta.ChunkReport):
     """``buf`` as written: a streamed one wrapped to fill ``report``'s hashes."""
-    return _Hashing(buf, report) if _streamed(buf) else buf
+    return _Hashing(buf, report) if is_streamed(buf) else buf
 
 
 SAMPLE = 64 << 10  # bytes of an anchor peeked at to rule a delta out cheaply

@@ -97,11 +97,11 @@ def write_shard(writer, entries: list[tuple[str, str, tuple[int, ...], int]],
     data_start = 8 + hlen
     if random_write:
         with ThreadPoolExecutor(1) as pool, ThreadPoolExecutor(1) as side:
-            futs = [None if _streamed(b) else pool.submit(block_crcs, b, block)
+            futs = [None if is_streamed(b) else pool.submit(block_crcs, b, block)
                     for b in buffers]
             pos = data_start
             for i, b in enumerate(buffers):
-                if _streamed(b):
+                if is_streamed(b):
                     futs[i] = _write_blocks(writer, b, pos, block, side)
                 else:
                     writer.pwrite(b, pos)
@@ -110,20 +110,22 @@ def write_shard(writer, entries: list[tuple[str, str, tuple[int, ...], int]],
         head = _U64.pack(hlen) + _header(entries, crcs, block, align)
         writer.pwrite(head, 0)
     else:
-        crcs = [_streamed_crcs(b, block) if _streamed(b) else block_crcs(b, block)
+        crcs = [_streamed_crcs(b, block) if is_streamed(b) else block_crcs(b, block)
                 for b in buffers]
         head = _U64.pack(hlen) + _header(entries, crcs, block, align)
         writer.write(head)
         pos = data_start
         for b in buffers:
-            for v in (b.blocks(block) if _streamed(b) else (b,)):
+            for v in (b.blocks(block) if is_streamed(b) else (b,)):
                 writer.write(v)
             pos += len(b)
     assert len(head) == data_start, "header length changed between layout and write"
     return pos, hlen, crc32(head)
 
 
-def _streamed(b) -> bool:
+def is_streamed(b) -> bool:
+    """Whether a buffer handed to :func:`write_shard` is a streamed source (it has
+    ``blocks(multiple)``, see dckpt.engine.devstream) rather than bytes."""
     return hasattr(b, "blocks")
 
 

@@ -127,13 +127,18 @@ def check_plain(key: str, t: torch.Tensor) -> None:
                                     "data: materialize it (e.g. to_empty) before save or load")
 
 
+def byte_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as a flat uint8 tensor on its own device (copied, on that device,
+    only if non-contiguous, a conjugate or a negative view)."""
+    return t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+
+
 def as_bytes(t: torch.Tensor) -> memoryview:
     """A byte view of ``t`` (copied only if non-contiguous, a conjugate or negative
     view, or not on the CPU). Blocking device-to-host copy for accelerator tensors."""
-    t = t.detach().resolve_conj().resolve_neg()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous().reshape(-1)
-    if t.numel() == 0:
+    b = byte_tensor(t)
+    if b.device.type != "cpu":
+        b = b.cpu()
+    if b.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+    return memoryview(b.numpy()).cast("B")
