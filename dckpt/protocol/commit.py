@@ -208,6 +208,8 @@ def write_file(storage, root: str, name: str, rank: int, pieces: list,
     removed."""
     reports = None
     plain = enc is None or not enc.active  # nothing to encode: a GPU tensor can stream
+    if plain and after is None:  # now, in the caller's thread: one event per GPU
+        after = devstream.mark({p.local.device for p in pieces})
     buffers: list = [devstream.DeviceSource(p.local, (after or {}).get(p.local.device), p.key)
                      if plain and devstream.streams(p.local) else as_bytes(p.local)
                      for p in pieces]
