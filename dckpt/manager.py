@@ -20,6 +20,7 @@ from . import failures, history
 from .state import rng
 from .state.training import fence_targets
 from .tiers.fast import FastTier
+from .tiers.local import step_name
 from .manager_restore import RestoreMixin
 from .manager_retention import RetentionMixin
 from .storage.fsspec_storage import make_storage
@@ -158,7 +159,7 @@ class CheckpointManager(RetentionMixin, RestoreMixin):
     # ------------------------------------------------------------------ paths, listing
     def path(self, step: int) -> str:
         """Where ``step``'s checkpoint lives or would live. No I/O."""
-        return self.storage.join(self._root_arg.rstrip("/"), f"step-{int(step):08d}")
+        return self.storage.join(self._root_arg.rstrip("/"), step_name(step))
 
     def steps(self, tier: str = "durable") -> list[int]:
         """Committed steps, ascending. Collective. ``tier="durable"`` (the default): the

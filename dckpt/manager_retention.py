@@ -4,14 +4,13 @@ whose attributes it uses: ``storage``, ``root``, ``comm``, ``retention``)."""
 from __future__ import annotations
 
 import logging
-import re
 
 from .catalog import remove_checkpoints
 from .format import manifest as mf
 from .protocol.intent import live_save_ids
+from .tiers.local import STEP_DIR, step_name
 
 log = logging.getLogger("dckpt.manager")  # one logger for the manager's messages
-STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 class RetentionMixin:
@@ -55,7 +54,7 @@ class RetentionMixin:
         # Manifests first, then only the files no kept step references: a newer
         # incremental step may use an older step's data.
         try:
-            remove_checkpoints(self.storage, self.root, [f"step-{s:08d}" for s in doomed])
+            remove_checkpoints(self.storage, self.root, [step_name(s) for s in doomed])
             log.info("removed checkpoint step(s) %s under %s", sorted(doomed), self.root)
         except Exception as e:
             log.warning("could not remove checkpoint step(s) %s: %s", sorted(doomed), e)
@@ -63,7 +62,7 @@ class RetentionMixin:
     def _in_progress(self, step: int) -> bool:
         """Whether a save of ``step`` holds a live lease (another process saving it)."""
         try:
-            entries = self.storage.listdir(self.storage.join(self.root, f"step-{step:08d}"))
+            entries = self.storage.listdir(self.storage.join(self.root, step_name(step)))
         except OSError:
             return False
         return bool(live_save_ids(entries))

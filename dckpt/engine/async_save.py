@@ -220,7 +220,7 @@ def async_save(state_dict: Any, path: str, *, process_group: Any = None,
               overwrite=overwrite, base=base, compression=compression)
     if targets:
         copied = threading.Event()
-        after = _cuda_event(copies)
+        after = devstream.mark({src.device for _, src in copies})  # now, at the call
         fut = saver.executor.submit(_copy_then_save, saver.pool, copies, after, copied,
                                     snap, path, kw)
     else:
@@ -248,12 +248,6 @@ def _fence_targets(fence: Any) -> list:
             raise CheckpointError(f"fence must be an optimizer or module (or a list of them), "
                                   f"not {type(f).__name__}")
     return items
-
-
-def _cuda_event(copies: list) -> dict:
-    """A CUDA event recorded now on the current stream of every GPU holding a source
-    ({device: event}): the background copies start after the kernels queued so far."""
-    return devstream.mark({src.device for _, src in copies})
 
 
 def _copy_then_save(pool: StagingPool, copies: list, after, copied: threading.Event,

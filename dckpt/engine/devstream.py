@@ -9,8 +9,8 @@ stream, so the copy of block k+1 runs while block k is written and checksummed. 
 memory: 2 x BOUNCE per device and concurrent writer, whatever the state's size.
 
 Ordering: the side stream first waits for ``after``, a CUDA event recorded on the
-caller's stream when the save was asked for (see :func:`mark`; without one, when the
-source is made): every kernel queued before it has run. Nothing here stops a kernel
+caller's stream when the save was asked for (see :func:`mark`; write_file records one
+per GPU for a synchronous save): every kernel queued before it has run. Nothing here stops a kernel
 queued later from changing a tensor before or while it is copied (blocks are copied as
 the writer reaches them, possibly seconds later): the caller fences the optimizer (see
 the ``fence`` of :func:`dckpt.async_save`) and releases it once the files are written.
@@ -147,15 +147,12 @@ class DeviceSource:
     block (see the module docstring). ``len()`` is its byte count; :meth:`blocks` may
     be iterated more than once (a streamed writer checksums first, then writes).
 
-    Without ``after`` an event is recorded now on the current stream of the tensor's
-    device: build it in the thread that queued the tensor's kernels (a synchronous
-    save's caller). ``name`` names the tensor in errors."""
+    Without ``after`` the copies wait for the current stream of the thread that
+    iterates :meth:`blocks`. ``name`` names the tensor in errors."""
 
     def __init__(self, tensor: torch.Tensor, after: Any = None, name: str = "") -> None:
         self.tensor, self.after, self.name = tensor, after, name
         self._first: Any = None  # the first pass's fingerprint: every pass ends equal to it
-        if after is None and tensor.device.type == "cuda":
-            self.after = torch.cuda.current_stream(tensor.device).record_event()
 
     def __len__(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()

@@ -111,11 +111,15 @@ class _Hashing:
         return len(self.src)
 
     def blocks(self, multiple: int):
+        step = math.lcm(multiple, codec.HASH_BLOCK)
+        if self.report.hashes:  # a sequential writer's second pass: the same bytes
+            yield from self.src.blocks(step)
+            return
         hashes = []
-        for v in self.src.blocks(math.lcm(multiple, codec.HASH_BLOCK)):
+        for v in self.src.blocks(step):
             hashes.append(codec.block_hashes(v))
             yield v
-        self.report.hashes = b"".join(hashes)  # the last full pass's
+        self.report.hashes = b"".join(hashes)
 
 
 def hashing(buf, report: delta.ChunkReport):

@@ -47,9 +47,11 @@ def pinned_waste(sizes: list[int]) -> int:
 def _warn_rounding(sizes: list[int]) -> None:
     """Warn once per process when rounding costs over 10% of the pinned staging."""
     global _warned_rounding
+    if _warned_rounding:
+        return
     waste = pinned_waste(sizes)
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
-    if _warned_rounding or waste <= 0.1 * sum(sizes) or _ROUND_CONF in conf:
+    if waste <= 0.1 * sum(sizes) or _ROUND_CONF in conf:
         return
     _warned_rounding = True
     log.warning(
@@ -77,6 +79,12 @@ class StagingPool:
         # key -> (buffer, layout, DTensor around it): rebuilding a DTensor costs ~0.1 ms
         # (an autograd Function and a spec), a fifth of a save's snapshot at 300 tensors
         self._wrapped: dict[str, tuple[torch.Tensor, tuple, Any]] = {}
+
+    def release(self) -> None:
+        """Free every buffer (and the DTensors wrapped around them, which hold them
+        too). The next snapshot allocates afresh."""
+        self.buffers.clear()
+        self._wrapped.clear()
 
     @property
     def nbytes(self) -> int:
@@ -128,7 +136,7 @@ class StagingPool:
             if self.budget is not None and need > self.budget:
                 # Checked before this buffer is allocated: host memory never goes
                 # past the budget, even on the way to refusing.
-                self.buffers.clear()
+                self.release()
                 raise CheckpointError(
                     f"staging needs more than the budget of {self.budget} bytes of host "
                     f"memory ({need} by tensor {key!r}); raise staging_budget or save "
@@ -151,9 +159,11 @@ class StagingPool:
         for stale in set(self.buffers) - seen:  # keys gone from the state free their memory
             del self.buffers[stale]
             self._wrapped.pop(stale, None)
-        pinned = [b.numel() * b.element_size() for b, src in copies if src.device.type == "cuda"]
-        if pinned:
-            _warn_rounding(pinned)
+        if not _warned_rounding:
+            pinned = [b.numel() * b.element_size() for b, src in copies
+                      if src.device.type == "cuda"]
+            if pinned:
+                _warn_rounding(pinned)
         return snap, copies, sum(b.numel() * b.element_size() for b, _ in copies)
 
     @staticmethod

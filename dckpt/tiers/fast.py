@@ -144,7 +144,7 @@ class FastTier:
             if view is not None and devstream.live_devices_ok(view[2]):
                 snap, copied = view[0], threading.Event()
                 after = devstream.mark(view[2])  # the values at the call, on every GPU
-                self.pool.buffers.clear()  # the tier's files are the one host copy
+                self.pool.release()  # the tier's files are the one host copy
             else:  # the state resolved once: state_dict() is not called twice
                 snap, _ = self.pool.snapshot(state if view is None else view[0])
         except Exception as e:  # join the collective save anyway: it fails everywhere
