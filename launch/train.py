@@ -202,15 +202,16 @@ def main(argv=None) -> None:
         sampler = ResumableSampler(args.data_samples, args.batch, seed=args.seed, rank=rank,
                                    world=world)
         state["data"] = sampler  # saved through its state_dict, restored in place
-    if args.dcp:
-        return _dcp_baseline(args, model, opt, sched, state, device, rank)
-    mgr = dckpt.CheckpointManager(args.ckpt_root, every_steps=args.every,
-                                  keep_last=args.keep_last, async_save=args.async_save,
-                                  save_on_sigterm=args.save_on_sigterm,
-                                  local_root=args.local_root, keep_last_local=args.keep_last_local,
-                                  durable_every_steps=args.durable_every)
-    restored = mgr.restore(state)
-    start = state["step"] if restored is not None else 0
+    if args.dcp:  # benchmarks/bench_manager.py's DCP column: the same loop, fresh
+        mgr, start, restored = _DcpSaver(args), 0, None
+    else:
+        mgr = dckpt.CheckpointManager(
+            args.ckpt_root, every_steps=args.every, keep_last=args.keep_last,
+            async_save=args.async_save, save_on_sigterm=args.save_on_sigterm,
+            local_root=args.local_root, keep_last_local=args.keep_last_local,
+            durable_every_steps=args.durable_every)
+        restored = mgr.restore(state)
+        start = state["step"] if restored is not None else 0
     if restored is not None and sched.T_max != max(1, args.steps):
         # The restored schedule ends where the first run's --steps did; a rerun asking
         # for more (or fewer) steps re-targets it: the LR becomes the cosine's value at
@@ -222,7 +223,7 @@ def main(argv=None) -> None:
             g["lr"] = sched.eta_min + (base - sched.eta_min) * (1 + math.cos(math.pi * frac)) / 2
     log.info("world %d, %s; %s", world, device.type,
              f"resumed from step {start} ({mgr.restored_from} tier)" if restored is not None
-             else "starting fresh")
+             else "starting fresh" + (" (saving with DCP)" if args.dcp else ""))
     if sampler is not None:
         log.info("data position %d (epoch %d), %d samples per step", sampler.consumed,
                  sampler.epoch, world * args.batch)
@@ -253,36 +254,33 @@ def main(argv=None) -> None:
     dist.destroy_process_group()
 
 
-def _dcp_baseline(args, model, opt, sched, state, device, rank: int) -> None:
-    """The same loop saving with torch.distributed.checkpoint.async_save (a reused
-    stager, as torchtitan does; one save in flight) every ``--every`` steps, for
-    benchmarks/bench_manager.py's DCP column. Starts fresh; logs like the dckpt loop."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+class _DcpSaver:
+    """Saves with torch.distributed.checkpoint.async_save every ``--every`` steps, in
+    place of the manager (a reused stager, as torchtitan does; one save in flight)."""
 
-    pg = dist.new_group(backend="gloo")  # DCP's background collectives
-    stager = DefaultStager(StagingOptions(False, False, False, False))
-    pending = None
-    t0 = time.perf_counter()
-    for step in range(1, args.steps + 1):
-        tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device=device)
-        loss = train_step(model, opt, sched, tokens, args.vocab)
-        state["step"] = step
-        if step % args.every == 0:
-            if pending is not None:
-                pending.result()
-            r = dcp.async_save(state, checkpoint_id=os.path.join(args.ckpt_root, f"step-{step:08d}"),
-                               process_group=pg, async_stager=stager)
-            pending = getattr(r, "upload_completion", r)
-        if step % args.log_every == 0 or step == args.steps:
-            log.info("step %d loss %.4f lr %.2e (%.3f s/step)", step, loss.item(),
-                     sched.get_last_lr()[0], (time.perf_counter() - t0) / step)
-    if pending is not None:
-        pending.result()
-    stager.close()
-    del state, opt, sched, model
-    gc.collect()
-    dist.destroy_process_group()
+    def __init__(self, args) -> None:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self.every, self.root = args.every, args.ckpt_root
+        self.pg = dist.new_group(backend="gloo")  # DCP's background collectives
+        self.stager = DefaultStager(StagingOptions(False, False, False, False))
+        self.pending = None
+
+    def save(self, step: int, state: dict) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        if step % self.every:
+            return
+        if self.pending is not None:
+            self.pending.result()
+        r = dcp.async_save(state, checkpoint_id=os.path.join(self.root, f"step-{step:08d}"),
+                           process_group=self.pg, async_stager=self.stager)
+        self.pending = getattr(r, "upload_completion", r)
+
+    def close(self) -> None:
+        if self.pending is not None:
+            self.pending.result()
+        self.stager.close()
 
 
 if __name__ == "__main__":
