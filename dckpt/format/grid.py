@@ -62,11 +62,14 @@ def parse_dim(obj: Any, key: str, d: int, extent: int,
     at most ``nfiles + 1`` of them. Returns them as a tuple, and as the int64 array they
     were decoded into when they took numpy (else None). Raises ValueError."""
     arr = None
-    if isinstance(obj, list) and len(obj) <= _SMALL:  # fast path, no numpy
+    if not (isinstance(obj, list) and len(obj) <= _SMALL):
+        arr = intarray.decode(obj, f"tensor {key!r} grid", nfiles + 1)
+        if len(arr) <= _SMALL:  # a few runs (an even split): the checks in Python
+            obj, arr = arr.tolist(), None
+    if arr is None:  # fast path, no numpy
         b = obj
         ok = all(type(x) is int for x in b) and all(x < y for x, y in zip(b, b[1:]))
     else:
-        arr = intarray.decode(obj, f"tensor {key!r} grid", nfiles + 1)
         # values inside [0, extent] first, so the differences cannot overflow; rising
         # strictly is checked here, not again per element in Python
         ok = not ((arr < 0).any() or (arr > extent).any() or (len(arr) > 1 and (np.diff(arr) <= 0).any()))
