@@ -76,26 +76,22 @@ def worker(rank: int, world: int, init: str, a: dict, out: str) -> None:
     # The floor of a verified read out of tmpfs: the same bytes read from one file on
     # --shm with preadv into the same buffers, then CRC32 of every 256 KiB (zlib-ng, the
     # library's checksum), both ranks at once. No planning, no manifest, no collective.
-    from dckpt.format.checksum import crc32
+    from dckpt.format.shards import block_crcs
+    from dckpt.storage.local import LocalReader
     floor_path = os.path.join(a["shm"], f"floor-{rank}.bin")
     with open(floor_path, "wb") as fh:
         for x in locs:
             fh.write(memoryview(x.contiguous().view(torch.uint8).numpy()))
     views = [memoryview(b.view(torch.uint8).numpy()).cast("B") for b in bufs]
 
-    def read_floor() -> None:
-        fd = os.open(floor_path, os.O_RDONLY)
-        try:
+    def read_floor() -> None:  # per tensor, as a restore reads: the read, then its CRCs
+        with LocalReader(floor_path) as f:
             pos = 0
             for v in views:
-                done = 0
-                while done < len(v):
-                    done += os.preadv(fd, [v[done:]], pos + done)
-                for k in range(0, len(v), 256 << 10):
-                    crc32(v[k:k + (256 << 10)])
+                if f.readv(pos, [v]) != len(v):
+                    raise OSError(f"{floor_path}: short read")
+                block_crcs(v, 256 << 10)
                 pos += len(v)
-        finally:
-            os.close(fd)
 
     def check(dst: dict) -> bool:
         ok = all(torch.equal(x, y) for x, y in zip(locals_of(dst), locs)) and dst["step"] == src["step"]
