@@ -34,22 +34,17 @@ import torch  # noqa: E402
 
 from dckpt.engine import devstream  # noqa: E402
 from dckpt.engine.staging import StagingPool  # noqa: E402
+from dckpt.format.dtypes import to_code  # noqa: E402
+from dckpt.layout.chunks import Box  # noqa: E402
 from dckpt.protocol.commit import write_file  # noqa: E402
+from dckpt.state.tensors import LocalPiece  # noqa: E402
 from dckpt.storage.fsspec_storage import make_storage  # noqa: E402
 
 
-class _Piece:
-    """The fields write_file reads from a plan's piece."""
-
-    def __init__(self, key: str, t: torch.Tensor) -> None:
-        from dckpt.format.dtypes import to_code
-
-        class _B:
-            sizes = tuple(t.shape)
-            offsets = (0,) * t.dim()
-
-        self.key, self.local, self.box = key, t, _B()
-        self.dtype = to_code(t.dtype, key)
+def _piece(key: str, t: torch.Tensor) -> LocalPiece:
+    """What a rank's plan holds for a whole tensor ``t`` (what write_file reads)."""
+    shape = tuple(t.shape)
+    return LocalPiece(key, to_code(t.dtype, key), shape, Box((0,) * t.dim(), shape), t)
 
 
 def _state(mib: int, device: str) -> list[torch.Tensor]:
@@ -60,7 +55,7 @@ def _state(mib: int, device: str) -> list[torch.Tensor]:
 
 def _write(storage, root: str, tensors, stream: bool) -> float:
     devstream.STREAM_CPU = stream
-    pieces = [_Piece(f"t{i}", t) for i, t in enumerate(tensors)]
+    pieces = [_piece(f"t{i}", t) for i, t in enumerate(tensors)]
     t0 = time.perf_counter()
     write_file(storage, root, "data.safetensors", 0, pieces)
     dt = time.perf_counter() - t0
@@ -97,7 +92,7 @@ def main() -> None:
         rows.append(("memcpy (floor)", floor, floor))
         rows.append(("host", _median(lambda: _write(storage, root, host, False), a.reps), floor))
         rows.append(("bounce", _median(lambda: _write(storage, root, host, True), a.reps), floor))
-        del host
+        host.clear()  # frees the host state before the GPU rows
         if torch.cuda.is_available():
             gpu = _state(a.mib, "cuda")
             pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in gpu]
@@ -111,14 +106,14 @@ def main() -> None:
                 return time.perf_counter() - t0
 
             gfloor = _median(d2h, a.reps)
-            del pinned
+            pinned.clear()
             pool = StagingPool()
 
             def staged() -> float:
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 snap, _ = pool.snapshot({f"t{i}": t for i, t in enumerate(gpu)})
-                pieces = [_Piece(k, v) for k, v in snap.items()]
+                pieces = [_piece(k, v) for k, v in snap.items()]
                 write_file(storage, root, "data.safetensors", 0, pieces)
                 dt = time.perf_counter() - t0
                 storage.remove(storage.join(root, "data.safetensors"))
