@@ -18,9 +18,6 @@ from .errors import CheckpointError
 from .progress import size_text
 
 
-_size = size_text
-
-
 def _table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
     line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
@@ -38,7 +35,7 @@ def cmd_ls(args) -> int:
     if not found:
         print(f"no checkpoints under {args.root}")
         return 0
-    rows = [[s.path, "committed" if s.committed else f"BROKEN: {s.problem}", _size(s.bytes),
+    rows = [[s.path, "committed" if s.committed else f"BROKEN: {s.problem}", size_text(s.bytes),
              str(s.files), str(s.tensors), str(s.world_size), _when(s.created)] for s in found]
     print(_table(rows, ["path", "state", "size", "files", "tensors", "ranks", "saved"]))
     return 0
@@ -55,9 +52,9 @@ def cmd_inspect(args) -> int:
         print(raw.decode())
         return 0
     print(f"checkpoint {_shown(args.path, root)}\n  saved {_when(m.created)} by {m.world_size} rank(s), "
-          f"{len(m.files)} file(s), {_size(m.total_bytes)}, save id {m.save_id}\n")
+          f"{len(m.files)} file(s), {size_text(m.total_bytes)}, save id {m.save_id}\n")
     rows = [[k, t.dtype, "x".join(map(str, t.shape)) or "scalar", sharding(t),
-             str(len(t.chunks)), _size(t.nbytes), inherited(m, t)] for k, t in m.tensors.items()]
+             str(len(t.chunks)), size_text(t.nbytes), inherited(m, t)] for k, t in m.tensors.items()]
     print(_table(rows, ["tensor", "dtype", "shape", "sharding", "chunks", "bytes", "inherited"]))
     if m.values:
         print()
@@ -69,11 +66,11 @@ def cmd_du(args) -> int:
     from .catalog import disk_usage
 
     found, total = disk_usage(args.root, _opts(args))
-    rows = [[u.path, _size(u.own), _size(u.referenced), _size(u.own + u.referenced)]
+    rows = [[u.path, size_text(u.own), size_text(u.referenced), size_text(u.own + u.referenced)]
             for u in found]
     if rows:
         print(_table(rows, ["checkpoint", "owns", "references", "loads"]))
-    print(f"{len(found)} checkpoint(s); {_size(total)} on disk under {args.root} (every "
+    print(f"{len(found)} checkpoint(s); {size_text(total)} on disk under {args.root} (every "
           "file once: referenced bytes are shared)")
     return 0
 
@@ -84,7 +81,7 @@ def cmd_verify(args) -> int:
     r = verify_checkpoint(args.path, _opts(args))
     shown = _shown(args.path, r.path)
     if r.ok:
-        print(f"OK {shown}: {r.files} file(s), {_size(r.bytes_checked)} checked")
+        print(f"OK {shown}: {r.files} file(s), {size_text(r.bytes_checked)} checked")
         return 0
     print(f"FAILED {shown}: {len(r.problems)} problem(s)")
     for p in r.problems:
@@ -100,11 +97,11 @@ def cmd_gc(args) -> int:
     verb = "would remove" if args.dry_run else "removed"
     for lo in found:
         what = "incomplete upload, " if lo.upload_id else ""
-        print(f"{verb} {lo.path} ({what}{_size(lo.bytes)}, {lo.age_s / 60:.0f} min old)")
+        print(f"{verb} {lo.path} ({what}{size_text(lo.bytes)}, {lo.age_s / 60:.0f} min old)")
     n = sum(1 for lo in found if lo.upload_id)
     uploads = f" and {n} incomplete upload(s)" if n else ""
     print(f"{verb} {len(found) - n} leftover file(s){uploads}, "
-          f"{_size(sum(lo.bytes for lo in found))}")
+          f"{size_text(sum(lo.bytes for lo in found))}")
     return 0
 
 
@@ -114,7 +111,7 @@ def cmd_export(args) -> int:
     info = export(args.ckpt, args.out_dir, prefix=args.prefix, dtype=args.dtype,
                   max_shard_size=args.max_shard_size, storage_options=_opts(args),
                   overwrite=args.overwrite)
-    print(f"exported {info.tensors} tensor(s), {_size(info.bytes)}, to {args.out_dir} in "
+    print(f"exported {info.tensors} tensor(s), {size_text(info.bytes)}, to {args.out_dir} in "
           f"{len(info.files)} file(s) ({info.seconds:.1f} s)")
     return 0
 
@@ -132,7 +129,7 @@ def cmd_import(args) -> int:
                              aliases=aliases, overwrite=args.overwrite,
                              max_shard_size=args.max_shard_size,
                              compression=args.compression, storage_options=_opts(args))
-    print(f"imported {args.src} into {info.path}: {_size(info.bytes_written)} in "
+    print(f"imported {args.src} into {info.path}: {size_text(info.bytes_written)} in "
           f"{info.num_files} file(s) ({info.seconds:.1f} s)")
     return 0
 
@@ -170,8 +167,8 @@ def cmd_history(args) -> int:
     shown = picked if args.last is not None else recs[-20:]
     secs = lambda x: "-" if x is None else (f"{x:.3f} s" if x < 10 else f"{x:.1f} s")
     rows = [[_when(r.time), str(r.step), "-" if r.epoch is None else str(r.epoch), r.tier,
-             r.mode, _size(r.bytes), secs(r.blocking_s), secs(r.total_s),
-             f"{_size(int(r.throughput))}/s" if r.throughput else "-", str(r.world_size)]
+             r.mode, size_text(r.bytes), secs(r.blocking_s), secs(r.total_s),
+             f"{size_text(int(r.throughput))}/s" if r.throughput else "-", str(r.world_size)]
             for r in shown]
     if rows:
         print(_table(rows, ["saved", "step", "epoch", "tier", "mode", "size", "blocking",

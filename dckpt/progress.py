@@ -65,7 +65,7 @@ class Progress:
     def line(self, done: int, elapsed: float) -> str:
         """The progress line for ``done`` bytes after ``elapsed`` seconds. Pure."""
         rate = done / elapsed if elapsed > 0 else 0.0
-        unit, scale = ("GiB", 2**30) if self.total >= 2**30 else ("MiB", 2**20)
+        unit, scale = byte_unit(max(self.total, 1 << 20))  # one unit, MiB at least
         out = f"{self.what}: {done / scale:.1f}/{self.total / scale:.1f} {unit}"
         if self.total:  # headers can take a save a little past its data total
             out += f" ({min(100.0, 100 * done / self.total):.0f}%)"
