@@ -42,8 +42,8 @@ def block_crcs(buf: memoryview, block: int = BLOCK) -> list[int]:
     return [crc32(buf[i:i + block]) for i in range(0, len(buf), block)] or [0]
 
 
-def _header(entries, crcs: list[list[int]] | None = None, block: int = BLOCK,
-            align: int = 8, length: int | None = None) -> bytes:
+def header_json(entries, crcs: list[list[int]] | None = None, block: int = BLOCK,
+                align: int = 8, length: int | None = None) -> bytes:
     """The header JSON (no length prefix) of ``entries`` in file order, padded. Without
     ``crcs``: plain safetensors (``__metadata__`` only ``{"format": "pt"}``)."""
     meta = {"format": "pt"} if crcs is None else {"format": "pt", "dckpt.block": str(block)}
@@ -93,7 +93,7 @@ def write_shard(writer, entries: list[tuple[str, str, tuple[int, ...], int]],
         return _write_lazy(writer, entries, buffers, random_write, block)
     align = getattr(writer, "alignment", 8)
     placeholder = [[0] * max(1, -(-n // block)) for (_, _, _, n) in entries]
-    hlen = len(_header(entries, placeholder, block, align))
+    hlen = len(header_json(entries, placeholder, block, align))
     data_start = 8 + hlen
     if random_write:
         with ThreadPoolExecutor(1) as pool, ThreadPoolExecutor(1) as side:
@@ -107,12 +107,12 @@ def write_shard(writer, entries: list[tuple[str, str, tuple[int, ...], int]],
                     writer.pwrite(b, pos)
                 pos += len(b)
             crcs = [f if isinstance(f, list) else f.result() for f in futs]
-        head = _U64.pack(hlen) + _header(entries, crcs, block, align)
+        head = _U64.pack(hlen) + header_json(entries, crcs, block, align)
         writer.pwrite(head, 0)
     else:
         crcs = [_streamed_crcs(b, block) if is_streamed(b) else block_crcs(b, block)
                 for b in buffers]
-        head = _U64.pack(hlen) + _header(entries, crcs, block, align)
+        head = _U64.pack(hlen) + header_json(entries, crcs, block, align)
         writer.write(head)
         pos = data_start
         for b in buffers:
@@ -156,7 +156,7 @@ def _write_lazy(writer, entries, buffers, random_write: bool, block: int) -> tup
     align = getattr(writer, "alignment", 8)
     # Upper bounds give the longest header: as many CRCs, offsets with as many digits.
     bound = [[0xFFFFFFFF] * max(1, -(-n // block)) for (_, _, _, n) in entries]
-    hlen = len(_header(entries, bound, block, align))
+    hlen = len(header_json(entries, bound, block, align))
     pos = 8 + hlen
     crcs: list = []
     with ThreadPoolExecutor(2) as pool:
@@ -171,7 +171,7 @@ def _write_lazy(writer, entries, buffers, random_write: bool, block: int) -> tup
             writer.pwrite(b, pos)
             pos += len(b)
         crcs = [f.result() for f in crcs]
-    head = _U64.pack(hlen) + _header(entries, crcs, block, align, hlen)
+    head = _U64.pack(hlen) + header_json(entries, crcs, block, align, hlen)
     writer.pwrite(head, 0)
     return pos, hlen, crc32(head)
 

@@ -220,7 +220,7 @@ def _header(group: list[_Out]) -> tuple[bytes, list[int]]:
     first, so every tensor starts at a multiple of its item size. Pure."""
     entries = [(o.name, to_code(o.dtype, o.name), o.entry.shape, o.nbytes) for o in group]
     order = shards.order_entries(entries)
-    raw = shards._header([entries[i] for i in order])  # plain: no dckpt checksums
+    raw = shards.header_json([entries[i] for i in order])  # plain: no dckpt checksums
     return len(raw).to_bytes(8, "little") + raw, order
 
 
