@@ -10,6 +10,7 @@ from .protocol.collectives import Comm, on_rank0
 from .protocol.commit import save as _save
 from .engine.async_save import SaveHandle
 from .engine.async_save import _fence_targets, _saver
+from .engine.async_save import release_buffers as _release_buffers
 from .engine.async_save import async_save as _async_save
 from .engine import devstream
 from .engine.staging import live_view
@@ -18,6 +19,7 @@ from .format.codec import compression_flag
 from .policy import RetentionPolicy, SavePolicy, check_epoch, estimate_mtbf_hours
 from . import failures, history
 from .state import rng
+from .state.flatten import is_stateful
 from .state.training import fence_targets
 from .tiers.fast import FastTier
 from .tiers.local import step_name
@@ -26,6 +28,18 @@ from .manager_retention import RetentionMixin
 from .storage.fsspec_storage import make_storage
 
 log = logging.getLogger(__name__)
+
+
+def _holds_stateful(state: Any) -> bool:
+    """Whether ``state`` (nested dicts, lists, tuples) holds an object with
+    ``state_dict``/``load_state_dict``. No I/O; O(containers)."""
+    if is_stateful(state):
+        return True
+    if isinstance(state, dict):
+        return any(_holds_stateful(v) for v in state.values())
+    if type(state) in (list, tuple):
+        return any(_holds_stateful(v) for v in state)
+    return False
 
 
 class CheckpointManager(RetentionMixin, RestoreMixin):
@@ -345,11 +359,19 @@ class CheckpointManager(RetentionMixin, RestoreMixin):
             full["manager"] = {"epoch": self._epoch}
         return full
 
-    def _prepare(self, state: Any) -> None:
+    def _prepare(self, state: Any, *, loaded: bool = True) -> None:
         """Async mode: allocate and touch the staging buffers now, so the first save
         blocks no longer than later ones. Collective (the async saver's group is made
-        here on first use). Failures are only logged: the save will allocate then."""
+        here on first use). Failures are only logged: the save will allocate then.
+
+        ``loaded=False`` (a restore that found nothing): ``state`` must come out exactly
+        as it went in, and a Stateful object's ``state_dict()`` may change it (a
+        TrainingState's initialises a fresh optimizer with a zero-lr step: Adam's step
+        count becomes 1 and every later bias correction is off by one). A state holding
+        one is not prepared then; its first save allocates the buffers instead."""
         if not self.async_save:
+            return
+        if not loaded and _holds_stateful(state):
             return
         try:
             full = self._full(state)
@@ -405,13 +427,17 @@ class CheckpointManager(RetentionMixin, RestoreMixin):
                     self.history.flush()  # their records written too
 
     def close(self) -> None:
-        """:meth:`wait`, then stop the background threads."""
+        """:meth:`wait`, then stop the background threads and free the staging buffers
+        (async mode: a whole host copy of the state, kept between saves for reuse; a
+        later save allocates them again)."""
         try:
             self.wait()
         finally:
             try:
                 if self.tier is not None:
-                    self.tier.close()
+                    self.tier.close()  # frees its pool
+                elif self.async_save and self._inflight is None:
+                    _release_buffers(self.group)
             finally:
                 if self.history is not None:
                     self.history.close()

@@ -80,7 +80,7 @@ class RestoreMixin:
                 "tried, newest first); the state may hold part of a failed load:\n  "
                 + "\n  ".join(tried))
         self._observe_failures(False)
-        self._prepare(state)
+        self._prepare(state, loaded=False)  # leaves the state exactly as it was
         return None
 
     def _observe_failures(self, restored: bool) -> None:
