@@ -89,30 +89,62 @@ def _compress(flag: int, data) -> bytes:
 
 
 def _decompress(flag: int, data, size: int) -> bytes:
+    """The ``size`` bytes a compressed block decodes to. Never decodes more than
+    ``size + 1`` bytes (the one extra shows an overflow), whatever the frame says: a
+    frame is untrusted until the block's content hash matches, and a few KiB of zstd
+    can state (and decode to) hundreds of MiB. A frame whose header states a larger
+    content size is refused before anything is decoded. Raises ValueError (the caller
+    names the block and file)."""
     m = _module(flag)
     try:
         if flag == ZSTD:
-            out = m.ZstdDecompressor().decompress(data, max_output_size=size)
+            stated = m.frame_content_size(data)  # -1 when the frame does not say
         else:
-            out = m.decompress(data)
+            stated = m.get_frame_info(data)["content_size"] or -1  # 0: not stored
+    except Exception as e:  # not even a frame header
+        raise ValueError(f"cannot decompress ({type(e).__name__}: {e})") from None
+    if stated > size:
+        raise ValueError(f"its {'zstd' if flag == ZSTD else 'lz4'} frame declares {stated} "
+                         f"bytes, the block holds {size}: refused without decoding it")
+    try:
+        if flag == ZSTD and stated >= 0:
+            # the output buffer is the stated size, at most ``size`` (checked above)
+            out = m.ZstdDecompressor().decompress(data)
+        elif flag == ZSTD:  # a frame dckpt never writes: streamed, cut at size + 1
+            out = _zstd_reader(m, data, size).read(size + 1)
+        else:
+            out = m.LZ4FrameDecompressor().decompress(data, max_length=size + 1)
     except Exception as e:  # a damaged frame: the caller names the block
         raise ValueError(f"cannot decompress ({type(e).__name__}: {e})") from None
+    if len(out) > size:
+        raise ValueError(f"its frame decodes to more than the block's {size} bytes: "
+                         "refused after decoding that much")
     if len(out) != size:
         raise ValueError(f"decompressed to {len(out)} bytes, expected {size}")
     return out
 
 
+def _zstd_reader(m, data, size: int):
+    """A streaming reader of zstd frame ``data`` whose window (the buffer a streaming
+    decoder allocates up front) may be at most the next power of two over ``size``
+    (1 MiB at least): a frame compressed from ``size`` bytes never needs more, and a
+    hostile one cannot make the decoder reserve zstd's default 128 MiB limit."""
+    window = 1 << max(20, (size - 1).bit_length())
+    return m.ZstdDecompressor(max_window_size=window).stream_reader(bytes(data))
+
+
 def decode_prefix(flags: int, stored, n: int) -> bytes | None:
     """Up to the first ``n`` bytes of a compressed block's decompressed stream (still
     byte-grouped when ``flags`` has SHUFFLE), from a prefix of its stored bytes; None
-    when nothing decodes. For cheap looks at a block, never for data (unverified)."""
+    when nothing decodes. Decodes at most ``n`` bytes, whatever the frame states. For
+    cheap looks at a block, never for data (unverified)."""
     comp = flags & COMPRESSOR
     if not comp or comp == COMPRESSOR or flags & (XOR | SPARSE):
         return None
     try:
         m = _module(comp)
         if comp == ZSTD:
-            out = m.ZstdDecompressor().decompressobj().decompress(bytes(stored))
+            out = _zstd_reader(m, stored, HASH_BLOCK).read(n)
         else:
             out = m.LZ4FrameDecompressor().decompress(bytes(stored), max_length=n)
     except Exception:  # noqa: BLE001 - a damaged or cut frame: no look

@@ -1,0 +1,189 @@
+"""Hostile or damaged input read by load, incremental saves, import and history: a
+decompression bomb in a compressed block, DCP metadata whose sizes lie, safetensors
+headers and history lines nested too deeply, sources dckpt could not load back. Each
+must end in a clear CheckpointError (or a skipped line with a warning), quickly and in
+bounded memory, never a raw Python error or a commit of what load refuses."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+import tracemalloc
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+import dckpt
+from dckpt.errors import CheckpointError, IntegrityError
+from dckpt.format import codec
+from dckpt.format import manifest as mf
+
+MiB = 1 << 20
+
+
+# ------------------------------------------------------------------ helpers
+
+def _manifest(path: str) -> mf.Manifest:
+    with open(os.path.join(path, mf.MANIFEST_NAME), "rb") as f:
+        return mf.parse(f.read())
+
+
+def _replace_block(path: str, key: str, k: int, stored: bytes) -> str:
+    """Put ``stored`` (zero padded to the block's stored length) in place of the stored
+    bytes of block ``k`` of ``key``'s chunk 0, and re-seal every checksum over it (the
+    shard header's CRCs, the manifest's header CRC): the file passes every CRC check,
+    as a hostile file would. Returns the data file's name."""
+    m = _manifest(path)
+    row = m.tensors[key].blocks[0].table[k].tolist()
+    fi, off, length = row[0], row[1], row[2]
+    assert len(stored) <= length, (len(stored), length)
+    stored = stored + bytes(length - len(stored))
+    f = m.files[fi]
+    with open(os.path.join(path, f.name), "r+b") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        head = json.loads(fh.read(n))
+        start, end = (8 + n + x for x in head[key]["data_offsets"])
+        fh.seek(start + off)
+        fh.write(stored)
+        fh.seek(start)
+        data = fh.read(end - start)
+        block = int(head["__metadata__"]["dckpt.block"])
+        head["__metadata__"]["crc32:" + key] = "".join(
+            f"{zlib.crc32(data[i:i + block]):08x}" for i in range(0, len(data), block))
+        raw = json.dumps(head, separators=(",", ":")).encode()
+        assert len(raw) <= n
+        raw += b" " * (n - len(raw))
+        fh.seek(8)
+        fh.write(raw)
+    files = list(m.files)
+    files[fi] = dataclasses.replace(f, header_crc32=zlib.crc32(n.to_bytes(8, "little") + raw))
+    with open(os.path.join(path, mf.MANIFEST_NAME), "wb") as fh:
+        fh.write(mf.to_json(dataclasses.replace(m, files=tuple(files))))
+    return f.name
+
+
+def _zstd_bomb(declared: int, produced: int) -> bytes:
+    """A zstd frame that states ``declared`` bytes of content and decodes to
+    ``produced`` zero bytes: RLE blocks of 128 KiB, 4 bytes each (a 256 MiB frame is 8
+    KiB). Built by hand: no large buffer in the test itself."""
+    out = bytearray((0xFD2FB528).to_bytes(4, "little"))
+    out.append(0xE0)  # frame header: 8-byte content size, single segment
+    out += declared.to_bytes(8, "little")
+    blk = 128 << 10
+    nb = -(-produced // blk)
+    for i in range(nb):
+        size = min(blk, produced - i * blk)
+        out += ((size << 3) | (1 << 1) | int(i == nb - 1)).to_bytes(3, "little")  # RLE
+        out.append(0)
+    return bytes(out)
+
+
+def _zstd_unsized(produced: int) -> bytes:
+    """A zstd frame without a content size that decodes to ``produced`` zero bytes."""
+    import zstandard
+
+    c = zstandard.ZstdCompressor(level=1, write_content_size=False).compressobj()
+    z = bytes(4 * MiB)
+    return b"".join(c.compress(z) for _ in range(produced // len(z))) + c.flush()
+
+
+def _lz4_bomb(produced: int, sized: bool) -> bytes:
+    """An lz4 frame of ``produced`` zero bytes, with or without its content size."""
+    import lz4.frame
+
+    c = lz4.frame.LZ4FrameCompressor(block_size=lz4.frame.BLOCKSIZE_MAX4MB)
+    z = bytes(4 * MiB)
+    return (c.begin(source_size=produced if sized else 0)
+            + b"".join(c.compress(z) for _ in range(produced // len(z))) + c.flush())
+
+
+def _half_random() -> torch.Tensor:
+    """1 MiB (one hash block) that compresses to about half: zeros, then random. Its
+    stored block has room for a bomb, and a bomb of zeros looks like its start."""
+    a = np.zeros(MiB, np.uint8)
+    a[MiB // 2:] = np.random.default_rng(0).integers(0, 256, MiB // 2, np.uint8)
+    return torch.from_numpy(a)
+
+
+def _peak(fn) -> tuple[int, float, object]:
+    """(peak bytes Python allocated, seconds, fn's result or exception) of ``fn()``."""
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    try:
+        try:
+            out = fn()
+        except Exception as e:  # noqa: BLE001 - returned for the caller to check
+            out = e
+        return tracemalloc.get_traced_memory()[1], time.perf_counter() - t0, out
+    finally:
+        tracemalloc.stop()
+
+
+# ------------------------------------------------------------------ 1.2 decompression bomb
+
+BOMBS = {
+    "zstd-declares-256MiB": ("zstd", lambda: _zstd_bomb(256 * MiB, 256 * MiB), "declares"),
+    "zstd-unsized-64MiB": ("zstd", lambda: _zstd_unsized(64 * MiB), "more than"),
+    "lz4-declares-64MiB": ("lz4", lambda: _lz4_bomb(64 * MiB, True), "declares"),
+    "lz4-unsized-64MiB": ("lz4", lambda: _lz4_bomb(64 * MiB, False), "more than"),
+}
+
+
+@pytest.mark.parametrize("bomb", sorted(BOMBS))
+def test_decompression_bomb_is_refused_without_decoding_it(tmp_path, bomb):
+    """A compressed block whose frame declares (or decodes to) far more than the
+    block's 1 MiB is refused as an IntegrityError naming the block and file, before or
+    while decoding at most the block's size: never the whole frame."""
+    compression, make, words = BOMBS[bomb]
+    sd = {"w": _half_random()}
+    path = str(tmp_path / "c")
+    dckpt.save(sd, path, compression=compression)
+    assert _manifest(path).tensors["w"].blocks[0].table[0, 3] & codec.COMPRESSOR
+    name = _replace_block(path, "w", 0, make())
+    peak, secs, out = _peak(lambda: dckpt.load({"w": torch.zeros(MiB, dtype=torch.uint8)}, path))
+    assert isinstance(out, IntegrityError), out
+    msg = str(out)
+    assert "tensor 'w' chunk 0 block 0" in msg and name in msg and words in msg, msg
+    assert peak < 24 * MiB, f"{peak / MiB:.0f} MiB allocated to refuse it"
+    assert secs < 5
+
+
+@pytest.mark.parametrize("compression", ["zstd", "lz4"])
+def test_incremental_save_over_a_bombed_base_peeks_in_bounded_memory(tmp_path, compression,
+                                                                      caplog):
+    """The cheap look at a compressed base block (whether a delta may pay) and the
+    verified anchor read both stop at the block's size: an incremental save over a base
+    holding a bomb writes the block in full, with a warning, and loads back exactly."""
+    sd = {"w": _half_random()}
+    base = str(tmp_path / "base")
+    dckpt.save(sd, base, compression=compression)
+    make = BOMBS[f"{compression}-declares-{'256' if compression == 'zstd' else '64'}MiB"][1]
+    _replace_block(base, "w", 0, make())
+    # sparse, in the zeros the bomb's start looks like: the cheap look says a delta may
+    # pay, so the whole anchor is read (and refused)
+    sd["w"][:MiB // 2:4096] += 1
+    child = str(tmp_path / "child")
+    with caplog.at_level(logging.WARNING, logger="dckpt"):
+        peak, secs, out = _peak(lambda: dckpt.save(sd, child, base=base,
+                                                   compression=compression))
+    assert not isinstance(out, Exception), out
+    assert peak < 40 * MiB, f"{peak / MiB:.0f} MiB allocated"
+    assert "cannot be read" in caplog.text and "writing it in full" in caplog.text
+    got = dckpt.load({"w": torch.zeros(MiB, dtype=torch.uint8)}, child)
+    assert torch.equal(got["w"], sd["w"])
+    assert not _manifest(child).tensors["w"].blocks[0].table[0, 3] & codec.XOR
+
+
+def test_decode_prefix_stops_at_what_it_was_asked_for():
+    """The unverified peek decodes at most ``n`` bytes, whatever the frame declares (a
+    frame that asks for a window larger than a block gives no look at all)."""
+    frames = [(codec.ZSTD, _zstd_unsized(64 * MiB), True), (codec.LZ4, _lz4_bomb(64 * MiB, True), True),
+              (codec.ZSTD, _zstd_bomb(256 * MiB, 256 * MiB), False)]
+    for flags, frame, looks in frames:
+        peak, _, out = _peak(lambda: codec.decode_prefix(flags, frame[:160 << 10], 4096))
+        assert out == (bytes(4096) if looks else None), type(out)
+        assert peak < 16 * MiB, f"{peak / MiB:.0f} MiB allocated"
