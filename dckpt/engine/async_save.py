@@ -172,6 +172,20 @@ def _saver(group: Any) -> _Saver:
         return _SAVERS[key]
 
 
+def release_buffers(group: Any = None) -> None:
+    """Free the staging buffers of ``group``'s async saver, if one was made (the next
+    :func:`async_save` on that group allocates afresh). Local, not collective; makes
+    no saver. Call it once no save of the group is in flight: a save in flight keeps
+    the buffers it copies into alive until it ends, so it stays correct, but they are
+    then freed only when it is over."""
+    initialized = dist.is_available() and dist.is_initialized()
+    key = group if group is not None else (dist.group.WORLD if initialized else None)
+    with _LOCK:
+        saver = _SAVERS.get(key)
+    if saver is not None:
+        saver.pool.release()
+
+
 def async_save(state_dict: Any, path: str, *, process_group: Any = None,
                storage_options: dict | None = None, overwrite: bool = False,
                staging_budget: int | None = None, base: str | None = None,

@@ -56,7 +56,8 @@ class FastTier:
 
     def __init__(self, local_root: str, *, keep_last_local: int, durable_every: int | None,
                  group: Any, comm: Comm, durable_path: Callable[[int], str],
-                 storage_options: dict | None, on_durable: Callable[[int], None]) -> None:
+                 storage_options: dict | None, on_durable: Callable[[int], None],
+                 owner: str | None = None) -> None:
         if "://" in local_root and not local_root.startswith("file://"):
             raise CheckpointError(f"local_root must be a node-local path (e.g. /dev/shm/job "
                                   f"or a local NVMe directory), not the URL {local_root!r}")
@@ -67,6 +68,8 @@ class FastTier:
         self.durable_every = durable_every
         self.comm, self.durable_path, self.on_durable = comm, durable_path, on_durable
         self.storage_options = storage_options
+        # the durable root's identity, recorded in every view: only its steps restore
+        self.owner = owner
         self.last_durable: int | None = None  # the last step queued for the durable tier
         self.pool = StagingPool()
         self._lock = threading.Lock()
@@ -168,7 +171,8 @@ class FastTier:
                     written: threading.Event | None = None,
                     after: dict | None = None) -> local.LocalCommit:
         commit = local.save_local(state, step, self.step_dir(step), self.storage, comm,
-                                  written.set if written is not None else None, after)
+                                  written.set if written is not None else None, after,
+                                  self.owner)
         if comm.rank == 0:
             log.info("step %d committed in the fast tier %s in %.2f s", step, self.root,
                      commit.seconds)
@@ -257,17 +261,27 @@ class FastTier:
             raise first
 
     def close(self) -> None:
+        """:meth:`wait`, then stop the background threads and free the staging buffers
+        (an unfenced async save's host copy of the state). Collective as :meth:`wait`."""
         try:
             self.wait()
         finally:
             self._local_exec.shutdown(wait=False)
             self._stage_exec.shutdown(wait=False)
+            if self._local_job is None:  # none in flight (wait() joined it) reads them
+                self.pool.release()
 
     # ------------------------------------------------------------------ restoring
     def common_steps(self) -> list[int]:
         """Steps every rank holds in its fast tier from one save, ascending.
         Collective (one all-gather); reads only this rank's own directory."""
-        mine = local.own_steps(self.storage, self.root, self.comm.rank, self.comm.size)
+        return list(self.held_steps())
+
+    def held_steps(self) -> dict[int, float]:
+        """:meth:`common_steps` with their commit times: {step: created}, ascending.
+        Steps saved for another durable root (``owner``) are left out."""
+        mine = local.own_steps(self.storage, self.root, self.comm.rank, self.comm.size,
+                               self.owner)
         return chooser.agree_local_steps(self.comm, mine)
 
     def load(self, step: int, loader: Callable[[str, str, int], None]) -> None:
