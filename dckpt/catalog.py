@@ -11,6 +11,10 @@ from .protocol.intent import INTENT_FILE, live_save_ids
 from .errors import CheckpointError
 from .format import manifest as mf
 from .storage.fsspec_storage import FsspecStorage, Upload, make_storage
+# ALL_FILES, references, remove_checkpoints: re-exported (the coordinator and the manager
+# import them from here)
+from .refcount import (ALL_FILES, manifest_dirs, references, references_beside,  # noqa: F401
+                       remove_checkpoints)
 
 log = logging.getLogger(__name__)
 _now = time.time  # gc's clock (tests move it instead of aging files they cannot touch)
@@ -187,72 +191,24 @@ def _dir_leftovers(storage, d: str, shown: str, entries, min_age_s: float,
     return out
 
 
-ALL_FILES = "*"  # in a referenced set: every file (references unknown)
-
-
-def references(storage, dirs: list[str]) -> dict[str, set[str]]:
-    """{sibling directory name: its file names that a committed manifest among ``dirs``
-    references} (incremental checkpoints). One manifest read per directory."""
-    out: dict[str, set[str]] = {}
-    for d in dirs:
-        m, s = _read(storage, d)
-        if s is not None and not s.committed:  # unreadable: it may reference anything
-            log.warning("%s has an unreadable manifest: gc keeps every data file it could "
-                        "reference (fix or remove it to let gc clean)", d)
-            return {d2.rstrip("/").rpartition("/")[2]: {ALL_FILES} for d2 in dirs}
-        for f in (m.files if m is not None else ()):
-            if f.dir:
-                out.setdefault(f.dir, set()).add(f.name)
-    return out
-
-
-def remove_checkpoints(storage, base: str, names: list[str]) -> None:
-    """Remove the checkpoints (or failed saves) ``names`` in ``base`` and every file of
-    theirs that no other committed checkpoint in ``base`` references (incremental
-    saves). Each one's manifest goes first, so no step is ever seen committed with
-    files missing; a directory that still holds referenced files keeps only those (gc
-    and later calls keep them while they are referenced, and remove them after). I/O:
-    one listing of ``base``, one manifest read per other directory, one listing and the
-    removals per name. Raises OSError from the storage; a crash half-way leaves
-    leftovers that ``dckpt gc`` removes, never a referenced file missing."""
-    doomed = set(names)
-    for name in names:
-        try:
-            storage.remove(storage.join(base, name, mf.MANIFEST_NAME))
-        except FileNotFoundError:
-            pass  # a failed save's directory: it never had one
-    others = [storage.join(base, e.name) for e in storage.listdir(base)
-              if e.is_dir and not e.is_link and e.name not in doomed]
-    refs = references(storage, others)
-    for name in names:
-        d = storage.join(base, name)
-        keep = refs.get(name, set())
-        try:
-            entries = storage.listdir(d)
-        except FileNotFoundError:
-            continue
-        if ALL_FILES in keep:
-            keep = {e.name for e in entries if DATA_FILE.match(e.name)}
-        if not keep:
-            storage.remove_tree(d)
-            continue
-        for e in entries:
-            if e.name not in keep:
-                (storage.remove_tree if e.is_dir else storage.remove)(storage.join(d, e.name))
-        log.info("%s: kept %d file(s) that newer checkpoints reference", d, len(keep))
-
-
 def find_leftovers(root: str, min_age_s: float = 3600.0,
                    storage_options: dict | None = None) -> list[Leftover]:
     """Files that no committed manifest references, left by failed or interrupted
     saves, at ``root`` and in its direct subdirectories (never through a link): only
     dckpt's own names (``data-<id>-<rank>.safetensors``, temp manifests, save intents
     whose lease ran out), older than ``min_age_s``, and never a file of a save whose
-    intent is live. A file whose backend reports no modification time is never a
-    leftover (logged). On S3, also the incomplete multipart uploads of dckpt's names
-    there (a killed save's half-sent file: invisible, but billed), under the same rules
-    and started longer ago than the save lease (``upload_id`` set). I/O: one listing and
-    one manifest read per directory, one listing of the uploads (S3). Raises
+    intent is live. ``root`` may be a root of checkpoints or one checkpoint directory:
+    a file is referenced when any manifest that can point at it names it, i.e. that of
+    its own directory or of any sibling of that directory (incremental saves reference
+    their siblings, and a checkpoint overwritten with a base may reference its own old
+    files), so the files at ``root`` itself are checked against every manifest beside
+    ``root`` in its parent too, links to directories included. A file whose backend
+    reports no modification time is never a leftover (logged). On S3, also the
+    incomplete multipart uploads of dckpt's names there (a killed save's half-sent
+    file: invisible, but billed), under the same rules and started longer ago than the
+    save lease (``upload_id`` set). I/O: one listing and one manifest read per
+    directory, one listing of the uploads (S3); when ``root`` itself holds data files,
+    one listing of its parent and one manifest read per directory there. Raises
     CheckpointError when ``root`` does not exist or is not a directory, or naming the
     object when the storage fails."""
     try:
@@ -268,7 +224,8 @@ def _find_leftovers(root: str, min_age_s: float, storage_options: dict | None) -
     out: list[Leftover] = []
     no_time: list[str] = []
     listed = {base: top}
-    out += _dir_leftovers(storage, base, shown, top, min_age_s, now, no_time)
+    out += _dir_leftovers(storage, base, shown, top, min_age_s, now, no_time,
+                          references_beside(storage, base, top))
     subdirs = []
     for e in sorted(top, key=lambda e: e.name):
         if e.is_dir and not e.is_link:
@@ -278,7 +235,12 @@ def _find_leftovers(root: str, min_age_s: float, storage_options: dict | None) -
             except FileNotFoundError:
                 continue  # removed since the listing of the root
             subdirs.append((e.name, d))
-    refs = references(storage, [d for _, d in subdirs])
+    # Every manifest that can reference into a subdirectory: its siblings' and its own
+    # (an overwrite with a base can reference its own old files), links included.
+    listed_dirs = {d for _, d in subdirs}
+    refs = references(storage, [d for _, d in subdirs] + [
+        d for d in manifest_dirs(storage, base, [e for e in top if e.is_link])
+        if d not in listed_dirs])
     for name, d in subdirs:
         out += _dir_leftovers(storage, d, _shown_join(shown, name), listed[d],
                               min_age_s, now, no_time, frozenset(refs.get(name, ())))

@@ -232,7 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_verify)
     s = sub.add_parser("gc", help="remove leftovers of failed saves under ROOT (on S3 also "
                                   "abort their incomplete multipart uploads)")
-    s.add_argument("root")
+    s.add_argument("root", help="a root of checkpoints or one checkpoint directory: files "
+                                "that any manifest beside it still references are kept")
     s.add_argument("--dry-run", action="store_true", help="list, remove nothing")
     s.add_argument("--min-age", type=float, default=3600.0, metavar="SECONDS",
                    help="only files older than this (default 3600); the files of a save "

@@ -155,3 +155,152 @@ def test_no_modification_time_means_never_deleted(mem, monkeypatch, caplog, caps
     assert fs.exists(stray)
     assert "removed 0 leftover" in capsys.readouterr().out
     assert any("modification time" in r.getMessage() for r in caplog.records)
+
+
+# --- references into the directory gc is given (incremental saves) ---------------------
+
+def _sd(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"frozen": torch.randn(512, 1024, generator=g), "head": torch.randn(64, 64, generator=g),
+            "step": seed}
+
+
+def _loads_bitwise(path: str, want: dict) -> None:
+    got = dckpt.load({k: (torch.zeros_like(v) if torch.is_tensor(v) else None)
+                      for k, v in want.items()}, path)
+    for k, v in want.items():
+        if torch.is_tensor(v):
+            assert torch.equal(got[k], v), k
+        else:
+            assert got[k] == v, k
+
+
+def _stray(d) -> str:
+    """A true leftover: a dead save's data file that no manifest names."""
+    return _file(os.path.join(d, "data-00000000000000ee-00003.safetensors"), b"z" * 7)
+
+
+def _referenced(parent: str, by: str, into: str) -> set[str]:
+    """The names in ``parent/into`` that ``parent/by``'s manifest references."""
+    st, d = catalog.make_storage(f"{parent}/{by}")
+    return {f.name for f in catalog._read(st, d)[0].files if f.dir == into}
+
+
+def _own_base_overwrite(root: str) -> tuple[dict, dict, str]:
+    """step-1 (full), step-2 (base step-1: "frozen" references step-1's data file), then
+    step-1 overwritten with base step-2: its new manifest references its OWN old data
+    file (``dir`` = "step-1", resolved through step-2)."""
+    sd1 = _sd(1)
+    dckpt.save(sd1, f"{root}/step-1")
+    sd2 = dict(sd1, head=sd1["head"] + 1, step=2)
+    dckpt.save(sd2, f"{root}/step-2", base=f"{root}/step-1")
+    sd3 = dict(sd1, head=sd1["head"] + 2, step=3)
+    dckpt.save(sd3, f"{root}/step-1", base=f"{root}/step-2", overwrite=True)
+    return sd2, sd3, f"{root}/step-1"
+
+
+def test_gc_on_a_checkpoint_that_references_its_own_old_file(tmp_path, capsys):
+    root = str(tmp_path / "run")
+    sd2, sd3, ck = _own_base_overwrite(root)
+    m = catalog._read(catalog.make_storage(ck)[0], ck)[0]
+    own_old = {f.name for f in m.files if f.dir == "step-1"}
+    assert own_old and all(os.path.exists(os.path.join(ck, n)) for n in own_old)
+    stray = _stray(ck)
+    assert main(["gc", "--min-age", "0", ck]) == 0
+    assert f"removed {stray}" in capsys.readouterr().out
+    assert not os.path.exists(stray)  # a true leftover still goes
+    assert all(os.path.exists(os.path.join(ck, n)) for n in own_old)
+    _loads_bitwise(ck, sd3)
+    _loads_bitwise(f"{root}/step-2", sd2)
+    # the same from the root, and a second pass finds nothing more
+    assert catalog.collect_garbage(root, min_age_s=0) == []
+    _loads_bitwise(ck, sd3)
+
+
+def test_gc_on_the_base_dir_of_a_step_retention_kept(tmp_path):
+    root = str(tmp_path / "ck")
+    sd = _sd(0)
+    with dckpt.CheckpointManager(root, incremental=True, keep_last=1, capture_rng=False) as mgr:
+        assert mgr.save(1, sd, force=True)
+        sd["head"] += 1
+        assert mgr.save(2, sd, force=True)
+        base_dir = mgr.path(1)
+    # retention removed step 1's manifest and kept the data file step 2 references
+    assert not os.path.exists(os.path.join(base_dir, "manifest.json"))
+    kept = set(os.listdir(base_dir))
+    assert kept
+    stray = _stray(base_dir)
+    found = catalog.collect_garbage(base_dir, min_age_s=0)
+    assert [lo.path for lo in found] == [stray] and not os.path.exists(stray)
+    assert set(os.listdir(base_dir)) == kept
+    with dckpt.CheckpointManager(root, capture_rng=False) as mgr:
+        got = {k: (torch.zeros_like(v) if torch.is_tensor(v) else None) for k, v in sd.items()}
+        assert mgr.restore(got) == 2
+        assert torch.equal(got["frozen"], sd["frozen"]) and torch.equal(got["head"], sd["head"])
+
+
+def test_gc_on_the_base_dir_on_an_object_store(mem):
+    fs, name = mem
+    root = f"memory://{name}"
+    sd2, sd3, ck = _own_base_overwrite(root)
+    stray = f"/{name}/step-1/data-00000000000000ee-00003.safetensors"
+    fs.pipe_file(stray, b"z" * 7)
+    fs.rm(f"/{name}/step-1/manifest.json")  # as retention does: manifest first, files kept
+    kept = _referenced(root, "step-2", "step-1")
+    assert kept
+    found = catalog.collect_garbage(f"{root}/step-1/", min_age_s=0)
+    left = {n.rpartition("/")[2] for n in fs.ls(f"/{name}/step-1", detail=False)}
+    assert left == kept  # the overwrite's own data file and the stray went, nothing else
+    assert f"{root}/step-1/data-00000000000000ee-00003.safetensors" in [lo.path for lo in found]
+    _loads_bitwise(f"{root}/step-2", sd2)
+
+
+def test_gc_of_a_root_checks_the_manifests_beside_it(tmp_path):
+    """A root that is itself a checkpoint dir: a sibling of it references its files."""
+    parent = str(tmp_path / "p")
+    sd2, _, ck = _own_base_overwrite(parent)
+    os.remove(os.path.join(ck, "manifest.json"))
+    stray = _stray(ck)
+    os.makedirs(os.path.join(ck, "sub"))
+    deep = _stray(os.path.join(ck, "sub"))  # in a subdirectory: only step-1/* could name it
+    kept = _referenced(parent, "step-2", "step-1")
+    unreferenced = {os.path.join(ck, n) for n in os.listdir(ck) if n.startswith("data-")
+                    and n not in kept}
+    assert stray in unreferenced and len(unreferenced) == 2  # + the overwrite's own file
+    found = {lo.path for lo in catalog.collect_garbage(ck, min_age_s=0)}
+    assert found == unreferenced | {deep}
+    assert {n for n in os.listdir(ck) if n.startswith("data-")} == kept
+    _loads_bitwise(f"{parent}/step-2", sd2)
+
+
+def test_an_unreadable_sibling_manifest_keeps_the_data_files(tmp_path, caplog):
+    parent = str(tmp_path / "p")
+    _own_base_overwrite(parent)
+    os.remove(os.path.join(parent, "step-1", "manifest.json"))
+    before = set(os.listdir(os.path.join(parent, "step-1")))
+    with open(os.path.join(parent, "step-2", "manifest.json"), "r+b") as f:
+        f.write(b"{garbage")
+    with caplog.at_level(logging.WARNING, logger="dckpt.catalog"):
+        assert catalog.collect_garbage(os.path.join(parent, "step-1"), min_age_s=0) == []
+    assert set(os.listdir(os.path.join(parent, "step-1"))) == before
+    assert any("unreadable manifest" in r.getMessage() for r in caplog.records)
+
+
+def test_a_checkpoint_loaded_through_a_link_keeps_what_it_references(tmp_path):
+    """gc never deletes through a link, but reads the manifest behind one: a load of
+    ``run/latest`` resolves its references beside the link, in ``run/``."""
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    sd1 = _sd(1)
+    dckpt.save(sd1, str(run / "step-1"))
+    sd2 = dict(sd1, head=sd1["head"] + 1, step=2)
+    dckpt.save(sd2, str(run / "step-2"), base=str(run / "step-1"))
+    os.rename(run / "step-2", elsewhere / "step-2")
+    os.symlink(elsewhere / "step-2", run / "latest")
+    os.remove(run / "step-1" / "manifest.json")
+    kept = set(os.listdir(run / "step-1"))
+    for target in (str(run / "step-1"), str(run)):
+        assert catalog.collect_garbage(target, min_age_s=0) == []
+        assert set(os.listdir(run / "step-1")) == kept
+    _loads_bitwise(str(run / "latest"), sd2)
+    assert set(os.listdir(elsewhere / "step-2")) >= {"manifest.json"}
