@@ -101,7 +101,10 @@ def decode(line: bytes) -> SaveRecord:
     body = line[:m.start()] + b"}"
     if zlib.crc32(body) != int(m.group(1), 16):
         raise ValueError("crc32 mismatch")
-    doc = json.loads(body)
+    try:
+        doc = json.loads(body)
+    except RecursionError:  # a valid CRC does not make the line readable
+        raise ValueError("nested too deeply to decode") from None
     if not isinstance(doc, dict) or not _is_int(doc.get("v"), 1):
         raise ValueError("not a version >= 1 record")
 
