@@ -187,3 +187,79 @@ def test_decode_prefix_stops_at_what_it_was_asked_for():
         peak, _, out = _peak(lambda: codec.decode_prefix(flags, frame[:160 << 10], 4096))
         assert out == (bytes(4096) if looks else None), type(out)
         assert peak < 16 * MiB, f"{peak / MiB:.0f} MiB allocated"
+
+
+# ------------------------------------------------------------------ 1.6 nested headers
+
+def _nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+def _safetensors_with_header(path, header: bytes, data: bytes = b"") -> None:
+    header += b" " * (-len(header) % 8)
+    path.write_bytes(len(header).to_bytes(8, "little") + header + data)
+
+
+def test_deeply_nested_safetensors_header_is_a_checkpoint_error(tmp_path):
+    """A header nested 200k deep is a CheckpointError naming the file (it was a raw
+    RecursionError), in a lone file and in an index."""
+    src = tmp_path / "deep.safetensors"
+    _safetensors_with_header(src, b'{"w":' + _nested(200_000) + b"}")
+    with pytest.raises(CheckpointError, match=r"deep\.safetensors.*nested too deeply"):
+        dckpt.import_checkpoint(str(src), str(tmp_path / "imp"))
+    d = tmp_path / "hf"
+    d.mkdir()
+    _safetensors_with_header(d / "model.safetensors", json.dumps(
+        {"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode(), bytes(4))
+    (d / "model.safetensors.index.json").write_bytes(
+        b'{"metadata":' + _nested(200_000) + b',"weight_map":{"w":"model.safetensors"}}')
+    with pytest.raises(CheckpointError, match=r"index\.json.*nested too deeply"):
+        dckpt.import_checkpoint(str(d), str(tmp_path / "imp"))
+    assert not os.path.exists(tmp_path / "imp" / mf.MANIFEST_NAME)
+
+
+def test_deeply_nested_shard_header_is_an_integrity_error(tmp_path):
+    """The same for a dckpt shard file's header (its CRC re-sealed, as a hostile file
+    would): load raises IntegrityError naming the file."""
+    path = str(tmp_path / "c")
+    dckpt.save({"w": torch.ones(4)}, path)
+    m = _manifest(path)
+    f = m.files[0]
+    p = os.path.join(path, f.name)
+    with open(p, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        fh.seek(8 + n)
+        data = fh.read()
+    raw = b'{"x":' + _nested(200_000) + b"}"
+    raw += b" " * (-len(raw) % 8)
+    head = len(raw).to_bytes(8, "little") + raw
+    with open(p, "wb") as fh:
+        fh.write(head + data)
+    entry = dataclasses.replace(f, size=len(head) + len(data), header_len=len(raw),
+                                header_crc32=zlib.crc32(head))
+    with open(os.path.join(path, mf.MANIFEST_NAME), "wb") as fh:
+        fh.write(mf.to_json(dataclasses.replace(m, files=(entry,))))
+    with pytest.raises(IntegrityError, match=f"{f.name}.*nested too deeply"):
+        dckpt.load({"w": torch.zeros(4)}, path)
+
+
+# ------------------------------------------------------------------ 1.10 history lines
+
+def test_history_line_with_valid_crc_and_deep_nesting_is_skipped(tmp_path, caplog, capsys):
+    """A history line whose CRC matches but whose JSON is nested too deeply for Python's
+    parser is skipped with a warning, as torn lines are; `dckpt history` shows the rest
+    (it crashed with a RecursionError)."""
+    from dckpt.cli import main
+    from dckpt.history import HISTORY_FILE, SaveRecord, parse
+
+    good = [SaveRecord(s, 1.7e9 + s, "durable", "sync", 100, 0.1, 0.2, 1).encode()
+            for s in (1, 2)]
+    body = b'{"v":1,"x":' + _nested(200_000) + b"}"
+    deep = body[:-1] + b',"crc32":"%08x"}\n' % zlib.crc32(body)
+    (tmp_path / HISTORY_FILE).write_bytes(good[0] + deep + good[1])
+    recs, bad = parse(good[0] + deep + good[1])
+    assert [r.step for r in recs] == [1, 2] and bad == 1
+    with caplog.at_level(logging.WARNING, logger="dckpt.history"):
+        assert main(["history", str(tmp_path), "--json"]) == 0
+    assert [d["step"] for d in json.loads(capsys.readouterr().out)] == [1, 2]
+    assert "skipped 1 torn or corrupt line" in caplog.text

@@ -197,14 +197,27 @@ def check_entry(name: str, t, data_start: int, size: int) -> tuple[str, tuple[in
     return t["dtype"], tuple(shape), data_start + s, e - s
 
 
+def load_json(raw: bytes, what: str = "the header") -> dict:
+    """The JSON object in ``raw`` (a safetensors header without its length prefix, or
+    another small JSON file read from an untrusted place). Pure, O(len(raw)). Raises
+    ValueError for anything else: not UTF-8, not JSON, not an object, or nested too
+    deeply for Python's recursive parser (which raises RecursionError, not an error a
+    caller of a file parser expects)."""
+    try:
+        doc = json.loads(raw)
+    except RecursionError:
+        raise ValueError(f"{what} is nested too deeply to be JSON dckpt reads") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{what} is not a JSON object")
+    return doc
+
+
 def parse_header(head: bytes, file: str, size: int) -> tuple[dict[str, StoredTensor], int]:
     """Parse a shard header (``head`` = the first 8+hlen bytes, already checksummed).
     Returns ({name: StoredTensor}, block). Raises IntegrityError naming ``file``."""
     try:
         (hlen,) = _U64.unpack_from(head, 0)
-        doc = json.loads(head[8:8 + hlen])
-        if not isinstance(doc, dict):
-            raise ValueError("the header is not a JSON object")
+        doc = load_json(head[8:8 + hlen])
         meta = doc.pop("__metadata__", {}) or {}
         if not isinstance(meta, dict):
             raise ValueError("__metadata__ is not a JSON object")

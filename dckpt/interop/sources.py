@@ -10,7 +10,6 @@ resident and count in the process's memory. Nothing here unpickles anything outs
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -21,12 +20,13 @@ import torch
 
 from ..errors import CheckpointError, preview
 from ..format.dtypes import to_code, to_torch
-from ..format.shards import MAX_HEADER, check_entry
+from ..format.shards import MAX_HEADER, check_entry, load_json
 from ..state.flatten import flatten
 from ..storage.local import LocalReader
 from .common import drop_pages, file_mappings
 
 INDEX_NAME = "model.safetensors.index.json"
+MAX_INDEX = MAX_HEADER  # an index is a small weight map: bounded like a header
 _PLAIN = re.compile(r"^[^/\\\x00]+\.safetensors$")
 
 
@@ -98,13 +98,11 @@ def read_safetensors_header(path: str) -> dict[str, _Stored]:
             if n < 2 or n > MAX_HEADER or 8 + n > size:
                 raise CheckpointError(f"{path} is not a safetensors file (header length "
                                       f"{n}, file size {size})")
-            doc = json.loads(f.read(n))
+            doc = load_json(f.read(n), "the safetensors header")
     except OSError as e:
         raise CheckpointError(f"cannot read {path}: {e}") from None
-    except (ValueError, UnicodeDecodeError) as e:
+    except ValueError as e:  # UnicodeDecodeError too
         raise CheckpointError(f"{path}: unreadable safetensors header ({e})") from None
-    if not isinstance(doc, dict):
-        raise CheckpointError(f"{path}: the safetensors header is not a JSON object")
     out = {}
     for name, t in doc.items():
         if name == "__metadata__":
@@ -112,9 +110,12 @@ def read_safetensors_header(path: str) -> dict[str, _Stored]:
         try:
             dtype = to_torch(t["dtype"])
         except (KeyError, TypeError):
-            raise CheckpointError(f"{path}: tensor {name!r} has dtype "
-                                  f"{t.get('dtype') if isinstance(t, dict) else t!r}, "
-                                  "which dckpt does not store (or no dtype)") from None
+            d = t.get("dtype") if isinstance(t, dict) else t
+            # a string as it is; anything else by its type: a hostile value's repr can
+            # be huge or nested too deeply to print
+            shown = repr(d[:40]) if isinstance(d, str) else f"a JSON {type(d).__name__}"
+            raise CheckpointError(f"{path}: tensor {name!r} has dtype {shown}, which dckpt "
+                                  "does not store (or no dtype)") from None
         try:
             _, shape, start, nbytes = check_entry(name, t, 8 + n, size)
         except (KeyError, TypeError, ValueError):
@@ -136,8 +137,11 @@ def safetensors_files(src: str) -> tuple[list[str], dict | None]:
     if os.path.isfile(index):
         try:
             with open(index, "rb") as f:
-                wm = json.load(f).get("weight_map")
-        except (OSError, ValueError, AttributeError) as e:
+                raw = f.read(MAX_INDEX + 1)
+            if len(raw) > MAX_INDEX:
+                raise ValueError(f"over {MAX_INDEX >> 20} MiB")
+            wm = load_json(raw, "the index").get("weight_map")
+        except (OSError, ValueError) as e:
             raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
         if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
             raise CheckpointError(f"{index}: no weight_map of tensor name -> file name")
