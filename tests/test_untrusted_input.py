@@ -181,7 +181,8 @@ def test_incremental_save_over_a_bombed_base_peeks_in_bounded_memory(tmp_path, c
 def test_decode_prefix_stops_at_what_it_was_asked_for():
     """The unverified peek decodes at most ``n`` bytes, whatever the frame declares (a
     frame that asks for a window larger than a block gives no look at all)."""
-    frames = [(codec.ZSTD, _zstd_unsized(64 * MiB), True), (codec.LZ4, _lz4_bomb(64 * MiB, True), True),
+    frames = [(codec.ZSTD, _zstd_unsized(64 * MiB), True),
+              (codec.LZ4, _lz4_bomb(64 * MiB, True), True),
               (codec.ZSTD, _zstd_bomb(256 * MiB, 256 * MiB), False)]
     for flags, frame, looks in frames:
         peak, _, out = _peak(lambda: codec.decode_prefix(flags, frame[:160 << 10], 4096))
@@ -263,3 +264,61 @@ def test_history_line_with_valid_crc_and_deep_nesting_is_skipped(tmp_path, caplo
         assert main(["history", str(tmp_path), "--json"]) == 0
     assert [d["step"] for d in json.loads(capsys.readouterr().out)] == [1, 2]
     assert "skipped 1 torn or corrupt line" in caplog.text
+
+
+# ------------------------------------------------------------------ 1.7 import = save's checks
+
+def _one_tensor_file(path, name: str, shape: list[int]) -> None:
+    """A safetensors file with one F32 tensor ``name`` of ``shape`` (zeros), written by
+    hand: safetensors' own writer refuses neither case below."""
+    n = int(np.prod(shape)) * 4
+    header = json.dumps({name: {"dtype": "F32", "shape": shape, "data_offsets": [0, n]}}).encode()
+    _safetensors_with_header(path, header, bytes(n))
+
+
+@pytest.mark.parametrize("case", ["65-dims", "lone-surrogate-key", "prefix-surrogate",
+                                  "metadata-key"])
+def test_import_refuses_what_load_would_refuse_and_commits_nothing(tmp_path, case):
+    """Import applies save's checks to every key and shape before it writes anything:
+    a 65-dimension tensor and a key that is not valid UTF-8 were committed, and then
+    refused by every load."""
+    src = tmp_path / "src.safetensors"
+    prefix = None
+    if case == "65-dims":
+        _one_tensor_file(src, "w", [1] * 65)
+        want = r"'w'.*65 dims.*at most 64"
+    elif case == "lone-surrogate-key":
+        _one_tensor_file(src, "w\ud800", [2])  # json.dumps escapes it: a valid header
+        want = r"key 'w\\ud800' is not valid UTF-8"
+    elif case == "prefix-surrogate":
+        _one_tensor_file(src, "w", [2])
+        prefix, want = "m\udc80", r"key 'm\\udc80\.w' is not valid UTF-8"
+    else:
+        _one_tensor_file(src, "w", [2])
+        src2 = tmp_path / "torch.pt"
+        torch.save({"__metadata__": torch.ones(2)}, src2)
+        src, want = src2, r"__metadata__"
+    dst = tmp_path / "imp"
+    with pytest.raises(CheckpointError, match=want):
+        dckpt.import_checkpoint(str(src), str(dst), prefix=prefix)
+    assert not dst.exists() or os.listdir(dst) == []  # no data file, no manifest
+
+
+def test_import_checks_the_manifest_it_commits_as_load_would(tmp_path, monkeypatch):
+    """Whatever a source gets past the per-key checks, the manifest is parsed back, as
+    load parses it, before the commit: an import never commits what load refuses."""
+    from dckpt.interop import importer
+
+    src = tmp_path / "src.safetensors"
+    _one_tensor_file(src, "w", [2])
+    real = importer._entry
+
+    def broken(t, placed):  # a chunk table that does not cover the tensor
+        e = real(t, placed)
+        return dataclasses.replace(e, shape=(3,))
+
+    monkeypatch.setattr(importer, "_entry", broken)
+    dst = tmp_path / "imp"
+    with pytest.raises(CheckpointError, match=r"would not load.*tensor 'w'"):
+        dckpt.import_checkpoint(str(src), str(dst))
+    assert os.listdir(dst) == []

@@ -27,10 +27,12 @@ from ..format import codec
 from ..format import manifest as mf
 from ..format.dtypes import to_code
 from ..layout import delta
+from ..layout import tiling
 from ..layout.chunks import Box
 from ..progress import Progress
 from ..protocol.commit import CheckpointInfo, write_file
 from ..protocol.coordinator import _Coordinator, _unpack, data_name, dckpt_version
+from ..state.flatten import check_utf8
 from ..state.tensors import LocalPiece
 from ..storage.fsspec_storage import make_storage
 from .common import log, norm_prefix, parse_size, slab_rows, trim_heap
@@ -90,6 +92,7 @@ def import_checkpoint(src: str, dst: str, *, format: str = "auto", prefix: str |
         coord.begin(uuid.uuid4().hex[:16])
         try:
             m = _write(source, files, tensors, storage, root, coord.save_id, flag, kind, src, t0)
+            _loadable(m, dst)
             doc, _ = _unpack(coord.commit_manifest(m, t0))
         finally:
             coord.finish()  # removes this import's files unless it committed
@@ -132,12 +135,24 @@ def _aliases(source: Source, aliases: dict[str, str], prefix: str, src: str) -> 
 
 
 def _check_keys(tensors: list[SourceTensor], values: dict[str, Any], src: str) -> None:
-    """Refuse keys the manifest cannot hold: twice the same key, a key both a tensor
-    and a value, safetensors' reserved ``__metadata__``. Pure."""
+    """Refuse, before anything is written, what a save refuses and a load could not
+    read back, with save's own checks: a key that is not valid UTF-8 (flatten's check;
+    a prefix or a source name can bring one), a shape save's tiling refuses (over 64
+    dims), twice the same key, a key both a tensor and a value, safetensors' reserved
+    ``__metadata__``. Pure, O(keys + dims)."""
     seen: set[str] = set()
     dup = []
     for t in tensors:
+        check_utf8(t.key)
+        # save's tiling check, on one chunk that is the whole tensor (none when empty)
+        whole = np.array([t.shape] if math.prod(t.shape) else [], np.int64)
+        whole = whole.reshape(len(whole), len(t.shape))
+        err = tiling.analyse(t.shape, np.zeros_like(whole), whole).error
+        if err:
+            raise UnsupportedValueError(f"importing {src}: tensor {t.key!r}: {err}")
         (dup.append if t.key in seen else seen.add)(t.key)
+    for k in values:
+        check_utf8(k)
     if dup:
         raise StateMismatchError(f"importing {src}: key(s) {preview(dup)} appear twice "
                                  "(an alias that names an existing tensor?)")
@@ -148,6 +163,18 @@ def _check_keys(tensors: list[SourceTensor], values: dict[str, Any], src: str) -
     if "__metadata__" in seen:
         raise UnsupportedValueError(f"importing {src}: a tensor cannot have the key "
                                     "'__metadata__' (safetensors reserves it); use prefix=")
+
+
+def _loadable(m: mf.Manifest, dst: str) -> None:
+    """Parse ``m`` back as a load parses a manifest, before it is committed: whatever a
+    source got past :func:`_check_keys`, an import never commits a checkpoint that
+    load refuses. Pure, O(manifest size). Raises CheckpointError naming ``dst`` and the
+    field."""
+    try:
+        mf.parse(mf.to_json(m))
+    except (CheckpointError, ValueError, TypeError) as e:
+        raise CheckpointError(f"import into {dst}: the checkpoint would not load ({e}); "
+                              "nothing was committed") from None
 
 
 def _plan(tensors: list[SourceTensor], limit: int) -> list[list[Chunk]]:

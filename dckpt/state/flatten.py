@@ -49,6 +49,14 @@ def _not_utf8(what: str, key: str) -> UnsupportedValueError:
         "clean the string (s.encode('utf-8', 'replace').decode())")
 
 
+def check_utf8(key: str, what: str = "key") -> None:
+    """The check :func:`flatten` applies to every key and string, for keys made
+    elsewhere (an import's): raises UnsupportedValueError naming ``key`` when it is not
+    valid UTF-8. O(len(key))."""
+    if not _utf8(key):
+        raise _not_utf8(what, key)
+
+
 def is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(
         getattr(obj, "load_state_dict", None))
