@@ -23,7 +23,7 @@ from .state.flatten import is_stateful
 from .state.training import fence_targets
 from .tiers.fast import FastTier
 from .tiers.local import step_name
-from .manager_restore import RestoreMixin
+from .manager_restore import RestoreMixin, root_identity
 from .manager_retention import RetentionMixin
 from .storage.fsspec_storage import make_storage
 
@@ -159,8 +159,19 @@ class CheckpointManager(RetentionMixin, RestoreMixin):
             signal.signal(signal.SIGTERM, self._on_sigterm)  # main thread only, as Python requires
         self._requested = False
         self.restored_from: str | None = None  # "local" or "durable" after a restore
-        on_rank0(self.comm, lambda: self.storage.makedirs(self.root),
-                 f"CheckpointManager: create {root}")
+        # The highest durable step that may lie above this manager's local commits
+        # (rank 0; unknown until the first restore or local commit: see _drop_abandoned).
+        self._durable_ceiling: float = float("inf")
+
+        def setup() -> str | None:  # rank 0
+            self.storage.makedirs(self.root)
+            if local_root is None:
+                return None
+            shown = self.root if "://" not in root or root.startswith("file://") else (
+                f"{root.split('://', 1)[0]}://{self.root}")
+            return root_identity(self.storage, self.root, shown)
+
+        owner = on_rank0(self.comm, setup, f"CheckpointManager: create {root}")
         # Rank 0 alone writes the save history (no I/O until the first record).
         self.history = history.SaveHistory(self.storage, self.root) if self.comm.rank == 0 else None
         self.tier: FastTier | None = None
@@ -168,7 +179,8 @@ class CheckpointManager(RetentionMixin, RestoreMixin):
             self.tier = FastTier(local_root, keep_last_local=keep_last_local,
                                  durable_every=durable_every_steps, group=process_group,
                                  comm=self.comm, durable_path=self.path,
-                                 storage_options=storage_options, on_durable=self._after_commit)
+                                 storage_options=storage_options, on_durable=self._after_commit,
+                                 owner=owner)
 
     # ------------------------------------------------------------------ paths, listing
     def path(self, step: int) -> str:
@@ -275,6 +287,7 @@ class CheckpointManager(RetentionMixin, RestoreMixin):
         info = None
         try:
             if self.tier is not None:
+                self._durable_ceiling = max(self._durable_ceiling, step)
                 durable = self.tier.durable_due(step, force or requested)
                 # With a TrainingState on CPU, the tier's files are written straight
                 # from the live tensors while training goes on (one host copy); the
@@ -330,16 +343,21 @@ class CheckpointManager(RetentionMixin, RestoreMixin):
         self._after_commit(step)
 
     def _tier_recorder(self, pending: history.PendingSave | None):
-        """The fast tier's ``on_commit`` hook recording each tier's commit (rank 0)."""
-        if pending is None:
+        """The fast tier's ``on_commit`` hook (rank 0): records each tier's commit, and
+        after a local one removes the durable steps it abandoned."""
+        if self.comm.rank != 0:
             return None
 
         def on_commit(tier: str, commit, info) -> None:
             if tier == "durable":  # the staged copy: its own bytes, world size, save id
-                pending.committed("durable", info.bytes_written, info.world_size,
-                                  info.save_id, mode="staged")
-            else:  # rank 0's local commit means every rank's (they agreed on it)
+                if pending is not None:
+                    pending.committed("durable", info.bytes_written, info.world_size,
+                                      info.save_id, mode="staged")
+                return
+            # rank 0's local commit means every rank's (they agreed on it)
+            if pending is not None:
                 pending.committed("local", commit.total_bytes, self.comm.size, commit.save_id)
+            self._drop_abandoned(commit.step)
 
         return on_commit
 

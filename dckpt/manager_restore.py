@@ -4,7 +4,9 @@ whose attributes it uses)."""
 from __future__ import annotations
 
 import logging
+import re
 import time
+import uuid
 from typing import Any
 
 from . import failures, history
@@ -15,9 +17,49 @@ from .protocol.restore import load as _load
 from .protocol.restore import read_manifest
 from .state import rng
 from .storage.fsspec_storage import make_storage
+from .catalog import remove_checkpoints
+from .tiers.chooser import Candidate, live_timeline
 from .tiers.fast import fallback_worthy
+from .tiers.local import step_name
 
 log = logging.getLogger("dckpt.manager")  # one logger for the manager's messages
+
+
+RUN_ID_FILE = ".dckpt-run-id"  # in the durable root: which run the fast tier's steps belong to
+_RUN_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def root_identity(storage, root: str, shown: str) -> str:
+    """Rank 0: the identity of the durable root, recorded in every fast-tier view: where
+    it is (``shown``, the normalised root URL) and the run id stored in it, made on
+    first use. A new run (another root, or this root emptied and started over) has
+    another identity, so it never restores the fast-tier steps an earlier run left in
+    a shared ``local_root``. A damaged run-id file is replaced (with a warning): the
+    fast tier's steps of the old id are then not restored, the durable ones are.
+    Small I/O in the root; raises OSError when the root cannot be read or written."""
+    path = storage.join(root, RUN_ID_FILE)
+    for _ in range(3):
+        try:
+            text = storage.read_file(path, 64).decode("ascii", "replace").strip()
+        except FileNotFoundError:
+            text = None
+        except (OSError, CheckpointError) as e:
+            text = f"unreadable: {e}"
+        if text is not None and _RUN_ID.fullmatch(text):
+            return f"{shown}#{text}"
+        if text is not None:
+            log.warning("%s does not hold a run id (%s): making a new one; the fast tier's "
+                        "steps saved for this root under the old one are not restored",
+                        path, text[:80])
+            try:
+                storage.remove(path)
+            except FileNotFoundError:
+                pass
+        try:
+            storage.put_atomic(path, uuid.uuid4().hex.encode(), exclusive=True)
+        except FileExistsError:
+            pass  # made meanwhile: read it
+    raise CheckpointError(f"could not establish the run id in {path}")
 
 
 class RestoreMixin:
@@ -27,53 +69,62 @@ class RestoreMixin:
         """Restore the newest committed checkpoint that loads and verifies (or exactly
         ``step``) into ``state`` in place; returns its step. Collective.
 
-        With a fast tier, the newest step every rank holds locally (from one save, at
-        this world size) is tried first, unless the durable tier has a newer one; if
-        that load fails anywhere (a file missing or corrupt on some node, a changed
-        layout), every rank falls back to the durable tier. :attr:`restored_from` says
-        which tier was used (``"local"`` or ``"durable"``).
+        "Newest" is in commit order, across tiers: the steps of both tiers (with a fast
+        tier, the steps every rank holds locally from one save, at this world size,
+        saved for this root) line up on one timeline by their commit times, steps of
+        an abandoned timeline are left out (see the class docstring), and the newest
+        remaining step is tried first, from the fast tier when it holds it. A failed
+        try (a file missing or corrupt on some node, a changed layout, a durable
+        checkpoint that fails its checks) is skipped with a warning naming the
+        problem, and every rank goes on with the next newest. :attr:`restored_from`
+        says which tier was used (``"local"`` or ``"durable"``).
 
-        In the durable tier, a checkpoint whose manifest or data fails its checks is
-        skipped with a warning naming the problem, and the next newest is tried; steps
-        of an abandoned timeline are never tried (see the class docstring). Returns None
-        only when there is no committed checkpoint at all; when there are some and none
-        loads, it raises CheckpointError listing each step tried and why (``state`` is
-        then undefined: a failed load may have overwritten part of it). Waits for the
-        saves in flight first."""
+        Returns None only when there is no committed checkpoint at all, and then leaves
+        ``state`` exactly as it was; when there are some and none loads, it raises
+        CheckpointError listing each step tried and why (``state`` is then undefined: a
+        failed load may have overwritten part of it). ``step`` given: that step, from
+        its newest save (the fast tier's, then the durable one), whatever its timeline.
+        Waits for the saves in flight first."""
         self._finish_inflight(raise_error=False)
         if self.tier is not None:
             self.tier.wait(raise_error=False)
         self.restored_from = None
         self.restored_epoch = None
         durable = on_rank0(self.comm, self._candidates, f"list checkpoints under {self._root_arg}")
-        if step is not None:
-            durable = [s for s in durable if s == step] or [step]
-        tried: list[str] = []
+        cands = [Candidate(s, "durable", c) for s, c in durable]
         if self.tier is not None:
-            local = [s for s in self.tier.common_steps() if step is None or s == step]
-            if local and (not durable or local[-1] >= durable[0]):
-                s = local[-1]
-                try:
-                    self.tier.load(s, lambda p, name, n: self._load(s, state, p, name, n))
-                    return self._restored(s, "local", state)
-                except Exception as e:
-                    if not fallback_worthy(e):
-                        raise
-                    log.warning("step %d in the fast tier could not be restored, using the "
-                                "durable tier: %s", s, e)
-                    tried.append(f"step {s} (local): {type(e).__name__}: {e}")
+            cands += [Candidate(s, "local", c) for s, c in self.tier.held_steps().items()]
+        tried: list[str] = []
         if step is not None:
-            self._load(step, state)
+            def newest(c: Candidate) -> tuple:
+                return (c.created if c.created is not None else float("-inf"), c.tier == "local")
+
+            for c in sorted((c for c in cands if c.step == step), key=newest, reverse=True):
+                if c.tier != "local":
+                    break  # the durable save of the step is the newer one
+                if self._try_local(step, state, tried):
+                    return self._restored(step, "local", state)
+            self._load(step, state)  # raises why when it cannot
             return self._restored(step, "durable", state)
-        for s in durable:
+        order, abandoned = live_timeline(cands)
+        if abandoned and self.comm.rank == 0:
+            log.warning("step(s) %s under %s (%s) were committed before a lower step: they "
+                        "belong to an abandoned timeline and are not restored",
+                        sorted({c.step for c in abandoned}), self._root_arg,
+                        ", ".join(f"{c.step} {c.tier}" for c in abandoned))
+        for c in order:
+            if c.tier == "local":
+                if self._try_local(c.step, state, tried):
+                    return self._restored(c.step, "local", state)
+                continue
             try:
-                self._load(s, state)
+                self._load(c.step, state)
             except (IntegrityError, NotCommittedError) as e:
                 log.warning("checkpoint step %d under %s is unusable, trying an older one: %s",
-                            s, self._root_arg, e)
-                tried.append(f"step {s}: {type(e).__name__}: {e}")
+                            c.step, self._root_arg, e)
+                tried.append(f"step {c.step}: {type(e).__name__}: {e}")
                 continue
-            return self._restored(s, "durable", state)
+            return self._restored(c.step, "durable", state)
         if tried:
             raise CheckpointError(
                 f"no checkpoint under {self._root_arg} could be restored ({len(tried)} "
@@ -82,6 +133,21 @@ class RestoreMixin:
         self._observe_failures(False)
         self._prepare(state, loaded=False)  # leaves the state exactly as it was
         return None
+
+    def _try_local(self, step: int, state: Any, tried: list[str]) -> bool:
+        """Load ``step`` from the fast tier; False (noted in ``tried``) when that fails
+        in a way the durable tier may not (any CheckpointError but a broken group).
+        Collective."""
+        try:
+            self.tier.load(step, lambda p, name, n: self._load(step, state, p, name, n))
+            return True
+        except Exception as e:
+            if not fallback_worthy(e):
+                raise
+            log.warning("step %d in the fast tier could not be restored, trying the next "
+                        "newest: %s", step, e)
+            tried.append(f"step {step} (local): {type(e).__name__}: {e}")
+            return False
 
     def _observe_failures(self, restored: bool) -> None:
         """``every_steps="auto"`` without ``mtbf_hours``: update the MTBF estimate from
@@ -106,9 +172,11 @@ class RestoreMixin:
             log.info("restored step %d from the %s tier", step, tier)
         return step
 
-    def _candidates(self) -> list[int]:
-        """Rank 0: committed steps newest first, without those of an abandoned timeline
-        (committed before some lower step was). Reads every committed manifest."""
+    def _candidates(self) -> list[tuple[int, float | None]]:
+        """Rank 0: every committed durable step, ascending, with its commit time (None:
+        its manifest could not be read; its load reports why). Reads every committed
+        manifest; adds the history records a crash prevented. Notes the highest step
+        for :meth:`_drop_abandoned`."""
         committed = self._local_steps()[0]
         created: dict[int, float] = {}
         recovered: dict[str, history.SaveRecord] = {}
@@ -122,17 +190,33 @@ class RestoreMixin:
                 pass  # unreadable: tried in its turn, and its load reports why
         if self.history is not None and recovered:  # records a crash after a commit prevented
             self.history.reconcile(recovered)
-        out, newest_lower = [], float("-inf")
-        for s in committed:  # ascending
-            c = created.get(s)
-            if c is not None and c < newest_lower:
-                log.warning("step %d under %s was committed before a lower step: it belongs "
-                            "to an abandoned timeline and is not restored", s, self._root_arg)
-                continue
-            if c is not None:
-                newest_lower = max(newest_lower, c)
-            out.append(s)
-        return out[::-1]
+        self._durable_ceiling = committed[-1] if committed else float("-inf")
+        return [(s, created.get(s)) for s in committed]
+
+    def _drop_abandoned(self, step: int) -> None:
+        """Rank 0, after ``step`` committed in the fast tier: the committed durable
+        steps above it belong to an abandoned timeline (the job was rewound); remove
+        them, with a warning, as a durable commit does. Without this, a restart whose
+        fast tier is gone (a reboot, a lost node) would take such a step, newer than
+        anything on the live timeline in the durable tier. The steps of the live
+        timeline are never touched: their durable copies are older than ``step``.
+        Lists the root only when a durable step above ``step`` may exist (the first
+        local commit of this manager, or after a restore or a save of a higher step);
+        no collective; failures are logged, never raised."""
+        if self.comm.rank != 0 or step >= self._durable_ceiling:
+            return
+        self._durable_ceiling = step
+        try:
+            doomed = [s for s in self._local_steps()[0] if s > step]
+            if not doomed:
+                return
+            log.warning("step %d committed in the fast tier: removing step(s) %s under %s "
+                        "of the abandoned timeline (saved before the job was rewound)",
+                        step, doomed, self._root_arg)
+            remove_checkpoints(self.storage, self.root, [step_name(s) for s in doomed])
+        except Exception as e:
+            log.warning("could not remove the abandoned step(s) above %d under %s: %s",
+                        step, self._root_arg, e)
 
     def _load(self, step: int, state: Any, path: str | None = None,
               manifest_name: str | None = None, read_workers: int = 4) -> None:

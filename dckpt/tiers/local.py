@@ -43,6 +43,7 @@ from ..protocol.coordinator import (_pack, _unpack, data_name, dckpt_version, va
                                     vote_files)
 from ..protocol.restore import MAX_MANIFEST
 from ..verify import check_tensor
+from .chooser import Held
 
 log = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -78,7 +79,7 @@ class LocalCommit:
 
 def save_local(state_dict: Any, step: int, step_dir: str, storage, comm: Comm,
                written: Callable[[], None] | None = None,
-               after: dict | None = None) -> LocalCommit:
+               after: dict | None = None, owner: str | None = None) -> LocalCommit:
     """Save ``state_dict`` under ``step_dir`` on every rank's own node. Collective over
     ``comm``: four small collectives plus the manifest's broadcast. Blocking I/O of this
     rank's bytes (its share and its replicas), into its own directory only.
@@ -93,16 +94,20 @@ def save_local(state_dict: Any, step: int, step_dir: str, storage, comm: Comm,
     before). A save written from live tensors (a fenced snapshot) lets training change
     them from then on. CUDA tensors are written through a bounded pinned bounce
     buffer, after ``after`` ({device: CUDA event recorded at the call}), never copied
-    to the host whole (see :mod:`dckpt.engine.devstream`)."""
+    to the host whole (see :mod:`dckpt.engine.devstream`).
+
+    ``owner``: the identity of the durable root this step belongs to (see
+    :func:`own_steps`), recorded in every view."""
     try:
-        return _save_local(state_dict, step, step_dir, storage, comm, written, after)
+        return _save_local(state_dict, step, step_dir, storage, comm, written, after, owner)
     finally:
         if written is not None:
             written()  # idempotent for the callers (an Event's set)
 
 
 def _save_local(state_dict: Any, step: int, step_dir: str, storage, comm: Comm,
-                written: Callable[[], None] | None, after: dict | None) -> LocalCommit:
+                written: Callable[[], None] | None, after: dict | None,
+                owner: str | None) -> LocalCommit:
     t0 = time.perf_counter()
     r = comm.rank
     _, _, pieces, blob, _ = local_plan(state_dict, step_dir, None, r)
@@ -156,7 +161,7 @@ def _save_local(state_dict: Any, step: int, step_dir: str, storage, comm: Comm,
         err = None
         try:
             m = mf.parse(data, f"{step_dir} (global manifest)")
-            view = local_view(m, r, vote.get("replica") or {}, replicas)
+            view = local_view(m, r, vote.get("replica") or {}, replicas, owner)
             storage.put_atomic(storage.join(step_dir, view_name(r)), mf.to_json(view))
             _faults.fault("committed", r)
         except Exception as e:
@@ -204,12 +209,17 @@ def recheck(storage, step_dir: str, vote: dict, rank: int, skip: set = frozenset
                     f"({e})") from None
 
 
-def local_view(m: mf.Manifest, rank: int, replica_vote: dict, replicas: list) -> mf.Manifest:
+def local_view(m: mf.Manifest, rank: int, replica_vote: dict, replicas: list,
+               owner: str | None = None) -> mf.Manifest:
     """``m`` with the chunks ``rank`` holds as replicas pointing at its replica file
-    (an extra file entry). Pure. Raises ManifestError if a replica's box is not a
-    chunk of ``m`` (the plan and the manifest disagree: a bug, never silently)."""
+    (an extra file entry), and ``owner`` (the durable root's identity) in its meta.
+    Pure. Raises ManifestError if a replica's box is not a chunk of ``m`` (the plan
+    and the manifest disagree: a bug, never silently)."""
+    meta = {**m.meta, "view_of_rank": rank}
+    if owner is not None:
+        meta["owner"] = owner
     if not replica_vote.get("file"):
-        return dataclasses.replace(m, meta={**m.meta, "view_of_rank": rank})
+        return dataclasses.replace(m, meta=meta)
     fidx = len(m.files)
     files = (*m.files, mf.FileEntry(replica_vote["file"], replica_vote["size"],
                                     replica_vote["hlen"], replica_vote["crc"], rank))
@@ -226,16 +236,20 @@ def local_view(m: mf.Manifest, rank: int, replica_vote: dict, replicas: list) ->
         file = c.file.copy()
         file[hit[0]] = fidx
         tensors[p.key] = dataclasses.replace(e, chunks=dataclasses.replace(c, file=file))
-    return dataclasses.replace(m, files=files, tensors=tensors,
-                               meta={**m.meta, "view_of_rank": rank})
+    return dataclasses.replace(m, files=files, tensors=tensors, meta=meta)
 
 
-def own_steps(storage, local_root: str, rank: int, world: int) -> dict[int, str]:
-    """This rank's usable local steps: {step: save_id} for every step directory holding
-    its view, made by a save of ``world`` ranks, with its own files present at their
-    recorded sizes. Reads only this rank's directory (each view is small). A step that
-    fails a check is left out with an info log saying why; never raises."""
-    out: dict[int, str] = {}
+def own_steps(storage, local_root: str, rank: int, world: int,
+              owner: str | None = None) -> dict[int, Held]:
+    """This rank's usable local steps: {step: (save id, commit time)} for every step
+    directory holding its view, made by a save of ``world`` ranks for the durable root
+    ``owner`` identifies, with its own files present at their recorded sizes. Reads
+    only this rank's directory (each view is small). A step that fails a check is left
+    out with an info log saying why; one of another root (another run that used this
+    ``local_root``, or a view that records no root) with a warning: it is never
+    restored (nor deleted here: the fast-tier cleanup after this run's next local
+    commit removes it, as any step not its own). Never raises."""
+    out: dict[int, Held] = {}
     try:
         entries = storage.listdir(local_root)
     except OSError:
@@ -248,6 +262,10 @@ def own_steps(storage, local_root: str, rank: int, world: int) -> dict[int, str]
         try:
             view = mf.parse(storage.read_file(storage.join(d, view_name(rank)), MAX_MANIFEST),
                             storage.join(d, view_name(rank)))
+            if view.meta.get("owner") != owner:
+                log.warning("rank %d: local checkpoint %s was saved for another durable root "
+                            "(%s, not %s): not restored", rank, d, view.meta.get("owner"), owner)
+                continue
             if view.world_size != world:
                 raise CheckpointError(f"saved by {view.world_size} ranks, not {world}")
             sizes = {x.name: x.size for x in storage.listdir(d)}
@@ -259,7 +277,7 @@ def own_steps(storage, local_root: str, rank: int, world: int) -> dict[int, str]
         except (OSError, CheckpointError) as err:
             log.info("rank %d: local checkpoint %s is not usable: %s", rank, d, err)
             continue
-        out[int(m.group(1))] = view.save_id
+        out[int(m.group(1))] = Held(view.save_id, view.created)
     return out
 
 
