@@ -71,7 +71,11 @@ class CheckpointManager(RetentionMixin, RestoreMixin):
     root belong to an abandoned timeline (the job was rewound with ``restore(step=...)``,
     e.g. past a loss spike): they are removed after the commit, with a warning, and
     :meth:`restore` never picks a step that was committed before an older step was
-    (read from the manifests' commit times), even if its removal did not happen.
+    (read from the manifests' commit times), even if its removal did not happen. With
+    ``local_root`` this holds across tiers (commit order decides, not step numbers),
+    and a local commit removes the durable steps above it too; a fast-tier step saved
+    for another root (another run id in ``root/.dckpt-run-id``) is never restored.
+    See docs/GUARANTEES.md, Timelines.
 
     One manager (one job) per root: two jobs saving under one root is not supported.
 
@@ -293,7 +297,8 @@ class CheckpointManager(RetentionMixin, RestoreMixin):
                 # from the live tensors while training goes on (one host copy); the
                 # optimizers' next step waits until they are written.
                 self._lost = self.tier.save(step, full, durable=durable, async_=self.async_save,
-                                            on_commit=self._tier_recorder(pending), fence=fences)
+                                            on_commit=self._tier_recorder(pending), fence=fences,
+                                            forced=force or requested)
                 blocked = time.perf_counter() - t0
             elif self.async_save:
                 # The copy overlaps the next forward/backward; the state's optimizers
