@@ -294,6 +294,9 @@ def rank0_bytes(comm: Comm, fn, what: str) -> bytes:
     """Run ``fn()`` (returning bytes) on rank 0 only and hand its result to every rank;
     if it raises anything, every rank raises the same error (typed like the original
     when it is a CheckpointError, else RankFailure), as "``what`` failed on rank 0".
+    An error ``fn`` gathered from other ranks (a CheckpointError with ``failures``, such
+    as the votes' errors rank 0 turned into one with :func:`raise_gathered`) reaches
+    every rank as it is, naming those ranks: rank 0 only relayed it.
     Collective: one broadcast (two small ones and the payload)."""
     reply = None
     if comm.rank == 0:
@@ -301,10 +304,18 @@ def rank0_bytes(comm: Comm, fn, what: str) -> bytes:
             reply = b"\x00" + fn()
         except Exception as e:
             log.debug("%s failed on rank 0", what, exc_info=True)
-            reply = b"\x01" + json.dumps(error_payload(e)).encode()
+            if isinstance(e, CheckpointError) and e.failures:
+                reply = b"\x02" + json.dumps({"type": type(e).__name__, "message": str(e),
+                                               "failures": e.failures}).encode()
+            else:
+                reply = b"\x01" + json.dumps(error_payload(e)).encode()
     payload = comm.broadcast_bytes(reply)
     if payload[:1] == b"\x01":
         raise_gathered({0: json.loads(payload[1:])}, what)
+    if payload[:1] == b"\x02":
+        doc = json.loads(payload[1:])
+        cls = ERROR_TYPES.get(doc["type"], RankFailure)
+        raise cls(doc["message"], {int(r): str(m) for r, m in doc["failures"].items()})
     return payload[1:]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import os
+import socket
 import threading
 import time
 import weakref
@@ -72,8 +73,7 @@ class FastTier:
         self.owner = owner
         self.last_durable: int | None = None  # the last step queued for the durable tier
         self.pool = StagingPool()
-        self._lock = threading.Lock()
-        self._staging: set[int] = set()
+        self.queue = stager.StageQueue()  # the durable copies queued (bounded by coalescing)
         self._local_job: SaveHandle | None = None
         self._stage_jobs: list[cf.Future] = []
         self._errors: list[BaseException] = []
@@ -84,6 +84,7 @@ class FastTier:
         except OSError as e:
             err = CheckpointError(f"cannot create local_root {self.root}: {e}")
         agree(comm, err, f"create local_root {local_root}")
+        self._sharers = _sharers(comm, self.root)
         _LIVE.add(self)
         self._local_exec = cf.ThreadPoolExecutor(1, thread_name_prefix="dckpt-local")
         self._stage_exec = cf.ThreadPoolExecutor(1, thread_name_prefix="dckpt-stage")
@@ -112,9 +113,11 @@ class FastTier:
 
     def save(self, step: int, state: Any, *, durable: bool, async_: bool,
              on_commit: OnCommit | None = None,
-             fence: list | None = None) -> SaveHandle | None:
+             fence: list | None = None, forced: bool = False) -> SaveHandle | None:
         """Commit ``state`` as ``step`` in every rank's fast tier, then queue its staging
-        when ``durable``. Collective. Synchronous: returns after the local commit (and
+        when ``durable`` (a copy that cannot keep up with the saves is skipped for a
+        newer one unless ``forced``: see :class:`stager.StageQueue`). Collective.
+        Synchronous: returns after the local commit (and
         raises its error). Asynchronous: returns after the snapshot; the local commit
         runs in the background, its error is raised by :meth:`wait`. Waits for the
         previous local save first (one local save at a time).
@@ -137,7 +140,7 @@ class FastTier:
         ``blocking_seconds`` grows by a fence's wait), None for a synchronous one."""
         self.wait_local()
         if not async_:
-            self._save_local(step, state, self.comm, durable, on_commit)
+            self._save_local(step, state, self.comm, durable, on_commit, forced=forced)
             return None
         t0 = time.perf_counter()
         copied: threading.Event | None = None
@@ -153,7 +156,7 @@ class FastTier:
         except Exception as e:  # join the collective save anyway: it fails everywhere
             snap, copied = {"state": _Unstageable(e)}, None
         job = self._local_exec.submit(self._save_local, step, snap, Comm(self._local_group),
-                                      durable, on_commit, copied, after)
+                                      durable, on_commit, copied, after, forced)
         blocked = time.perf_counter() - t0
         self._local_job = SaveHandle(job, self.step_dir(step), blocked, blocked, copied)
         if copied is not None:
@@ -169,7 +172,7 @@ class FastTier:
     def _save_local(self, step: int, state: Any, comm: Comm, durable: bool,
                     on_commit: OnCommit | None = None,
                     written: threading.Event | None = None,
-                    after: dict | None = None) -> local.LocalCommit:
+                    after: dict | None = None, forced: bool = False) -> local.LocalCommit:
         commit = local.save_local(state, step, self.step_dir(step), self.storage, comm,
                                   written.set if written is not None else None, after,
                                   self.owner)
@@ -179,15 +182,25 @@ class FastTier:
         self._last_local = step
         _notify(on_commit, "local", commit, None)
         if durable:
-            with self._lock:
-                self._staging.add(step)
-            self._stage_jobs.append(self._stage_exec.submit(self._stage, commit, on_commit))
+            job = self.queue.add(step, forced)  # older copies not begun are skipped
+            self._stage_jobs.append(self._stage_exec.submit(self._stage, commit, job,
+                                                            on_commit))
         self.cleanup(step)
         return commit
 
-    def _stage(self, commit: local.LocalCommit, on_commit: OnCommit | None = None) -> None:
+    def _stage(self, commit: local.LocalCommit, job: stager.StageJob,
+               on_commit: OnCommit | None = None) -> None:
         comm = Comm(self._stage_group)
         try:
+            # Every rank skips, or none does (the staging is collective): one all-reduce.
+            if comm.any_of([self.queue.claim(job)])[0]:
+                if comm.rank == 0:
+                    log.warning(
+                        "durable copy of step %d skipped: step %s, newer, is queued for the "
+                        "durable tier, which is slower than the saves (the fast tier keeps "
+                        "keep_last_local steps plus the one being uploaded, not a backlog)",
+                        commit.step, self.queue.newest())
+                return
             info = stager.stage(commit, self.storage, self.durable_path(commit.step), comm,
                                 self.storage_options)
             _notify(on_commit, "durable", commit, info)
@@ -198,14 +211,16 @@ class FastTier:
                       "durable save tries again): %s", comm.rank, commit.step, e)
             raise
         finally:
-            with self._lock:
-                self._staging.discard(commit.step)
+            self.queue.finish(job)
 
     def cleanup(self, step: int) -> None:
         """This rank, after ``step`` committed locally: remove its part of the local
-        steps retention drops (never ``step`` nor one being staged), of steps newer than
-        ``step`` (an abandoned timeline) and of older failed saves. Own files only; no
-        collective; never raises."""
+        steps retention drops (never ``step``, one being staged, nor one queued for the
+        durable tier and not superseded), of steps newer than ``step`` (an abandoned
+        timeline) and of older failed saves. Own files only, except on the lowest rank
+        of those sharing this ``local_root``: it also removes, in those steps, the
+        files of ranks that do not use this directory in this job (the job shrank, or
+        they moved), which nobody else would ever remove. No collective; never raises."""
         try:
             held, partial = [], []
             for e in self.storage.listdir(self.root):
@@ -215,16 +230,17 @@ class FastTier:
                 s = int(m.group(1))
                 view = self.storage.join(self.root, e.name, local.view_name(self.comm.rank))
                 (held if self.storage.exists(view) else partial).append(s)
-            with self._lock:
-                protected = {step} | self._staging
+            protected = {step} | self.queue.protected()
             doomed = [s for s in held if s > step] + [s for s in partial if s < step]
             doomed += self.retention.to_delete([s for s in held if s <= step], protected)
         except Exception as e:
             log.warning("fast-tier cleanup after step %d skipped: %s", step, e)
             return
+        sharers = self._sharers if self._sharers and min(self._sharers) == self.comm.rank \
+            else None
         for s in doomed:
             if s not in protected:
-                local.drop_step(self.storage, self.step_dir(s), self.comm.rank)
+                local.drop_step(self.storage, self.step_dir(s), self.comm.rank, sharers)
 
     # ------------------------------------------------------------------ waiting
     def wait_local(self) -> None:
@@ -301,6 +317,28 @@ class FastTier:
             cpus = os.cpu_count() or 1
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or self.comm.size
         return max(1, min(4, cpus // max(1, per_node)))
+
+
+def _sharers(comm: Comm, root: str) -> set[int] | None:
+    """The ranks that use the same directory as ``root`` (ranks of one node may share a
+    ``local_root``): same machine (the kernel's boot id, shared by its containers),
+    same device and inode. Collective: one all-gather of a few bytes. None when some
+    rank cannot tell (then nobody removes another rank's files)."""
+    try:
+        st = os.stat(root)
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                machine = f.read().strip()
+        except OSError:  # not Linux
+            machine = socket.gethostname()
+        me = f"{machine}:{st.st_dev}:{st.st_ino}"
+    except OSError as e:
+        log.debug("rank %d: cannot identify %s: %s", comm.rank, root, e)
+        me = ""
+    ids = [b.decode() for b in comm.all_gather_bytes(me.encode())]
+    if not all(ids):
+        return None
+    return {r for r, i in enumerate(ids) if i == me}
 
 
 def _notify(on_commit: OnCommit | None, tier: str, commit: local.LocalCommit, info: Any) -> None:

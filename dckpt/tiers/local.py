@@ -308,15 +308,43 @@ def _remove(storage, step_dir: str, names: list[str]) -> None:
         pass
 
 
-def drop_step(storage, step_dir: str, rank: int) -> None:
+# any rank's file, and what a crashed put_atomic leaves of a view (".name.tmp-<hex>")
+_RANK_FILE = re.compile(r"^(?:(?:data|replica)-[0-9a-f]{16}-(\d{5,})\.safetensors"
+                        r"|\.?manifest-(\d{5,})\.json(?:\.tmp-[0-9a-f]+)?)$")
+
+
+def drop_step(storage, step_dir: str, rank: int, sharers: set[int] | None = None) -> None:
     """Remove this rank's part of a local step: its view first (so the step stops
     counting as held before any of its data goes), then its files; the directory when
-    it is empty. Never raises: a leftover is retried by the next cleanup."""
+    it is empty. Never raises: a leftover is retried by the next cleanup.
+
+    ``sharers`` (given to the lowest of the ranks that share this ``local_root``): the
+    ranks of the job using this directory. The files of every other rank go too, views
+    first: ranks that no longer exist (the job shrank) or that wrote here in an earlier
+    world (they now run on another node, or under another number), whose files nobody
+    else would ever remove. The caller passes only steps beyond retention on every rank
+    of the node and never one being written or staged (those belong to live ranks)."""
     try:
         view, data = _own(storage, step_dir, rank)
+        stale = [] if sharers is None else _others(storage, step_dir, sharers | {rank})
     except OSError:
         return
-    _remove(storage, step_dir, ([view] if view else []) + [n for n, _ in data])
+    if stale:
+        log.info("rank %d: removing the files of rank(s) %s (not in this job's use of "
+                 "this local_root) from %s", rank, sorted({r for r, _ in stale}), step_dir)
+    names = ([view] if view else []) + [n for _, n in stale if "manifest-" in n]  # views first
+    names += [n for n, _ in data] + [n for _, n in stale if "manifest-" not in n]
+    _remove(storage, step_dir, names)
+
+
+def _others(storage, step_dir: str, keep: set[int]) -> list[tuple[int, str]]:
+    """(rank, name) of the files in ``step_dir`` of ranks not in ``keep``."""
+    out = []
+    for e in storage.listdir(step_dir):
+        m = _RANK_FILE.match(e.name)
+        if m and int(m.group(1) or m.group(2)) not in keep:
+            out.append((int(m.group(1) or m.group(2)), e.name))
+    return out
 
 
 def drop_save(storage, step_dir: str, rank: int, save_id: str, *, failed: bool) -> None:

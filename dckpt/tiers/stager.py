@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
+from dataclasses import dataclass
 
 from .. import _faults
 from ..format import manifest as mf
@@ -121,3 +123,71 @@ def stage(commit: LocalCommit, local_storage, path: str, comm: Comm,
         log.info("staged step %d to %s: %.1f MiB in %.2f s", commit.step, shown,
                  info.bytes_written / 2**20, info.seconds)
     return info
+
+
+@dataclass
+class StageJob:
+    """One queued durable copy, as this rank sees it (see :class:`StageQueue`)."""
+
+    step: int
+    forced: bool = False
+    superseded: bool = False  # a newer copy was queued before this one began
+    started: bool = False  # this rank claimed it: its files are being uploaded
+    done: bool = False
+
+
+class StageQueue:
+    """The durable copies queued on this rank, bounded by coalescing.
+
+    A copy is queued after each local commit meant for the durable tier, and the
+    stagings run one at a time, in save order, on every rank. When the durable store is
+    slower than the saves, a newer copy supersedes every older one that has not begun
+    (:meth:`add`): those are skipped, so the fast tier holds at most ``keep_last_local``
+    steps plus the one being uploaded, never a backlog. A forced copy (``force=True``,
+    ``request_save()``, the final save on SIGTERM) is never superseded: it is what the
+    user asked to survive the node.
+
+    Skipping must be the same on every rank (a staging is collective): each staging
+    begins with :meth:`claim`, this rank's vote (skip when superseded here; otherwise
+    the job is marked started, and can no longer be superseded nor deleted), and the
+    ranks skip when any rank votes so (one all-reduce, in the caller). A rank deletes a
+    superseded step only after it was superseded, so it always votes to skip it.
+    Thread-safe; pure bookkeeping, no I/O, no collective."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: list[StageJob] = []
+
+    def add(self, step: int, forced: bool) -> StageJob:
+        """Queue the copy of ``step``; supersede the queued ones not begun (but forced)."""
+        job = StageJob(step, forced)
+        with self._lock:
+            self._jobs = [j for j in self._jobs if not j.done]
+            for j in self._jobs:
+                if not (j.started or j.forced):
+                    j.superseded = True
+            self._jobs.append(job)
+        return job
+
+    def claim(self, job: StageJob) -> bool:
+        """At the start of ``job``'s staging: True to skip it (superseded on this rank),
+        else mark it started (protected from now on) and return False."""
+        with self._lock:
+            if not job.superseded:
+                job.started = True
+            return job.superseded
+
+    def finish(self, job: StageJob) -> None:
+        """``job`` uploaded, failed or skipped: its step is no longer protected."""
+        with self._lock:
+            job.done, job.started = True, False
+
+    def protected(self) -> set[int]:
+        """Steps local cleanup must keep: being uploaded, or queued and not superseded."""
+        with self._lock:
+            return {j.step for j in self._jobs if not j.done and (j.started or not j.superseded)}
+
+    def newest(self) -> int | None:
+        """The newest step queued (for a log line), or None."""
+        with self._lock:
+            return self._jobs[-1].step if self._jobs else None
