@@ -221,3 +221,118 @@ def test_what_dckpt_refuses_is_clear(tmp_path):
     with pytest.raises(UnsupportedValueError, match="'odd'.*no pickle"):
         dckpt_dcp.save({"odd": {1, 2}}, checkpoint_id=p)
     assert dckpt.load({"a": torch.zeros(1)}, p)["a"].item() == 1.0  # still the old one
+
+
+# --- load is in place (issue 25, 1.8): containers keep identity, tensors their storage --
+
+@BOTH
+def test_load_fills_nested_dicts_in_place(tmp_path, dcp):
+    sd = {"model": {"w": torch.randn(4, 4), "inner": {"b": torch.randn(3), "n": 1, "s": "a"}},
+          "step": 7}
+    want = {"w": sd["model"]["w"].clone(), "b": sd["model"]["inner"]["b"].clone()}
+    dcp.save(sd, checkpoint_id=str(tmp_path / "c"))
+
+    msd, inner = sd["model"], sd["model"]["inner"]
+    w, b = msd["w"], inner["b"]
+    ptrs = [w.data_ptr(), b.data_ptr()]
+    alias = {"held elsewhere": inner}  # e.g. a config dict another object keeps
+    w.zero_(), b.zero_()
+    inner["n"], inner["s"], sd["step"] = 0, "b", 0
+
+    dcp.load(sd, checkpoint_id=str(tmp_path / "c"))
+    assert sd["model"] is msd and msd["inner"] is inner
+    assert alias["held elsewhere"]["n"] == 1 and inner["s"] == "a"  # no stale values
+    assert sd["step"] == 7
+    assert msd["w"] is w and inner["b"] is b
+    assert [w.data_ptr(), b.data_ptr()] == ptrs  # copied into, not replaced
+    assert torch.equal(w, want["w"]) and torch.equal(b, want["b"])
+
+
+def test_load_fills_lists_in_place(tmp_path):
+    """DCP (torch 2.13) rebuilds a list while it initialises meta tensors, so a list
+    held elsewhere keeps stale values there; dckpt fills lists in place like dicts."""
+    sd = {"hist": [torch.ones(2), 5, {"x": "a"}, [3, torch.full((1,), 4.0)]], "flat": [1, 2]}
+    dckpt_dcp.save(sd, checkpoint_id=str(tmp_path / "c"))
+    hist, flat = sd["hist"], sd["flat"]
+    h0, in_list, inner_list = hist[0], hist[2], hist[3]
+    ptr = h0.data_ptr()
+    h0.zero_(), inner_list[1].zero_()
+    hist[1], in_list["x"], inner_list[0], flat[1] = 0, "b", 0, 0
+
+    dckpt_dcp.load(sd, checkpoint_id=str(tmp_path / "c"))
+    assert sd["hist"] is hist and sd["flat"] is flat
+    assert hist[2] is in_list and hist[3] is inner_list and hist[0] is h0
+    assert hist[1] == 5 and in_list["x"] == "a" and inner_list[0] == 3 and flat == [1, 2]
+    assert h0.data_ptr() == ptr and torch.equal(h0, torch.ones(2))
+    assert torch.equal(inner_list[1], torch.full((1,), 4.0))
+
+
+@BOTH
+def test_load_keeps_modules_and_their_parameters(tmp_path, dcp):
+    model = Net()
+    dcp.save({"model": model}, checkpoint_id=str(tmp_path / "c"))
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    params = {n: (p, p.data_ptr()) for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    sd = {"model": model}
+    dcp.load(sd, checkpoint_id=str(tmp_path / "c"))
+    assert sd["model"] is model
+    for n, p in model.named_parameters():
+        assert p is params[n][0] and p.data_ptr() == params[n][1], n
+        assert torch.equal(p, want[n]), n
+
+
+@BOTH
+def test_bytes_are_replaced_inside_their_own_container(tmp_path, dcp):
+    dcp.save({"meta": {"blob": b"abc", "k": 3}}, checkpoint_id=str(tmp_path / "c"))
+    meta = {"blob": b"", "k": 0}
+    sd = {"meta": meta}
+    dcp.load(sd, checkpoint_id=str(tmp_path / "c"))
+    assert sd["meta"] is meta and meta == {"blob": b"abc", "k": 3}
+
+
+class Counter:
+    """A Stateful holding plain values and a nested dict; records what it was given."""
+
+    def __init__(self, n: int = 0) -> None:
+        self.n, self.cfg, self.w = n, {"lr": 0.1 * n, "tags": [f"t{n}", n]}, torch.full((3,), float(n))
+        self.given = None
+
+    def state_dict(self):
+        return {"n": self.n, "cfg": self.cfg, "w": self.w}
+
+    def load_state_dict(self, sd) -> None:
+        self.given = sd
+        self.n, self.cfg = sd["n"], sd["cfg"]
+        self.w.copy_(sd["w"])
+
+
+def test_stateful_load_state_dict_gets_the_loaded_values_at_any_depth(tmp_path):
+    top, nested = Counter(2), Counter(3)
+    dckpt_dcp.save({"top": top, "group": {"nested": nested, "x": 1}},
+                   checkpoint_id=str(tmp_path / "c"))
+    top2, nested2 = Counter(0), Counter(0)
+    group = {"nested": nested2, "x": 0}
+    ptr = nested2.w.data_ptr()
+    sd = {"top": top2, "group": group}
+    dckpt_dcp.load(sd, checkpoint_id=str(tmp_path / "c"))
+    assert sd["top"] is top2 and sd["group"] is group and group["nested"] is nested2
+    assert group["x"] == 1
+    for got, want in ((top2, top), (nested2, nested)):
+        assert got.given is not None and got.n == want.n and got.cfg == want.cfg
+        assert torch.equal(got.w, want.w)
+    assert nested2.w.data_ptr() == ptr
+
+
+def test_partial_load_keeps_what_the_checkpoint_lacks_in_place(tmp_path):
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    dckpt_dcp.save({"m": {"a": torch.ones(3), "n": 1}}, checkpoint_id=str(tmp_path / "c"))
+    m = {"a": torch.zeros(3), "n": 0, "new": torch.full((2,), 7.0), "tag": "mine"}
+    sd = {"m": m}
+    dckpt_dcp.load(sd, checkpoint_id=str(tmp_path / "c"),
+                   planner=DefaultLoadPlanner(allow_partial_load=True))
+    assert sd["m"] is m and m["n"] == 1 and m["tag"] == "mine"
+    assert torch.equal(m["a"], torch.ones(3)) and torch.equal(m["new"], torch.full((2,), 7.0))

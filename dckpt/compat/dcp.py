@@ -11,11 +11,17 @@ checked against PyTorch's own DCP tests (test_e2e_save_and_load, test_save_load_
 - ``load`` fills ``state_dict`` in place and ignores checkpoint keys it does not ask for
   (a partial load); a key it asks for that the checkpoint lacks is an error unless the
   planner is ``DefaultLoadPlanner(allow_partial_load=True)``. A tensor saved in another
-  floating dtype is converted, as DCP's copy does.
+  floating dtype is converted, as DCP's copy does. In place means: nested dicts and
+  lists stay the same objects (a dict or list held elsewhere sees the loaded values;
+  DCP itself rebuilds lists), tensors and DTensors keep their identity and storage
+  (the bytes are copied into them), other leaves are replaced inside their own
+  container, tuples are rebuilt. No container of ``state_dict`` changes before every
+  rank has read and verified its part (tensor bytes may: see :func:`dckpt.load`).
 - Stateful values (anything with ``state_dict()``/``load_state_dict()``: modules,
-  optimizers, schedulers, your own) are saved through ``state_dict()`` and restored by
-  ``load_state_dict()``, and stay the same objects in ``state_dict``; other top-level
-  values are replaced by the loaded ones (``state_dict[key] = ...``), as DCP does.
+  optimizers, schedulers, your own; at any depth) are saved through ``state_dict()``
+  and restored by ``load_state_dict()`` with the loaded values, inner ones first, and
+  stay the same objects in their container; other top-level values are assigned back
+  (``state_dict[key] = ...``, the same dict or list, filled), as DCP does.
 - Non-tensor values: None, bool, int, float, str, nested dict/list/tuple, and ``bytes``
   / ``io.BytesIO`` (stored as uint8 tensors, never pickled; a loaded BytesIO is at
   position 0). Anything else DCP would pickle is refused with UnsupportedValueError
@@ -52,7 +58,7 @@ from ..protocol.commit import CheckpointInfo
 from ..protocol.commit import save as _save
 from ..protocol.restore import load as _load
 from ..protocol.restore import read_manifest_bytes
-from ..state.flatten import is_stateful
+from ..state.flatten import fill, is_stateful
 from ..storage.fsspec_storage import make_storage
 
 log = logging.getLogger(__name__)
@@ -118,15 +124,18 @@ def _group(process_group: Any, no_dist: bool, what: str) -> Any:
 
 
 # ---------------------------------------------------------------- state
-def _resolve(state_dict: dict, what: str) -> tuple[dict, dict[str, Any], dict[str, str]]:
-    """(what dckpt saves or loads into, {top key: Stateful object}, {flat key: bytes
-    kind}). Stateful values become their ``state_dict()`` (modules and optimizers too:
-    DCP treats them as Stateful); bytes and BytesIO become uint8 tensors. Calls each
-    Stateful's state_dict() once; copies only bytes values."""
+def _resolve(state_dict: dict, what: str) -> tuple[dict, dict[str, tuple[Any, Any]], dict[str, str]]:
+    """(what dckpt saves or loads into, {flat key: (Stateful object, the part of the
+    first value that stands for its state_dict)}, {flat key: bytes kind}). A parallel
+    structure: Stateful values (at any depth; modules and optimizers too, which DCP
+    treats as Stateful) become their ``state_dict()``, bytes and BytesIO become uint8
+    tensors; dicts, lists and tuples are new containers, tensors the caller's own
+    objects (so a load fills them in place). Calls each Stateful's state_dict() once;
+    copies only bytes values."""
     if not isinstance(state_dict, dict):
         raise CheckpointError(f"dckpt.compat.dcp.{what}: state_dict must be a dict, not "
                               f"{type(state_dict).__name__}")
-    stateful: dict[str, Any] = {}
+    stateful: dict[str, tuple[Any, Any]] = {}
     kinds: dict[str, str] = {}
 
     def walk(obj: Any, key: str) -> Any:
@@ -138,7 +147,9 @@ def _resolve(state_dict: dict, what: str) -> tuple[dict, dict[str, Any], dict[st
             return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else \
                 torch.zeros(0, dtype=torch.uint8)
         if is_stateful(obj):
-            return walk(obj.state_dict(), key)
+            sd = walk(obj.state_dict(), key)
+            stateful[key] = (obj, sd)
+            return sd
         if isinstance(obj, dict):
             return {k: walk(v, f"{key}.{k}") for k, v in obj.items()}
         if type(obj) in (list, tuple):
@@ -150,28 +161,14 @@ def _resolve(state_dict: dict, what: str) -> tuple[dict, dict[str, Any], dict[st
         if not isinstance(k, str):
             raise UnsupportedValueError(f"dckpt.compat.dcp.{what}: top-level key {k!r} is not "
                                         "a str (DCP requires str keys at the top)")
-        if is_stateful(v):
-            stateful[k] = v
         out[k] = walk(v, k)
     return out, stateful, kinds
 
 
-def _unbytes(obj: Any, key: str, kinds: dict[str, str]) -> Any:
-    """Turn the uint8 tensors that were bytes/BytesIO back into them."""
-    if key in kinds and isinstance(obj, torch.Tensor):
-        raw = obj.numpy().tobytes()
-        return io.BytesIO(raw) if kinds[key] == "bytesio" else raw
-    if isinstance(obj, dict):
-        for k in list(obj):
-            obj[k] = _unbytes(obj[k], f"{key}.{k}", kinds)
-        return obj
-    if type(obj) is list:
-        for i, v in enumerate(obj):
-            obj[i] = _unbytes(v, f"{key}.{i}", kinds)
-        return obj
-    if type(obj) is tuple:
-        return tuple(_unbytes(v, f"{key}.{i}", kinds) for i, v in enumerate(obj))
-    return obj
+def _as_bytes(t: torch.Tensor, kind: str) -> bytes | io.BytesIO:
+    """A loaded uint8 tensor back as what was saved: bytes, or a BytesIO at position 0."""
+    raw = t.numpy().tobytes()
+    return io.BytesIO(raw) if kind == "bytesio" else raw
 
 
 # ---------------------------------------------------------------- the API
@@ -216,9 +213,13 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None 
          storage_reader: Any = None, planner: Any = None, process_group: Any = None,
          no_dist: bool = False) -> None:
     """DCP's ``load``: fills ``state_dict`` in place (see the module docstring for the
-    rules). Collective: rank 0 reads the manifest once more than :func:`dckpt.load`
-    (to size bytes values and apply ``allow_partial_load``). Raises CheckpointError,
-    StateMismatchError for a key the checkpoint lacks."""
+    rules): :func:`dckpt.load` fills a parallel structure that holds the caller's own
+    tensors and the Stateful objects' state_dicts, then the caller's containers are
+    filled from it (``state.flatten.fill``) and each Stateful's ``load_state_dict`` is
+    called. Collective: rank 0 reads the manifest once more than :func:`dckpt.load`
+    (to size bytes values and apply ``allow_partial_load``); one more walk of the
+    state, no copy of a tensor. Raises CheckpointError, StateMismatchError for a key
+    the checkpoint lacks; what a Stateful's ``load_state_dict`` raises."""
     path = _checkpoint_path(checkpoint_id, storage_reader, "load")
     partial = _check_planner(planner, "load", "DefaultLoadPlanner")
     group = _group(process_group, no_dist, "load")
@@ -231,30 +232,48 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None 
 
     m = mf.parse(rank0_bytes(comm, manifest_bytes, f"load from {path}"), path)
     saved_kinds = json.loads(m.values.get(BYTES_KEY) or "{}")
-    _size_bytes(target, "", m, saved_kinds)
+    loaded_bytes: dict[str, torch.Tensor] = {}
+    _size_bytes(target, "", m, saved_kinds, loaded_bytes)
     removed: list = []
     if partial:
         _prune(target, "", m, removed)
     _load(target, path, process_group=group, strict=False, cast=True)
-    for container, k, v in removed:
+    for container, k, v in removed:  # a Stateful's state_dict gets them back as they were
         container[k] = v
-    for k, v in target.items():
-        v = _unbytes(v, k, saved_kinds)
-        if k in stateful:
-            stateful[k].load_state_dict(v)
-        else:
-            state_dict[k] = v
+
+    # Fill the caller's own containers in place, as dckpt.load does (state.flatten.fill):
+    # dicts and lists keep their identity (a dict held elsewhere sees the new values),
+    # tensors were copied into already (``target`` holds the caller's tensor objects),
+    # other leaves are replaced inside their container, and each Stateful gets
+    # load_state_dict of its loaded state_dict, inner ones first.
+    def get(key: str, old: Any) -> Any:
+        if key in loaded_bytes:
+            return _as_bytes(loaded_bytes[key], saved_kinds[key])
+        if isinstance(old, torch.Tensor):
+            return old  # filled in place (or, under allow_partial_load, kept)
+        return m.values[key] if key in m.values else old  # absent: a kept partial-load entry
+
+    for k in list(state_dict):
+        # One top-level key at a time: DCP calls load_state_dict on a top-level Stateful
+        # and leaves its slot alone, and assigns every other top-level value back
+        # (``state_dict[key] = loaded``, the same dict or list, filled).
+        one = {k: state_dict[k]}
+        fill(one, get, stateful)
+        if not (k in stateful and stateful[k][0] is state_dict[k]):
+            state_dict[k] = one[k]
 
 
-def _size_bytes(obj: Any, key: str, m: mf.Manifest, kinds: dict[str, str]) -> None:
-    """Give each target leaf that was saved as bytes a uint8 tensor of the saved size."""
+def _size_bytes(obj: Any, key: str, m: mf.Manifest, kinds: dict[str, str],
+                loaded: dict[str, torch.Tensor]) -> None:
+    """Give each target leaf that was saved as bytes a uint8 tensor of the saved size
+    (recorded in ``loaded`` by key: the load fills it, then it becomes bytes again)."""
     items = obj.items() if isinstance(obj, dict) else enumerate(obj) if type(obj) is list else ()
     for k, v in list(items):
         sub = f"{key}.{k}" if key else str(k)
         if sub in kinds and sub in m.tensors:
-            obj[k] = torch.empty(m.tensors[sub].shape, dtype=torch.uint8)
+            obj[k] = loaded[sub] = torch.empty(m.tensors[sub].shape, dtype=torch.uint8)
         elif isinstance(v, (dict, list)):
-            _size_bytes(v, sub, m, kinds)
+            _size_bytes(v, sub, m, kinds, loaded)
 
 
 def _prune(obj: Any, key: str, m: mf.Manifest, removed: list) -> None:

@@ -75,3 +75,47 @@ def test_fsdp2_model_and_optimizer_through_compat(ranks, tmp_path, use_async, m)
         assert want.keys() == got.keys()
         for k, v in want.items():
             assert (torch.equal(v, got[k]) if torch.is_tensor(v) else v == got[k]), k
+
+
+def _load_in_place(path: str) -> dict:
+    """Loads the model part into a plain nested dict of the model's DTensors (as code
+    that calls get_model_state_dict does), held elsewhere too: every container, DTensor
+    and local shard keeps its identity and storage, and the aliases see the new values."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from dckpt.compat import dcp
+
+    model, optim = _model()
+    msd = get_model_state_dict(model)
+    extra = {"step": 0, "hist": [0, torch.zeros(2)]}
+    state = {"model": msd, "extra": extra}
+    alias = {"msd": msd, "extra": extra}
+    before = {k: (v, v.to_local(), v.to_local().data_ptr()) for k, v in msd.items()}
+    dcp.load(state, checkpoint_id=path, process_group=dist.group.WORLD)
+    assert state["model"] is msd and alias["extra"] is extra and state["extra"] is extra
+    assert extra["step"] == 2 and torch.equal(extra["hist"][1], torch.ones(2))
+    for k, (t, local, ptr) in before.items():
+        assert msd[k] is t and t.to_local().data_ptr() == ptr, k
+    # the DTensors are views of the model's parameters: the model itself was restored
+    return {k: v for k, v in _full(model, optim).items() if not k.startswith(("state.", "param_groups"))}
+
+
+def _save_with_extra(path: str) -> dict:
+    from dckpt.compat import dcp
+
+    model, optim = _model()
+    _train(model, optim, 2)
+    dcp.save({"model": model, "extra": {"step": 2, "hist": [0, torch.ones(2)]}},
+             checkpoint_id=path)
+    return {k: v for k, v in _full(model, optim).items() if not k.startswith(("state.", "param_groups"))}
+
+
+@pytest.mark.parametrize("m", [2, 3])
+def test_load_fills_plain_dicts_of_dtensors_in_place(ranks, tmp_path, m):
+    path = str(tmp_path / "c")
+    want = ranks(2).run(_save_with_extra, path)[0]
+    assert want
+    for got in ranks(m).run(_load_in_place, path):
+        assert want.keys() == got.keys()
+        for k, v in want.items():
+            assert torch.equal(v, got[k]), k
