@@ -437,8 +437,9 @@ class CheckpointManager(RetentionMixin, RestoreMixin):
             self.tier.wait_snapshot()
 
     def wait(self) -> None:
-        """Block until every save so far has committed in every tier it is meant for;
-        raise the first error (a failed durable copy included)."""
+        """Block until every save so far has committed in every tier it is meant for (a
+        durable copy that could not keep up with the saves is skipped for a newer one,
+        see docs/TIERS.md); raise the first error (a failed durable copy included)."""
         try:
             self._finish_inflight(raise_error=True)
         finally:

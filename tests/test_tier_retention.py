@@ -54,7 +54,7 @@ class _SlowMemory(MemoryFileSystem):
     store slower than the save interval (a real store, only slower)."""
 
     protocol = ("slowmem",)
-    delay = 0.25
+    delay = 0.4
 
     def _open(self, path, mode="rb", **kw):
         if "w" in mode or "a" in mode:

@@ -195,11 +195,13 @@ class FastTier:
             # Every rank skips, or none does (the staging is collective): one all-reduce.
             if comm.any_of([self.queue.claim(job)])[0]:
                 if comm.rank == 0:
+                    newer = self.queue.newest()  # another rank may have queued it first
                     log.warning(
-                        "durable copy of step %d skipped: step %s, newer, is queued for the "
-                        "durable tier, which is slower than the saves (the fast tier keeps "
+                        "durable copy of step %d skipped: %s is queued for the durable "
+                        "tier, which is slower than the saves (the fast tier keeps "
                         "keep_last_local steps plus the one being uploaded, not a backlog)",
-                        commit.step, self.queue.newest())
+                        commit.step, f"step {newer}" if newer and newer > commit.step
+                        else "a newer step")
                 return
             info = stager.stage(commit, self.storage, self.durable_path(commit.step), comm,
                                 self.storage_options)
@@ -254,8 +256,9 @@ class FastTier:
                 self._errors.append(e)
 
     def wait(self, raise_error: bool = True) -> None:
-        """Block until every save so far is committed in every tier it is meant for;
-        raise the first error (then forget them all). Then apply the local retention
+        """Block until every save so far is committed in every tier it is meant for (or
+        its durable copy skipped for a newer one: :class:`stager.StageQueue`); raise the
+        first error (then forget them all). Then apply the local retention
         once more: a step that was being staged when a newer one committed was kept
         (never deleted while uploading), and is dropped now if retention says so."""
         self.wait_local()

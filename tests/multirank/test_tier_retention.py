@@ -170,7 +170,7 @@ def test_slow_durable_store_keeps_the_fast_tier_bounded(ranks, tmp_path):
     ones on every rank: no hang), the fast tier never holds more than keep_last_local
     plus the step being uploaded, and the newest step (the final save, forced) ends
     durable. Before: every queued copy kept its step, and the local_root grew."""
-    out = ranks(2).run(_slow_store, str(tmp_path), 0.3, 12, 12, timeout=120)
+    out = ranks(2).run(_slow_store, str(tmp_path), 0.5, 12, 12, timeout=120)
     (most0, durable, skipped0), (most1, durable1, skipped1) = out
     assert durable == durable1
     assert most0 <= 2 and most1 <= 2, out
