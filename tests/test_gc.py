@@ -304,3 +304,26 @@ def test_a_checkpoint_loaded_through_a_link_keeps_what_it_references(tmp_path):
         assert set(os.listdir(run / "step-1")) == kept
     _loads_bitwise(str(run / "latest"), sd2)
     assert set(os.listdir(elsewhere / "step-2")) >= {"manifest.json"}
+
+
+def test_gc_on_a_base_prefix_on_s3(s3):
+    """The same reference rules on a real S3 API (moto): prefixes are directories, and
+    the base of a newer step keeps what that step references when gc is given it."""
+    from dckpt.storage.fsspec_storage import make_storage
+
+    root, opts = s3.url("gcrefs"), s3.options
+    sd1 = _sd(1)
+    dckpt.save(sd1, f"{root}/step-1", storage_options=opts)
+    sd2 = dict(sd1, head=sd1["head"] + 1, step=2)
+    dckpt.save(sd2, f"{root}/step-2", base=f"{root}/step-1", storage_options=opts)
+    st, base = make_storage(root, opts)
+    st.remove(st.join(base, "step-1", "manifest.json"))  # as retention does
+    stray = st.join(base, "step-1", "data-00000000000000ee-00003.safetensors")
+    st.put_atomic(stray, b"z" * 7)
+    found = catalog.collect_garbage(f"{root}/step-1", min_age_s=0, storage_options=opts)
+    assert [lo.where for lo in found] == [stray]
+    left = {e.name for e in st.listdir(st.join(base, "step-1"))}
+    assert left and all(n.startswith("data-") for n in left) and stray.rpartition("/")[2] not in left
+    got = {k: (torch.zeros_like(v) if torch.is_tensor(v) else None) for k, v in sd2.items()}
+    dckpt.load(got, f"{root}/step-2", storage_options=opts)
+    assert torch.equal(got["frozen"], sd2["frozen"]) and torch.equal(got["head"], sd2["head"])
