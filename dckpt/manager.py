@@ -19,27 +19,14 @@ from .format.codec import compression_flag
 from .policy import RetentionPolicy, SavePolicy, check_epoch, estimate_mtbf_hours
 from . import failures, history
 from .state import rng
-from .state.flatten import is_stateful
 from .state.training import fence_targets
 from .tiers.fast import FastTier
 from .tiers.local import step_name
-from .manager_restore import RestoreMixin, root_identity
+from .manager_restore import RestoreMixin, holds_stateful, root_identity
 from .manager_retention import RetentionMixin
 from .storage.fsspec_storage import make_storage
 
 log = logging.getLogger(__name__)
-
-
-def _holds_stateful(state: Any) -> bool:
-    """Whether ``state`` (nested dicts, lists, tuples) holds an object with
-    ``state_dict``/``load_state_dict``. No I/O; O(containers)."""
-    if is_stateful(state):
-        return True
-    if isinstance(state, dict):
-        return any(_holds_stateful(v) for v in state.values())
-    if type(state) in (list, tuple):
-        return any(_holds_stateful(v) for v in state)
-    return False
 
 
 class CheckpointManager(RetentionMixin, RestoreMixin):
@@ -169,11 +156,7 @@ class CheckpointManager(RetentionMixin, RestoreMixin):
 
         def setup() -> str | None:  # rank 0
             self.storage.makedirs(self.root)
-            if local_root is None:
-                return None
-            shown = self.root if "://" not in root or root.startswith("file://") else (
-                f"{root.split('://', 1)[0]}://{self.root}")
-            return root_identity(self.storage, self.root, shown)
+            return None if local_root is None else root_identity(self.storage, self.root, root)
 
         owner = on_rank0(self.comm, setup, f"CheckpointManager: create {root}")
         # Rank 0 alone writes the save history (no I/O until the first record).
@@ -394,7 +377,7 @@ class CheckpointManager(RetentionMixin, RestoreMixin):
         one is not prepared then; its first save allocates the buffers instead."""
         if not self.async_save:
             return
-        if not loaded and _holds_stateful(state):
+        if not loaded and holds_stateful(state):
             return
         try:
             full = self._full(state)

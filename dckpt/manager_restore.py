@@ -16,6 +16,7 @@ from .protocol.collectives import on_rank0
 from .protocol.restore import load as _load
 from .protocol.restore import read_manifest
 from .state import rng
+from .state.flatten import is_stateful
 from .storage.fsspec_storage import make_storage
 from .catalog import remove_checkpoints
 from .tiers.chooser import Candidate, live_timeline
@@ -29,14 +30,28 @@ RUN_ID_FILE = ".dckpt-run-id"  # in the durable root: which run the fast tier's 
 _RUN_ID = re.compile(r"[0-9a-f]{32}")
 
 
-def root_identity(storage, root: str, shown: str) -> str:
-    """Rank 0: the identity of the durable root, recorded in every fast-tier view: where
-    it is (``shown``, the normalised root URL) and the run id stored in it, made on
-    first use. A new run (another root, or this root emptied and started over) has
+def holds_stateful(state: Any) -> bool:
+    """Whether ``state`` (nested dicts, lists, tuples) holds an object with
+    ``state_dict``/``load_state_dict``. No I/O; O(containers)."""
+    if is_stateful(state):
+        return True
+    if isinstance(state, dict):
+        return any(holds_stateful(v) for v in state.values())
+    if type(state) in (list, tuple):
+        return any(holds_stateful(v) for v in state)
+    return False
+
+
+def root_identity(storage, root: str, url: str) -> str:
+    """Rank 0: the identity of the durable root (``url`` as given, ``root`` as
+    normalised by its storage), recorded in every fast-tier view: where it is (the
+    normalised root URL) and the run id stored in it, made on first use. A new run (another root, or this root emptied and started over) has
     another identity, so it never restores the fast-tier steps an earlier run left in
     a shared ``local_root``. A damaged run-id file is replaced (with a warning): the
     fast tier's steps of the old id are then not restored, the durable ones are.
     Small I/O in the root; raises OSError when the root cannot be read or written."""
+    local = "://" not in url or url.startswith("file://")
+    shown = root if local else f"{url.split('://', 1)[0]}://{root}"
     path = storage.join(root, RUN_ID_FILE)
     for _ in range(3):
         try:
