@@ -84,11 +84,13 @@ class CheckpointManager(RetentionMixin, RestoreMixin):
     timings). A history failure is logged, never raised. ``dckpt history ROOT`` shows
     it (``--plot`` draws it); format and costs: docs/HISTORY.md, :mod:`dckpt.history`.
 
-    ``async_save=True`` saving a :class:`dckpt.TrainingState` (anywhere in the state)
-    overlaps the snapshot copy with the next forward and backward passes: the state's
-    optimizers wait for it at their next ``step()`` (see :func:`dckpt.async_save`'s
-    ``fence``). Anything else in the state that the training loop changes before that
-    step must not be changed in place until :meth:`wait_snapshot` returns. With
+    ``async_save=True`` saving a :class:`dckpt.TrainingState` with an optimizer
+    (anywhere in the state) returns before the snapshot copy: the state's optimizers
+    wait for it at their next ``step()`` and its model at its next forward (of any
+    module: a forward may write saved tensors in place), see :func:`dckpt.async_save`'s
+    ``fence``. Anything else in the state that the training loop changes before that
+    must not be changed in place until :meth:`wait_snapshot` returns (an in-place
+    write fails the save, naming the tensor). With
     ``local_root`` and CPU tensors there is no snapshot copy at all: the fast tier's
     files are written from the live tensors in the background and are the one host
     copy of the state (the optimizers wait until this rank's files are written).
@@ -284,8 +286,8 @@ class CheckpointManager(RetentionMixin, RestoreMixin):
                                             forced=force or requested)
                 blocked = time.perf_counter() - t0
             elif self.async_save:
-                # The copy overlaps the next forward/backward; the state's optimizers
-                # (TrainingState) wait for it at their next step.
+                # The copy runs in the background; the state's optimizers and models
+                # (TrainingState) wait for it at their next step and forward.
                 h = _async_save(full, path, process_group=self.group,
                                 storage_options=self.storage_options, overwrite=True,
                                 fence=fences or None, **self._delta_args(step))

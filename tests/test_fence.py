@@ -369,3 +369,84 @@ def test_a_step_kept_while_staging_is_dropped_once_staged(tmp_path, monkeypatch)
         assert 1 in mgr.steps(tier="local")  # still uploading: kept
         mgr.wait()
         assert mgr.steps(tier="local") == [2] and mgr.steps() == [1, 2]
+
+
+def _slow_copy(monkeypatch, seconds: float) -> None:
+    """Make the background snapshot copy of a fenced async_save take ``seconds``, so
+    that what comes after the call surely comes before the copy."""
+    import time
+
+    from dckpt.engine.staging import StagingPool
+
+    real = StagingPool.run
+
+    def slow(copies, copy=True, after=None):
+        time.sleep(seconds)
+        real(copies, copy, after)
+
+    monkeypatch.setattr(StagingPool, "run", staticmethod(slow))
+
+
+def _two_params() -> tuple:
+    torch.manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(4096)), torch.nn.Parameter(torch.randn(4096))
+    o1, o2 = torch.optim.SGD([a], lr=0.5), torch.optim.SGD([b], lr=0.5)
+    a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
+    return a, b, o1, o2
+
+
+def _load_ab(path: str) -> dict:
+    return dckpt.load({"a": torch.zeros(4096), "b": torch.zeros(4096)}, path)
+
+
+def test_every_fenced_optimizer_waits_for_the_snapshot(tmp_path, monkeypatch):
+    """fence=[o1, o2]: o1 steps in a thread and waits for the copy; o2's step in this
+    thread, meanwhile, must wait too (it returned at once: the checkpoint held b after
+    its step and a before its own)."""
+    import threading
+    import time
+
+    _slow_copy(monkeypatch, 0.6)
+    a, b, o1, o2 = _two_params()
+    want_a, want_b = a.detach().clone(), b.detach().clone()
+    h = dckpt.async_save({"a": a.detach(), "b": b.detach()}, str(tmp_path / "c"), fence=[o1, o2])
+    t = threading.Thread(target=o1.step)
+    t.start()
+    time.sleep(0.1)  # o1's step is waiting for the copy now
+    o2.step()
+    after_copy = h._copied.is_set()
+    t.join(10)
+    h.result()
+    got = _load_ab(str(tmp_path / "c"))
+    assert torch.equal(got["a"], want_a) and torch.equal(got["b"], want_b)
+    assert after_copy  # o2 stepped only once the snapshot was taken
+    assert not torch.equal(a.detach(), want_a) and not torch.equal(b.detach(), want_b)
+
+
+def test_an_interrupted_fence_wait_leaves_every_target_fenced(tmp_path, monkeypatch):
+    """A KeyboardInterrupt (a real SIGINT to this thread) while o1's step waits for the
+    copy: that step raises and does not run; the fence stays armed, so o1's next step
+    and o2's step still wait, and the checkpoint holds both values from before."""
+    import signal
+    import threading
+
+    _slow_copy(monkeypatch, 0.8)
+    a, b, o1, o2 = _two_params()
+    want_a, want_b = a.detach().clone(), b.detach().clone()
+    h = dckpt.async_save({"a": a.detach(), "b": b.detach()}, str(tmp_path / "c"), fence=[o1, o2])
+    me = threading.main_thread().ident
+    timer = threading.Timer(0.2, signal.pthread_kill, (me, signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        o1.step()
+    timer.join()
+    assert not h._copied.is_set()  # interrupted while the copy was still running
+    assert torch.equal(a.detach(), want_a)  # that step did not run
+    o1.step()  # still fenced: waits
+    after_copy = h._copied.is_set()
+    o2.step()
+    h.result()
+    got = _load_ab(str(tmp_path / "c"))
+    assert torch.equal(got["a"], want_a) and torch.equal(got["b"], want_b)
+    assert after_copy
+    assert not torch.equal(a.detach(), want_a) and not torch.equal(b.detach(), want_b)

@@ -23,11 +23,11 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from ..errors import CheckpointError
 from ..protocol.collectives import OwnGroup, drop_dead
 from ..protocol.commit import CheckpointInfo, save
 from . import devstream
-from .staging import StagingPool
+from .fence import Fence, Versions, targets_of
+from .staging import StagingPool, live_view
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class SaveHandle:
         self.blocking_seconds = blocked_s
         self.staging_seconds = staged_s  # the snapshot copy alone (in the call)
         self._copied = copied
-        self._hooks: list = []  # fence hooks: no-ops once fired, removed by the next call
+        self._fence_obj: Fence | None = None  # its hooks are removed by result()
 
     def wait_snapshot(self, timeout: float | None = None) -> None:
         """Block until the snapshot copy is complete; after it, changing the saved
@@ -55,38 +55,28 @@ class SaveHandle:
             raise TimeoutError(f"the snapshot of {self.path} did not finish in {timeout} s")
 
     def _fence(self, targets: list) -> None:
-        """Make the first optimizer step (or forward, for a module) of any target wait
-        for the snapshot, adding the wait to blocking_seconds."""
-        fired = [False]
+        """Make every step of each fenced optimizer, and every forward of each fenced
+        module or of its submodules, wait for the snapshot (each by itself: see
+        :mod:`dckpt.engine.fence`), adding the wait to blocking_seconds."""
+        if self._copied is None:
+            return
+        if self._fence_obj is None:
+            self._fence_obj = Fence(self._copied, self._lost)
+        self._fence_obj.arm(targets)
 
-        def wait(*_args, **_kwargs):
-            if fired[0]:
-                return None
-            fired[0] = True
-            t = time.perf_counter()
-            self.wait_snapshot()
-            self.blocking_seconds += time.perf_counter() - t
-            return None
+    def _lost(self, seconds: float) -> None:
+        self.blocking_seconds += seconds
 
-        for t in targets:
-            # Removing a hook while torch iterates over the hooks is not safe: a fired
-            # hook stays as a no-op until the next async_save (or result()) removes it.
-            # First in line: a pre-hook registered earlier may change state too (a
-            # load-balancing bias updated before each step). torch's global optimizer
-            # pre-hooks still run before it.
-            if hasattr(t, "register_step_pre_hook"):
-                h = t.register_step_pre_hook(wait)
-                hooks = getattr(t, "_optimizer_step_pre_hooks", None)
-                if hooks is not None and h.id in hooks:
-                    hooks.move_to_end(h.id, last=False)
-            else:
-                h = t.register_forward_pre_hook(wait, prepend=True)
-            self._hooks.append(h)
+    @property
+    def _hooks(self) -> list:
+        """The fence's hooks still registered (none once disarmed)."""
+        return self._fence_obj.hooks if self._fence_obj is not None else []
 
     def _unfence(self) -> None:
-        hooks, self._hooks = self._hooks, []
-        for h in hooks:
-            h.remove()
+        """Remove the fence's hooks (from the training thread, once the save is over:
+        an optimizer's hook must not be removed while its step runs)."""
+        if self._fence_obj is not None:
+            self._fence_obj.disarm()
 
     def result(self, timeout: float | None = None) -> CheckpointInfo:
         """Wait for the commit (blocking, up to ``timeout`` s) and return its info;
@@ -203,14 +193,19 @@ def async_save(state_dict: Any, path: str, *, process_group: Any = None,
     the hashing, comparing and compressing run in the background, not in the call.
 
     ``fence`` (an optimizer or module, or a list of them): the call returns as soon as
-    the buffers are ready, and the copy runs in the background, overlapped with the
-    next forward and backward passes; the first ``step()`` of each fenced optimizer
-    (the first forward of each fenced module: for modules that change buffers in
-    forward, such as BatchNorm in training) waits for it first
-    (:meth:`SaveHandle.wait_snapshot`), so the checkpoint still holds the values at the
-    call. Anything else that changes the saved tensors before that must call
-    ``wait_snapshot()`` first. ``blocking_seconds`` then counts the call and the
-    fence's wait."""
+    the buffers are ready, and the copy runs in the background, overlapped with what
+    the caller does next; until it is complete every ``step()`` of each fenced
+    optimizer, and every forward of each fenced module or of any of its submodules
+    (whatever it writes in place: BatchNorm's running stats, ``Embedding(max_norm=)``
+    rows, spectral norm's ``u``/``v``), waits for it first, each by itself (from any
+    thread; an interrupted wait leaves the fence armed): see
+    :mod:`dckpt.engine.fence`. So the checkpoint holds the values at the call.
+    Anything else that changes the saved tensors before that must call
+    :meth:`SaveHandle.wait_snapshot` first; an in-place write it does not hold back
+    (one that bumps the tensor's version counter) fails the save, naming the tensor.
+    Fencing only the optimizer keeps the copy overlapped with the next forward and
+    backward passes, for models whose forward writes nothing it saves.
+    ``blocking_seconds`` then counts the call and the fence's wait."""
     t0 = time.perf_counter()
     targets = _fence_targets(fence)
     saver = _saver(process_group)
@@ -222,7 +217,13 @@ def async_save(state_dict: Any, path: str, *, process_group: Any = None,
     saver.pool.budget = staging_budget
     t1 = time.perf_counter()
     copies: list = []
+    versions: Versions | None = None
     try:
+        if targets:
+            # resolved once (Stateful objects' state_dict() called now): the version
+            # counters and the copies see the same live tensors
+            state_dict = live_view(state_dict)[0]
+            versions = Versions.of_state(state_dict)
         snap, copies, nbytes = saver.pool.plan(state_dict)
         if not targets:
             saver.pool.run(copies)
@@ -236,7 +237,7 @@ def async_save(state_dict: Any, path: str, *, process_group: Any = None,
         copied = threading.Event()
         after = devstream.mark({src.device for _, src in copies})  # now, at the call
         fut = saver.executor.submit(_copy_then_save, saver.pool, copies, after, copied,
-                                    snap, path, kw)
+                                    snap, path, kw, versions)
     else:
         copied = None
         fut = saver.executor.submit(save, snap, path, **kw)
@@ -252,24 +253,22 @@ def async_save(state_dict: Any, path: str, *, process_group: Any = None,
 def _fence_targets(fence: Any) -> list:
     """The optimizers and modules to fence on. Raises CheckpointError for anything
     else (before any copy)."""
-    import torch
-
-    if fence is None:
-        return []
-    items = list(fence) if isinstance(fence, (list, tuple)) else [fence]
-    for f in items:
-        if not isinstance(f, (torch.optim.Optimizer, torch.nn.Module)):
-            raise CheckpointError(f"fence must be an optimizer or module (or a list of them), "
-                                  f"not {type(f).__name__}")
-    return items
+    return targets_of(fence)
 
 
 def _copy_then_save(pool: StagingPool, copies: list, after, copied: threading.Event,
-                    snap: Any, path: str, kw: dict) -> CheckpointInfo:
-    """The background half of a fenced save: the copy, then the commit. A failed copy
-    still joins the collective save, which then fails on every rank."""
+                    snap: Any, path: str, kw: dict,
+                    versions: Versions | None) -> CheckpointInfo:
+    """The background half of a fenced save: the copy, then the commit. A failed copy,
+    or a source written in place between the call and the copy's end (by something
+    the fence did not hold back: the copy may hold the new values, or a mix), still
+    joins the collective save, which then fails on every rank."""
     try:
         pool.run(copies, after=after)
+        # before the fence opens: a fenced writer cannot have bumped a counter yet
+        err = versions.error("its snapshot was taken") if versions is not None else None
+        if err is not None:
+            raise err
     except Exception as e:
         snap = {"state": _Unstageable(e)}
     finally:

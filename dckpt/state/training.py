@@ -58,20 +58,20 @@ class TrainingState:
 
 
 def fence_targets(state: Any) -> list:
-    """What an overlapped async save of ``state`` must fence on: the optimizer of every
-    :class:`TrainingState` in it (nested in dicts, lists, tuples), and its model too
-    when a module of it may change buffers in forward: BatchNorm with running stats,
-    in whatever mode it is now (a loop that validates in eval mode, saves, then goes
-    back to train() updates them in the next forward). No I/O; O(containers + modules)."""
+    """What an overlapped async save of ``state`` must fence on: for every
+    :class:`TrainingState` in it (nested in dicts, lists, tuples) that has an optimizer,
+    the optimizer and the model. The model's fence makes every forward (of it or of
+    any submodule) wait for the snapshot, whatever its modules' classes: a forward may
+    write saved tensors in place (BatchNorm's running stats, in whatever mode it is
+    now; ``Embedding(max_norm=)``; spectral norm's ``u``/``v``; a custom buffer). A
+    TrainingState without an optimizer gives nothing to fence on (what changes its
+    tensors is unknown): it is copied in the call. No I/O; O(containers)."""
     out: list = []
 
     def walk(obj: Any) -> None:
         if isinstance(obj, TrainingState):
             if obj.optimizer is not None:
-                out.append(obj.optimizer)
-            if any(isinstance(m, torch.nn.modules.batchnorm._NormBase)
-                   and m.track_running_stats for m in obj.model.modules()):
-                out.append(obj.model)
+                out.extend((obj.optimizer, obj.model))
         elif isinstance(obj, dict):
             for v in obj.values():
                 walk(v)

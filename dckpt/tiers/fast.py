@@ -25,6 +25,7 @@ from ..policy import RetentionPolicy
 from ..protocol.collectives import Comm, OwnGroup, agree
 from ..engine.async_save import SaveHandle, _Unstageable, at_thread_exit
 from ..engine import devstream
+from ..engine.fence import Versions, releaser
 from ..engine.staging import StagingPool, live_view
 from ..storage.fsspec_storage import make_storage
 from . import chooser, local, stager
@@ -127,8 +128,9 @@ class FastTier:
         Stateful objects' ``state_dict()``), records a CUDA event per GPU, and returns;
         the background save writes the tier's files straight from the live tensors
         (CUDA ones through a small pinned bounce pair on a side stream, after the
-        event: dckpt.engine.devstream), and the fenced optimizers' next ``step()``
-        (modules' next forward) waits until this rank's files are written. The fast
+        event: dckpt.engine.devstream), and the fenced optimizers' steps (every forward
+        of the fenced modules) wait until this rank's files are written; an in-place
+        write the fence does not hold back fails the save (dckpt.engine.fence). The fast
         tier's files are then the one host copy of the state: no staging buffers are
         held. No fence (or another accelerator): the state is copied into reused host
         buffers first (pinned for GPU tensors), and written from them.
@@ -145,18 +147,22 @@ class FastTier:
         t0 = time.perf_counter()
         copied: threading.Event | None = None
         after: dict | None = None
+        release: Callable[[], None] | None = None
         try:
             view = live_view(state) if fence else None
             if view is not None and devstream.live_devices_ok(view[2]):
                 snap, copied = view[0], threading.Event()
                 after = devstream.mark(view[2])  # the values at the call, on every GPU
+                # a write the fence does not hold back fails the save (engine.fence)
+                release = releaser(copied, Versions.of_state(snap),
+                                   "the fast tier was written from it", self.comm.rank)
                 self.pool.release()  # the tier's files are the one host copy
             else:  # the state resolved once: state_dict() is not called twice
                 snap, _ = self.pool.snapshot(state if view is None else view[0])
         except Exception as e:  # join the collective save anyway: it fails everywhere
-            snap, copied = {"state": _Unstageable(e)}, None
+            snap, copied, release = {"state": _Unstageable(e)}, None, None
         job = self._local_exec.submit(self._save_local, step, snap, Comm(self._local_group),
-                                      durable, on_commit, copied, after, forced)
+                                      durable, on_commit, release, after, forced)
         blocked = time.perf_counter() - t0
         self._local_job = SaveHandle(job, self.step_dir(step), blocked, blocked, copied)
         if copied is not None:
@@ -171,10 +177,10 @@ class FastTier:
 
     def _save_local(self, step: int, state: Any, comm: Comm, durable: bool,
                     on_commit: OnCommit | None = None,
-                    written: threading.Event | None = None,
+                    written: Callable[[], None] | None = None,
                     after: dict | None = None, forced: bool = False) -> local.LocalCommit:
         commit = local.save_local(state, step, self.step_dir(step), self.storage, comm,
-                                  written.set if written is not None else None, after,
+                                  written, after,
                                   self.owner)
         if comm.rank == 0:
             log.info("step %d committed in the fast tier %s in %.2f s", step, self.root,

@@ -106,3 +106,45 @@ def test_fenced_fsdp2_saves_into_a_fast_tier(ranks, tmp_path):
 
 def test_fenced_fsdp2_streamed_into_a_fast_tier(ranks, tmp_path):
     assert ranks(2).run(_fenced_tier, str(tmp_path), True) == [([2, 4], [4])] * 2
+
+
+def _unfenced_write_on_one_rank(root: str) -> str:
+    """Rank 1 writes a saved tensor in place right after the call, outside the fence
+    (the copy is slowed so the write surely comes first): the save fails on every rank
+    with rank 1's error naming the tensor, and nothing is committed."""
+    import time
+
+    import dckpt
+    from dckpt.engine.staging import StagingPool
+
+    real = StagingPool.run
+
+    def slow(copies, copy=True, after=None):
+        time.sleep(0.3)
+        real(copies, copy, after)
+
+    StagingPool.run = staticmethod(slow)
+    try:
+        model, opt = _build(0)
+        _step(model, opt, 0)
+        h = dckpt.async_save({"train": dckpt.TrainingState(model, opt)}, f"{root}/c",
+                             fence=[opt, model])
+        if dist.get_rank() == 1:
+            with torch.no_grad():
+                next(model.parameters()).add_(1.0)  # neither a step nor a forward
+        try:
+            h.result()
+        except dckpt.CheckpointError as e:
+            return str(e)
+        return "committed"
+    finally:
+        StagingPool.run = real
+
+
+def test_unfenced_write_on_one_rank_fails_the_save_everywhere(ranks, tmp_path):
+    import os
+
+    errors = ranks(2).run(_unfenced_write_on_one_rank, str(tmp_path))
+    for e in errors:
+        assert "rank 1" in e and "changed while its snapshot was taken" in e, e
+    assert not os.path.exists(tmp_path / "c" / "manifest.json")

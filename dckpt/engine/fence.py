@@ -1,0 +1,231 @@
+"""Fences: hold back what changes a snapshot's live tensors until the snapshot is taken.
+
+A fenced save returns before its snapshot is taken (the copy into host buffers runs in
+the background, or the fast tier's files are written straight from the live tensors).
+Until it is taken, a :class:`Fence` makes every target wait where it would change them:
+
+- an optimizer at every ``step()`` (a step pre-hook, first in line);
+- a module at every forward of it or of any of its submodules (forward pre-hooks, first
+  in line): whatever a forward writes in place (BatchNorm's running stats, the rows
+  ``Embedding(max_norm=)`` renormalises, spectral norm's ``u``/``v``, a custom buffer),
+  it writes after the snapshot. No list of known classes: every module waits.
+
+Each hook waits on the snapshot's event by itself, so two targets fired from two threads
+both wait, and a wait interrupted (a KeyboardInterrupt) leaves that hook and every other
+one armed. A fence is disarmed only once the snapshot is taken: a module's hook removes
+itself at its first call after that (torch iterates over a copy of a module's hooks, so
+this is safe), so later forwards pay nothing; an optimizer's hook (torch iterates over
+the live dict) stays, a check of one event per step, until :meth:`Fence.disarm`.
+
+What a fence does not hold back (a ``p.add_()`` outside the optimizer, an EMA update
+before the next forward) is caught, not prevented: :class:`Versions` reads each saved
+tensor's version counter (torch bumps it at every in-place write through the tensor or
+a view of it) at the call and again when the snapshot is taken, and the save fails
+naming the tensor. A write through ``.data`` or numpy does not bump the counter: the
+fast tier's read-back and the GPU fingerprint (dckpt.engine.devstream) still catch such
+a change while the files are written, not one made before.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+from ..errors import CheckpointError
+
+
+class Fence:
+    """The hooks of one fenced save. ``done`` is set once the snapshot is taken (also
+    when it failed); ``on_wait(seconds)`` is told the time training lost waiting
+    (waits that overlap, from several threads, are counted once)."""
+
+    def __init__(self, done: threading.Event,
+                 on_wait: Callable[[float], None] | None = None) -> None:
+        self.done, self._on_wait = done, on_wait
+        self._lock = threading.Lock()
+        self._first_wait: float | None = None  # the start of the earliest wait
+        self._counted = False
+        self.hooks: list = []  # every handle, removed by disarm()
+
+    def wait(self) -> None:
+        """Block until the snapshot is taken; returns at once after. Interruptible
+        (KeyboardInterrupt): nothing is disarmed then."""
+        if self.done.is_set():
+            return
+        t0 = time.perf_counter()
+        with self._lock:
+            if self._first_wait is None or t0 < self._first_wait:
+                self._first_wait = t0
+        self.done.wait()
+        t1 = time.perf_counter()
+        with self._lock:
+            # every wait ends when the event is set: their union runs from the
+            # earliest start to now, counted by the first to get here
+            lost, self._counted = (None if self._counted else t1 - self._first_wait), True
+        if lost is not None and self._on_wait is not None:
+            self._on_wait(lost)
+
+    def arm(self, targets: list) -> None:
+        """Register the hooks on ``targets`` (optimizers and modules, checked by
+        :func:`targets_of`). Call it from the thread that owns the targets, once per
+        save; O(targets + their modules), no wait."""
+        seen: set[int] = set()
+        for t in targets:
+            if isinstance(t, torch.optim.Optimizer):
+                self._hook_step(t)
+            else:
+                for m in eager_modules(t):
+                    if id(m) not in seen:
+                        seen.add(id(m))
+                        self._hook_forward(m)
+
+    def _hook_step(self, opt: torch.optim.Optimizer) -> None:
+        def hook(*_args, **_kwargs) -> None:
+            self.wait()
+
+        h = opt.register_step_pre_hook(hook)
+        # First in line: a pre-hook registered earlier may change state too (a
+        # load-balancing bias updated before each step). torch's global optimizer
+        # pre-hooks still run before it.
+        hooks = getattr(opt, "_optimizer_step_pre_hooks", None)
+        if hooks is not None and h.id in hooks:
+            hooks.move_to_end(h.id, last=False)
+        self.hooks.append(h)
+
+    def _hook_forward(self, m: torch.nn.Module) -> None:
+        box: list = []
+
+        def hook(*_args) -> None:
+            self.wait()
+            _remove(box[0])  # the snapshot is taken: nothing left to hold back here
+
+        box.append(m.register_forward_pre_hook(hook, prepend=True))
+        self.hooks.append(box[0])
+
+    def disarm(self) -> None:
+        """Remove every hook. Call it from the training thread (an optimizer's hook
+        must not be removed while its step runs), once the save is over."""
+        hooks, self.hooks = self.hooks, []
+        for h in hooks:
+            _remove(h)
+
+
+def _remove(handle: Any) -> None:
+    try:
+        handle.remove()
+    except KeyError:  # removed by another thread between its check and its del
+        pass
+
+
+def eager_modules(root: torch.nn.Module) -> list[torch.nn.Module]:
+    """``root`` and its submodules whose forward pre-hooks run as Python code: not the
+    inside of a compiled module (``torch.compile``'s wrapper, or ``module.compile()``),
+    whose hooks would be traced into its graph; the compiled module itself is hooked,
+    so its call waits. Pure; O(modules)."""
+    out, stack, seen = [], [root], set()
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        out.append(m)
+        compiled = (type(m).__name__ == "OptimizedModule"
+                    or getattr(m, "_compiled_call_impl", None) is not None)
+        if not compiled:
+            stack.extend(m.children())
+    return out
+
+
+def targets_of(fence: Any) -> list:
+    """The optimizers and modules of ``fence`` (one, or a list or tuple of them).
+    Raises CheckpointError for anything else (before any copy)."""
+    if fence is None:
+        return []
+    items = list(fence) if isinstance(fence, (list, tuple)) else [fence]
+    for f in items:
+        if not isinstance(f, (torch.optim.Optimizer, torch.nn.Module)):
+            raise CheckpointError(f"fence must be an optimizer or module (or a list of them), "
+                                  f"not {type(f).__name__}")
+    return items
+
+
+class Versions:
+    """The version counters of a snapshot's live tensors, read at the call (in the
+    training thread), to find a write the fence did not hold back. O(tensors), no I/O.
+    ``name_of(i)`` names the i-th tensor (called only for an error)."""
+
+    def __init__(self, tensors: list[torch.Tensor], name_of: Callable[[int], str]) -> None:
+        self._tensors = tensors
+        self._at_call = [t._version for t in tensors]
+        self._name_of = name_of
+
+    def changed(self) -> str | None:
+        """The name of the first tensor written in place since the call, or None."""
+        for i, (t, v) in enumerate(zip(self._tensors, self._at_call)):
+            if t._version != v:
+                return self._name_of(i)
+        return None
+
+    def error(self, where: str, rank: int | None = None) -> CheckpointError | None:
+        """A CheckpointError naming the tensor written since the call (and ``rank``),
+        or None."""
+        name = self.changed()
+        if name is None:
+            return None
+        who = "" if rank is None else f"rank {rank}: "
+        return CheckpointError(
+            f"{who}tensor {name!r} changed while {where}: it was written in place after the "
+            "save was called, by something the fence does not hold back (the fenced "
+            "optimizers' step() and the fenced modules' forward wait; a manual "
+            "p.add_(), an EMA update or a load do not). Fence that too (save(..., "
+            "fence=)) or call wait_snapshot() before changing it. The save is not "
+            "committed")
+
+    @classmethod
+    def of_state(cls, state: Any) -> "Versions":
+        """The counters of every tensor of a resolved ``state`` (a live view: nested
+        containers of live tensors), named by key. A DTensor's own counter is read,
+        not its local shard's: an in-place op on a DTensor bumps only the former."""
+        from .staging import walk_state
+
+        named: dict[str, torch.Tensor] = {}
+
+        def leaf(key: str, t: torch.Tensor) -> torch.Tensor:
+            named[key] = t
+            return t
+
+        def wrap(key: str, d: Any, _local: torch.Tensor) -> Any:
+            named[key] = d
+            return d
+
+        walk_state(state, leaf, wrap)
+        keys = list(named)
+        return cls([named[k] for k in keys], lambda i: keys[i])
+
+
+def releaser(done: threading.Event, versions: Versions, where: str,
+             rank: int | None = None) -> Callable[[], None]:
+    """The callable a writer of live tensors calls once it no longer reads them (the
+    ``written`` of :func:`dckpt.tiers.local.save_local`): the first call checks
+    ``versions`` and raises the error naming a tensor written since the call, so that
+    the save fails instead of committing it, unless an exception is already on its
+    way (that one is the save's error); every call then sets ``done``, the fence's
+    event. Idempotent once the check ran."""
+    checked = [False]
+
+    def release() -> None:
+        err = None
+        try:
+            if not checked[0]:
+                checked[0] = True
+                if sys.exc_info()[1] is None:
+                    err = versions.error(where, rank)
+        finally:
+            done.set()  # after the check: a fenced writer bumps nothing before it
+        if err is not None:
+            raise err
+
+    return release
