@@ -400,7 +400,8 @@ def test_import_damaged_dcp_data_commits_nothing(tmp_path):
     with pytest.warns(UserWarning):
         dcp.save({"a": torch.ones(300), "b": torch.ones(300)}, checkpoint_id=str(src))
     data = next(p for p in src.iterdir() if p.suffix == ".distcp")
-    data.write_bytes(data.read_bytes()[:-200])  # the tensor written last loses its end
+    raw = data.read_bytes()  # the tensor written last loses its end (same file size: a
+    data.write_bytes(raw[:-200] + bytes(200))  # shorter file fails the import's size check)
     with pytest.raises(dckpt.CheckpointError, match=r"DCP checkpoint .*dcp failed: Runtime"):
         dckpt.import_checkpoint(str(src), str(tmp_path / "imp"), max_shard_size=1200)
     assert os.listdir(tmp_path / "imp") == []

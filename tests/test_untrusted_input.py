@@ -322,3 +322,125 @@ def test_import_checks_the_manifest_it_commits_as_load_would(tmp_path, monkeypat
     with pytest.raises(CheckpointError, match=r"would not load.*tensor 'w'"):
         dckpt.import_checkpoint(str(src), str(dst))
     assert os.listdir(dst) == []
+
+
+# ------------------------------------------------------------------ 1.5 DCP sizes
+
+def _dcp_dir(tmp_path) -> str:
+    import torch.distributed.checkpoint as dcp
+
+    src = str(tmp_path / "dcp")
+    sd = {"w": torch.randn(9, 4), "b": torch.ones(5, dtype=torch.bfloat16),
+          "e": torch.zeros(0, 4), "s": torch.tensor(2.0), "n": 3}
+    with pytest.warns(UserWarning):  # DCP's "assuming ... a single process"
+        dcp.save(sd, checkpoint_id=src)
+    return src
+
+
+def _edit_metadata(src: str, edit) -> None:
+    """Rewrite DCP's ``.metadata`` (our own file here: plain pickle is fine) after
+    ``edit(md)``."""
+    import pickle
+
+    path = os.path.join(src, ".metadata")
+    with open(path, "rb") as f:
+        md = pickle.load(f)
+    edit(md)
+    with open(path, "wb") as f:
+        pickle.dump(md, f)
+
+
+def _storage(md, fqn: str):
+    return next(k for k in md.storage_data if k.fqn == fqn)
+
+
+def _set_size(fqn: str, size, chunk=None):
+    def edit(md):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        m = md.state_dict_metadata[fqn]
+        m.size = size
+        if chunk is not None:  # one chunk, the whole (declared) tensor, same storage
+            key = _storage(md, fqn)
+            info = md.storage_data.pop(key)
+            m.chunks = [ChunkStorageMetadata(torch.Size(chunk[0]), torch.Size(chunk[1]))]
+            md.storage_data[type(key)(fqn, chunk[0], 0)] = info
+    return edit
+
+
+def _set_storage(fqn: str, **kw):
+    def edit(md):
+        info = md.storage_data[_storage(md, fqn)]
+        for k, v in kw.items():
+            setattr(info, k, v)
+    return edit
+
+
+def _same_storage(fqn: str, as_fqn: str):
+    def edit(md):
+        md.storage_data[_storage(md, fqn)] = md.storage_data[_storage(md, as_fqn)]
+    return edit
+
+
+DCP_LIES = {
+    # a shape whose chunks still say 9 x 4: they do not cover it
+    "huge-shape": (_set_size("w", torch.Size([2**40, 2**20])), r"'w'.*cover"),
+    # shape and chunk agree; the stored bytes (1.7 KB) cannot hold 4 TiB
+    "huge-chunk": (_set_size("w", torch.Size([2**40, 2**20]), ([0, 0], [2**40, 2**20])),
+                   r"'w'.*declares 4611686018427387904 bytes.*__0_0\.distcp holds 1\d\d\d bytes"),
+    "negative-size": (_set_size("w", torch.Size([-3, 4])), r"'w'.*size"),
+    "int-size": (_set_size("w", 36), r"'w'.*size"),
+    "str-dtype": (lambda md: setattr(md.state_dict_metadata["w"].properties, "dtype", "f32"),
+                  r"'w'.*dtype"),
+    "chunk-outside": (_set_size("b", torch.Size([5]), ([3], [5])), r"'b'.*chunk"),
+    "past-end-of-file": (_set_storage("w", offset=10**9), r"'w'.*__0_0\.distcp.*end"),
+    "negative-length": (_set_storage("w", length=-5), r"'w'.*length"),
+    "missing-file": (_set_storage("w", relative_path="nope.distcp"), r"'w'.*nope\.distcp"),
+    "outside-dir": (_set_storage("w", relative_path="../x.distcp"), r"'w'.*x\.distcp"),
+    "shared-bytes": (_same_storage("b", "w"), r"overlap"),
+    "no-storage": (lambda md: md.storage_data.pop(_storage(md, "w")), r"'w'.*no storage"),
+    "bytes-past-end": (_set_storage("n", length=10**9), r"'n'.*end"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DCP_LIES))
+def test_dcp_import_checks_declared_sizes_against_the_files(tmp_path, case):
+    """Every size, offset and storage reference of a ``.metadata`` is checked against
+    the files' bytes before anything is planned or allocated: each lie is a
+    CheckpointError naming the key, within seconds (a 2**40 x 2**20 shape looped for
+    minutes; a negative or non-list size was a raw RuntimeError/TypeError)."""
+    import subprocess
+    import sys
+
+    src = _dcp_dir(tmp_path)
+    edit, want = DCP_LIES[case]
+    _edit_metadata(src, edit)
+    dst = str(tmp_path / "imp")
+    # In a child process with a deadline: the unchecked import of a huge shape never ends.
+    code = ("import sys, dckpt\n"
+            "try:\n"
+            f"    dckpt.import_checkpoint({src!r}, {dst!r})\n"
+            "except Exception as e:\n"
+            "    print(type(e).__name__, isinstance(e, dckpt.CheckpointError), str(e))\n"
+            "else:\n"
+            "    print('imported')\n")
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60).stdout.strip()
+    assert time.perf_counter() - t0 < 30
+    kind, is_ckpt, msg = (out.split(" ", 2) + ["", ""])[:3]
+    assert is_ckpt == "True", out
+    import re
+
+    assert re.search(want, msg), msg
+    assert not os.path.exists(os.path.join(dst, mf.MANIFEST_NAME))
+
+
+def test_dcp_import_of_a_sound_checkpoint_still_restores(tmp_path):
+    """The checks refuse nothing DCP writes: values, bf16, 0-d and empty tensors."""
+    src = _dcp_dir(tmp_path)
+    dst = str(tmp_path / "imp")
+    dckpt.import_checkpoint(src, dst)
+    got = dckpt.load({"w": torch.zeros(9, 4), "b": torch.zeros(5, dtype=torch.bfloat16),
+                      "e": torch.zeros(0, 4), "s": torch.tensor(0.0), "n": 0}, dst)
+    assert got["b"].eq(1).all() and got["s"].item() == 2.0 and got["n"] == 3

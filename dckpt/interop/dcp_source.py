@@ -26,6 +26,7 @@ from ..errors import CheckpointError, UnsupportedValueError, preview
 from ..format.dtypes import to_code
 from ..state.flatten import flatten
 from .common import trim_heap
+from .dcp_check import check_metadata
 from .sources import Source, SourceTensor, _rows
 
 log = logging.getLogger("dckpt.interop")
@@ -130,6 +131,7 @@ class DCPSource(Source):
 
         self.src = src
         self.md = read_metadata(src)
+        check_metadata(self.md, src)  # sizes against the files' bytes, before any use
         self.cache: dict[str, torch.Tensor] = {}
         self.meta_of: dict[str, Any] = {}
         self.tensors, byte_keys = [], []
