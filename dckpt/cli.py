@@ -10,6 +10,7 @@ import argparse
 import datetime as _dt
 import json
 import logging
+import os
 import re
 import sys
 import traceback
@@ -297,12 +298,29 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        return args.fn(args)
+        rc = args.fn(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return rc
+    except BrokenPipeError:
+        return _closed_pipe()
     except Exception as e:  # one line and exit 2 whatever failed; the traceback under -v
         if args.verbose:
             traceback.print_exc()
         print(f"dckpt {args.cmd}: {_message(e, args.verbose)}", file=sys.stderr)
         return 2
+
+
+def _closed_pipe() -> int:
+    """The reader of stdout went away (``dckpt inspect ... | head``): end quietly, as
+    Unix tools do, with the status a SIGPIPE death gives (128 + 13). Python's own
+    recipe: stdout now points at /dev/null, so the interpreter's final flush of what
+    is still buffered cannot fail again and print a traceback."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a real file (a test's capture)
+        pass
+    return 141
 
 
 # Errors whose message says it all: ours, the file system's, an unknown fsspec protocol

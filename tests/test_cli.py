@@ -283,3 +283,33 @@ def test_s3_unreachable_endpoint_is_one_line_naming_the_object_and_exit_2(monkey
         assert "s3://nobucket/run/step-1/manifest.json" in err and "Timeout" in err, err
     finally:
         s.close()
+
+
+def _run_piped_into_head(argv: list[str], pythonpath: str | None = None) -> tuple[int, str, str]:
+    """``python -m dckpt ARGV | head -1`` with real processes and a real pipe: (dckpt's
+    exit status, head's output, dckpt's stderr)."""
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    # cwd: not a directory that holds a dckpt package (``-m`` puts the cwd first)
+    p = subprocess.Popen([sys.executable, "-m", "dckpt", *argv], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=env, cwd=os.path.dirname(argv[-1]))
+    head = subprocess.Popen(["head", "-1"], stdin=p.stdout, stdout=subprocess.PIPE)
+    p.stdout.close()  # only head holds the read end: when it exits, the pipe is closed
+    first = head.communicate(timeout=120)[0].decode()
+    err = p.stderr.read().decode()
+    p.wait(timeout=120)
+    return p.returncode, first, err
+
+
+def test_inspect_into_head_ends_quietly_on_the_closed_pipe(tmp_path):
+    """Issue 27 (4): ``dckpt inspect ... | head -1`` printed ``[Errno 32] Broken pipe``.
+    The table is far bigger than a pipe's buffer, so dckpt is still writing when head
+    exits: it must end quietly with the SIGPIPE status, as Unix tools do."""
+    path = str(tmp_path / "step-1")
+    dckpt.save({f"layer{i:05d}.weight": torch.zeros(1) for i in range(3000)}, path)
+    for argv in (["inspect", path], ["inspect", "--json", path]):
+        rc, first, err = _run_piped_into_head(argv)
+        assert first.startswith("checkpoint " if "--json" not in argv else "{"), first
+        assert err == "", err
+        assert rc in (0, 141), (rc, err)
