@@ -77,6 +77,18 @@ def root_identity(storage, root: str, url: str) -> str:
     raise CheckpointError(f"could not establish the run id in {path}")
 
 
+def failure_causes(e: BaseException) -> str:
+    """``e``'s failing ranks and each one's cause ("failed on ranks 1, 2: rank 1: ...;
+    rank 2: ..."), from its ``failures`` when it was gathered from several ranks, else
+    its type and message. Pure."""
+    failures = getattr(e, "failures", None)
+    if not failures:
+        return f"{type(e).__name__}: {e}"
+    ranks = sorted(failures)
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+    return f"failed on {who}: " + "; ".join(f"rank {r}: {failures[r]}" for r in ranks)
+
+
 class RestoreMixin:
     """:meth:`restore` and what it needs. Every public method is collective."""
 
@@ -135,8 +147,8 @@ class RestoreMixin:
             try:
                 self._load(c.step, state)
             except (IntegrityError, NotCommittedError) as e:
-                log.warning("checkpoint step %d under %s is unusable, trying an older one: %s",
-                            c.step, self._root_arg, e)
+                self._warn_once("checkpoint step %d under %s is unusable, trying an older "
+                                "one: %s", c.step, self._root_arg, failure_causes(e))
                 tried.append(f"step {c.step}: {type(e).__name__}: {e}")
                 continue
             return self._restored(c.step, "durable", state)
@@ -159,10 +171,17 @@ class RestoreMixin:
         except Exception as e:
             if not fallback_worthy(e):
                 raise
-            log.warning("step %d in the fast tier could not be restored, trying the next "
-                        "newest: %s", step, e)
+            # Each rank read its own local_root: name the failing ranks and their causes,
+            # not the directory of the rank that logs.
+            self._warn_once("step %d in the fast tier could not be restored, trying the next "
+                            "newest: %s", step, failure_causes(e))
             tried.append(f"step {step} (local): {type(e).__name__}: {e}")
             return False
+
+    def _warn_once(self, msg: str, *args: Any) -> None:
+        """Log a warning about an error every rank raised alike (a gathered one): rank 0
+        logs it, the other ranks at debug level, so a job's log holds it once."""
+        log.log(logging.WARNING if self.comm.rank == 0 else logging.DEBUG, msg, *args)
 
     def _observe_failures(self, restored: bool) -> None:
         """``every_steps="auto"`` without ``mtbf_hours``: update the MTBF estimate from
