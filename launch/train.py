@@ -39,6 +39,11 @@ log = logging.getLogger("train")
 
 
 class TinyLM(nn.Module):
+    """Embedding, residual MLP blocks, head. Works on one row per token, (batch * seq,
+    width): a Linear on a 3-D input returns a *view* of its 2-D product, and FSDP2 warns
+    when a module it wraps (each block, the model) returns a view, since an in-place op
+    on it would skip the pre-backward all-gather. On 2-D inputs every output is fresh."""
+
     def __init__(self, vocab: int, width: int, depth: int, dropout: float) -> None:
         super().__init__()
         self.emb = nn.Embedding(vocab, width)
@@ -49,7 +54,8 @@ class TinyLM(nn.Module):
         self.head = nn.Linear(width, vocab)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.emb(tokens)
+        """``tokens`` (batch, seq) -> logits (batch * seq, vocab), row-major."""
+        h = self.emb(tokens.reshape(-1))
         for b in self.blocks:
             h = h + b(h)
         return self.head(h)

@@ -95,3 +95,14 @@ def test_fast_tier_restart_resumes_from_local_and_is_bitwise_identical(tmp_path)
     assert sha(run) == sha(ref)
     assert sorted(n for n in os.listdir(tmp_path / "b") if not n.startswith(".dckpt-")) == [
         "step-00000012"]  # .dckpt-*: the save history
+
+
+def test_demo_model_does_not_trip_fsdp2_view_warning(tmp_path):
+    """The demo's FSDP2-wrapped modules return fresh tensors, not views: torch warns that
+    an in-place op on a view output "can cause backward to fail or produce wrong
+    gradients", which a user's first run must not print (issue 27, 7)."""
+    run = Run(2, "--steps", "2", "--every", "2", "--ckpt-root", str(tmp_path))
+    assert run.finish() == 0, run.text[-3000:]
+    assert "final step 2 params sha256" in run.text, run.text[-3000:]
+    assert "returned a view tensor" not in run.text, run.text[-3000:]
+    assert "Warning" not in run.text, run.text[-3000:]
