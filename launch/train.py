@@ -9,8 +9,10 @@ resumable sampler over one global stream of samples (--data sampler, launch/data
 whose position is checkpointed: after a restart at another world size it continues with
 the next unseen samples. A CheckpointManager saves every --every steps, keeps
 --keep-last, restores on start-up (also after a restart at another world size) and, with
---save-on-sigterm, writes a final checkpoint when the job is preempted. Rank 0 logs
-progress and, at the end, a SHA-256 of the full parameters (to compare runs).
+--save-on-sigterm, writes a final checkpoint when the job is preempted. With a fast tier
+(--local-root), the last step is saved and staged durable (--no-final-durable: only as
+the policy says). Rank 0 logs progress and, at the end, a SHA-256 of the full parameters
+(to compare runs).
 
 Under torchrun, ranks meet through a store of their rendezvous round (init_distributed),
 so restarts and membership changes with several agents (--nnodes=1:2) reconnect cleanly;
@@ -74,6 +76,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with --local-root: saves at least this many steps apart go durable "
                         "(default: every save)")
     p.add_argument("--keep-last-local", type=int, default=1)
+    p.add_argument("--final-durable", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --local-root: save the last step with force=True, so it is "
+                        "staged to --ckpt-root whatever --every/--durable-every say (a "
+                        "manager's close() does not make the last local save durable)")
     p.add_argument("--async-save", action="store_true")
     p.add_argument("--dcp", action="store_true",
                    help="benchmark baseline: save the same state with DCP's async_save "
@@ -243,7 +249,10 @@ def main(argv=None) -> None:
         state["step"] = step
         if args.step_sleep:
             time.sleep(args.step_sleep)
-        mgr.save(step, state)  # may exit cleanly here after SIGTERM, checkpoint written
+        # With a fast tier, the run's end must outlive the node: close() does not stage
+        # the last local save, so force it (saved, and staged durable).
+        final = step == args.steps and args.final_durable and args.local_root is not None
+        mgr.save(step, state, force=final)  # may exit cleanly here after SIGTERM
         if step % args.log_every == 0 or step == args.steps:
             log.info("step %d loss %.4f lr %.2e (%.3f s/step)", step, loss.item(),
                      sched.get_last_lr()[0], (time.perf_counter() - t0) / (step - start))
@@ -272,10 +281,10 @@ class _DcpSaver:
         self.stager = DefaultStager(StagingOptions(False, False, False, False))
         self.pending = None
 
-    def save(self, step: int, state: dict) -> None:
+    def save(self, step: int, state: dict, force: bool = False) -> None:
         import torch.distributed.checkpoint as dcp
 
-        if step % self.every:
+        if step % self.every and not force:
             return
         if self.pending is not None:
             self.pending.result()

@@ -106,3 +106,24 @@ def test_demo_model_does_not_trip_fsdp2_view_warning(tmp_path):
     assert "final step 2 params sha256" in run.text, run.text[-3000:]
     assert "returned a view tensor" not in run.text, run.text[-3000:]
     assert "Warning" not in run.text, run.text[-3000:]
+
+
+def _durable_steps(root) -> list[str]:
+    return sorted(n for n in os.listdir(root) if n.startswith("step-")
+                  and os.path.exists(os.path.join(root, n, "manifest.json")))
+
+
+def test_fast_tier_run_makes_its_final_step_durable_by_default(tmp_path):
+    """With a fast tier, the run's last save is forced durable (--final-durable, on by
+    default): without it, steps below --durable-every apart stay node-local only, and a
+    lost node would lose the run's end (issue 27, 8)."""
+    tier = ["--every", "4", "--durable-every", "100", "--log-every", "4"]
+    run = Run(2, "--steps", "8", "--ckpt-root", str(tmp_path / "a"),
+              "--local-root", str(tmp_path / "shm-a"), *tier)
+    assert run.finish() == 0, run.text[-3000:]
+    assert _durable_steps(tmp_path / "a") == ["step-00000008"], run.text[-3000:]
+    off = Run(2, "--steps", "8", "--ckpt-root", str(tmp_path / "b"),
+              "--local-root", str(tmp_path / "shm-b"), "--no-final-durable", *tier)
+    assert off.finish() == 0, off.text[-3000:]
+    assert _durable_steps(tmp_path / "b") == [], off.text[-3000:]  # local only
+    assert "step 8 committed in the fast tier" in off.text
