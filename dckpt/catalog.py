@@ -1,4 +1,8 @@
-"""Finding checkpoints under a root, describing them, and removing leftovers (gc)."""
+"""Finding checkpoints under a root, describing them, and removing leftovers (gc).
+
+A root may hold durable checkpoints (``manifest.json``) and fast-tier steps (a
+``local_root``'s ``step-<N>/`` with one ``manifest-<rank>.json`` view per rank of this
+node, see :mod:`dckpt.catalog_local`): both are listed and measured."""
 from __future__ import annotations
 
 import logging
@@ -8,6 +12,7 @@ from dataclasses import dataclass
 from .protocol import intent as _intent
 from .protocol.coordinator import DATA_FILE, TEMP_MANIFEST
 from .protocol.intent import INTENT_FILE, live_save_ids
+from .catalog_local import STEP_DIR, is_local_step, read_local_step
 from .errors import CheckpointError
 from .format import manifest as mf
 from .storage.fsspec_storage import FsspecStorage, Upload, make_storage
@@ -30,6 +35,8 @@ class CheckpointSummary:
     world_size: int
     created: float
     problem: str = ""
+    tier: str = "durable"  # or "local": a fast-tier step (committed: complete on this node)
+    views: tuple[int, ...] = ()  # a fast-tier step's ranks whose view is here
 
 
 def _shown_root(root: str, storage, base: str) -> str:
@@ -50,7 +57,7 @@ def _open_root(root: str, storage_options: dict | None, uploads_only: bool = Fal
     if not storage.exists(base):
         if uploads_only and _uploads_or_none(storage, base, root):
             return storage, base, _shown_root(root, storage, base)
-        raise CheckpointError(f"{root} does not exist")
+        raise CheckpointError(f"no such path: {root}")
     if not storage.is_dir(base):
         raise CheckpointError(f"{root} is not a directory")
     return storage, base, _shown_root(root, storage, base)
@@ -75,13 +82,72 @@ def _read(storage, path: str, shown: str | None = None):
 
 
 def _summary(storage, path: str, shown: str) -> CheckpointSummary | None:
-    return _read(storage, path, shown)[1]
+    """A durable checkpoint's summary, else a fast-tier step's (one more listing), else
+    None."""
+    s = _read(storage, path, shown)[1]
+    if s is not None:
+        return s
+    try:
+        names = {e.name: e.size for e in storage.listdir(path) if not e.is_dir}
+    except FileNotFoundError:
+        return None  # removed since the listing of its parent
+    return _local_summary(storage, path, shown, names) if is_local_step(names) else None
+
+
+def _local_summary(storage, path: str, shown: str, names: dict) -> CheckpointSummary:
+    st = read_local_step(storage, path, shown, names)
+    m = st.first
+    return CheckpointSummary(shown, st.complete, st.bytes, st.files,
+                             len(m.tensors) if m else 0, st.world_size,
+                             m.created if m else 0.0, "" if st.complete else st.state(),
+                             "local", tuple(sorted(st.views)))
+
+
+def _step_order(name: str) -> tuple:
+    m = STEP_DIR.match(name)
+    return (0, int(m.group(1)), name) if m else (1, 0, name)
+
+
+def expect_checkpoint(storage, base: str, given: str) -> str | None:
+    """Say what is at ``base`` (typed as ``given``) when it holds no ``manifest.json``:
+    returns ``"local"`` for a fast-tier step (its rank views), None for a directory that
+    holds neither (a save that did not finish: the caller keeps its own message).
+    Raises CheckpointError "no such path: X" when nothing is there, "X is a file, not
+    a checkpoint directory", or, for a root of checkpoints, "X is a root holding
+    step-10 ... step-40 (4 checkpoints): name one of them". I/O: one listing, plus one
+    listing per subdirectory (only on this error path)."""
+    if not storage.exists(base):
+        raise CheckpointError(f"no such path: {given}")
+    if not storage.is_dir(base):
+        raise CheckpointError(f"{given} is a file, not a checkpoint directory")
+    entries = storage.listdir(base)
+    if is_local_step([e.name for e in entries if not e.is_dir]):
+        return "local"
+    held = []
+    for e in entries:
+        if not e.is_dir:
+            continue
+        try:
+            names = [x.name for x in storage.listdir(storage.join(base, e.name)) if not x.is_dir]
+        except OSError:
+            continue
+        if mf.MANIFEST_NAME in names or is_local_step(names):
+            held.append(e.name)
+    if not held:
+        return None
+    held.sort(key=_step_order)
+    what = ", ".join(held) if len(held) <= 2 else f"{held[0]} ... {held[-1]}"
+    n = f"{len(held)} checkpoint" + ("s" if len(held) > 1 else "")
+    raise CheckpointError(f"{given} is a root holding {what} ({n}): name one of them")
 
 
 def list_checkpoints(root: str, storage_options: dict | None = None) -> list[CheckpointSummary]:
     """Committed checkpoints at ``root`` and in its direct subdirectories, sorted by
-    path (``root`` as given, so an fsspec URL keeps its scheme). One listing plus one
-    manifest read per subdirectory; no data file is read; links are not followed.
+    path (``root`` as given, so an fsspec URL keeps its scheme), and fast-tier steps
+    (``tier="local"``, complete on this node or not: ``problem`` says what is missing).
+    One listing plus one manifest read per subdirectory (one more listing and a read
+    per view where there is no manifest.json); no data file is read; links are not
+    followed.
     Raises CheckpointError when ``root`` does not exist or is not a directory, or naming
     the object when the storage fails."""
     try:
@@ -341,8 +407,9 @@ class Usage:
 def disk_usage(root: str, storage_options: dict | None = None) -> tuple[list[Usage], int]:
     """(per committed checkpoint under ``root``: bytes owned and bytes referenced in
     siblings; total bytes of every file under ``root`` and its direct subdirectories,
-    each counted once). One listing and one manifest read per directory. Raises
-    CheckpointError as :func:`list_checkpoints`."""
+    each counted once). One listing and one manifest read per directory; a fast-tier
+    step counts the files of the ranks whose view is here as its own (it references
+    nothing). Raises CheckpointError as :func:`list_checkpoints`."""
     try:
         storage, base, shown = _open_root(root, storage_options)
         total, out = 0, []
@@ -350,10 +417,13 @@ def disk_usage(root: str, storage_options: dict | None = None) -> tuple[list[Usa
                                   for e in sorted(storage.listdir(base), key=lambda e: e.name)
                                   if e.is_dir and not e.is_link]
         for d, sh in dirs:
-            total += sum(e.size for e in storage.listdir(d) if not e.is_dir)
+            names = {e.name: e.size for e in storage.listdir(d) if not e.is_dir}
+            total += sum(names.values())
             m, _ = _read(storage, d)
             if m is not None:
                 out.append(Usage(sh, m.total_bytes, m.referenced_bytes))
+            elif is_local_step(names):
+                out.append(Usage(sh, read_local_step(storage, d, sh, names).bytes, 0))
         return out, total
     except OSError as e:
         raise CheckpointError(f"measuring {root} failed: {e}") from e

@@ -15,7 +15,7 @@ import re
 import sys
 import traceback
 
-from .errors import CheckpointError
+from .errors import CheckpointError, NotCommittedError
 from .progress import size_text
 
 
@@ -36,31 +36,59 @@ def cmd_ls(args) -> int:
     if not found:
         print(f"no checkpoints under {args.root}")
         return 0
-    rows = [[s.path, "committed" if s.committed else f"BROKEN: {s.problem}", size_text(s.bytes),
-             str(s.files), str(s.tensors), str(s.world_size), _when(s.created)] for s in found]
-    print(_table(rows, ["path", "state", "size", "files", "tensors", "ranks", "saved"]))
+    rows = [[s.path, _state(s), size_text(s.bytes), str(s.files), str(s.tensors),
+             str(s.world_size), _when(s.created)] for s in found]
+    header = ["path", "state", "size", "files", "tensors", "ranks", "saved"]
+    if any(s.tier == "local" for s in found):  # a local_root: which ranks' views are here
+        from .catalog_local import ranks_text
+
+        header.insert(6, "views")
+        for r, s in zip(rows, found):
+            r.insert(6, ranks_text(s.views) if s.tier == "local" else "-")
+    print(_table(rows, header))
     return 0
 
 
+def _state(s) -> str:
+    if s.tier == "local":
+        return "local: complete on this node" if s.committed else f"local: {s.problem}"
+    return "committed" if s.committed else f"BROKEN: {s.problem}"
+
+
 def cmd_inspect(args) -> int:
-    from .catalog import inherited, sharding
     from .protocol.restore import read_manifest
     from .storage.fsspec_storage import make_storage
 
     storage, root = make_storage(args.path, _opts(args))
-    m, raw = read_manifest(storage, root)
+    try:
+        m, raw = read_manifest(storage, root)
+    except NotCommittedError:
+        from .catalog import expect_checkpoint
+
+        if expect_checkpoint(storage, root, args.path) != "local":  # raises for a wrong path
+            raise
+        from .cli_tier import inspect_local
+
+        return inspect_local(storage, root, _shown(args.path, root), args)
     if args.json:
         print(raw.decode())
         return 0
     print(f"checkpoint {_shown(args.path, root)}\n  saved {_when(m.created)} by {m.world_size} rank(s), "
           f"{len(m.files)} file(s), {size_text(m.total_bytes)}, save id {m.save_id}\n")
+    print_tensors(m)
+    return 0
+
+
+def print_tensors(m) -> None:
+    """A manifest's tensor table and, if any, its JSON values."""
+    from .catalog import inherited, sharding
+
     rows = [[k, t.dtype, "x".join(map(str, t.shape)) or "scalar", sharding(t),
              str(len(t.chunks)), size_text(t.nbytes), inherited(m, t)] for k, t in m.tensors.items()]
     print(_table(rows, ["tensor", "dtype", "shape", "sharding", "chunks", "bytes", "inherited"]))
     if m.values:
         print()
         print(_table([[k, json.dumps(v)] for k, v in m.values.items()], ["value", "json"]))
-    return 0
 
 
 def cmd_du(args) -> int:
@@ -81,10 +109,15 @@ def cmd_verify(args) -> int:
 
     r = verify_checkpoint(args.path, _opts(args))
     shown = _shown(args.path, r.path)
+    what = shown
+    if r.views:  # a fast-tier step: what this node holds
+        from .catalog_local import ranks_text
+
+        what += f" (fast-tier step, views of rank(s) {ranks_text(r.views)}: {r.note})"
     if r.ok:
-        print(f"OK {shown}: {r.files} file(s), {size_text(r.bytes_checked)} checked")
+        print(f"OK {what}: {r.files} file(s), {size_text(r.bytes_checked)} checked")
         return 0
-    print(f"FAILED {shown}: {len(r.problems)} problem(s)")
+    print(f"FAILED {what}: {len(r.problems)} problem(s)")
     for p in r.problems:
         print(f"  - {_as_typed(p, r.path, shown)}")
     return 1
@@ -109,9 +142,21 @@ def cmd_gc(args) -> int:
 def cmd_export(args) -> int:
     from .interop import export
 
-    info = export(args.ckpt, args.out_dir, prefix=args.prefix, dtype=args.dtype,
-                  max_shard_size=args.max_shard_size, storage_options=_opts(args),
-                  overwrite=args.overwrite)
+    try:
+        info = export(args.ckpt, args.out_dir, prefix=args.prefix, dtype=args.dtype,
+                      max_shard_size=args.max_shard_size, storage_options=_opts(args),
+                      overwrite=args.overwrite)
+    except NotCommittedError:
+        from .catalog import expect_checkpoint
+        from .storage.fsspec_storage import make_storage
+
+        storage, root = make_storage(args.ckpt, _opts(args))
+        if expect_checkpoint(storage, root, args.ckpt) == "local":  # raises for a wrong path
+            raise CheckpointError(
+                f"{args.ckpt} is a fast-tier step (rank views manifest-<rank>.json, no "
+                "manifest.json): export reads a durable checkpoint; export its durable "
+                "copy, or restore this step with CheckpointManager") from None
+        raise
     print(f"exported {info.tensors} tensor(s), {size_text(info.bytes)}, to {args.out_dir} in "
           f"{len(info.files)} file(s) ({info.seconds:.1f} s)")
     return 0
@@ -217,18 +262,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--storage-options", help="JSON object of fsspec storage options")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress; a traceback on error")
     sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("ls", help="list committed checkpoints under ROOT")
+    from .cli_tier import FAST_TIER
+
+    s = sub.add_parser("ls", help="list committed checkpoints under ROOT, or the steps of a "
+                                  "fast-tier directory (local_root) and their ranks' views",
+                       description="List the committed checkpoints at ROOT and in its "
+                       "direct subdirectories. " + FAST_TIER)
     s.add_argument("root")
     s.set_defaults(fn=cmd_ls)
-    s = sub.add_parser("inspect", help="show every tensor of a checkpoint")
+    s = sub.add_parser("inspect", help="show every tensor of a checkpoint or fast-tier step",
+                       description="Show a checkpoint's save, tensors and values. PATH may "
+                       "be a fast-tier step (local_root/step-<N>): its ranks' views and "
+                       "files on this node too. " + FAST_TIER.replace("ROOT", "Its parent"))
     s.add_argument("path")
-    s.add_argument("--json", action="store_true", help="print the raw manifest")
+    s.add_argument("--json", action="store_true", help="print the raw manifest (of a "
+                                                        "fast-tier step: one rank's view)")
+    s.add_argument("--rank", type=int, help="a fast-tier step: the rank whose view is shown "
+                                            "(default the lowest here)")
     s.set_defaults(fn=cmd_inspect)
     s = sub.add_parser("du", help="bytes each checkpoint under ROOT owns and references "
-                                  "(incremental), and the total on disk")
+                                  "(incremental), and the total on disk",
+                       description="Bytes each checkpoint under ROOT owns and references in "
+                       "its siblings (incremental saves), and the total on disk (each file "
+                       "once). A fast-tier step owns its ranks' files on this node. "
+                       + FAST_TIER)
     s.add_argument("root")
     s.set_defaults(fn=cmd_du)
-    s = sub.add_parser("verify", help="check every checksum; exit 1 listing failures")
+    s = sub.add_parser("verify", help="check every checksum; exit 1 listing failures",
+                       description="Read every byte of a checkpoint and check its checksums; "
+                       "exit 1 listing each failure (file, byte range, tensor region). PATH "
+                       "may be a fast-tier step (local_root/step-<N>): what this node holds "
+                       "is checked (each rank's view and its files). "
+                       + FAST_TIER.replace("ROOT", "Its parent"))
     s.add_argument("path")
     s.set_defaults(fn=cmd_verify)
     s = sub.add_parser("gc", help="remove leftovers of failed saves under ROOT (on S3 also "

@@ -67,7 +67,52 @@ def test_verify_not_a_checkpoint(tmp_path, capsys):
 
 def test_inspect_missing_is_clean_error(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "nope")]) == 2
-    assert "no committed checkpoint" in capsys.readouterr().err
+    assert capsys.readouterr().err == f"dckpt inspect: no such path: {tmp_path / 'nope'}\n"
+
+
+@pytest.mark.parametrize("cmd", ["ls", "du", "inspect", "verify", "export", "gc"])
+def test_a_missing_path_is_no_such_path_for_every_command(tmp_path, capsys, cmd):
+    """Issue 27 (3): ls/du said "does not exist", inspect/verify/export that the save
+    "did not finish". One wording everywhere, exit 2."""
+    missing = str(tmp_path / "nope")
+    argv = [cmd, missing] + ([str(tmp_path / "out")] if cmd == "export" else [])
+    assert main(argv) == 2
+    assert capsys.readouterr().err == f"dckpt {cmd}: no such path: {missing}\n"
+
+
+@pytest.mark.parametrize("cmd", ["inspect", "verify", "export"])
+def test_a_root_where_one_checkpoint_is_expected_names_its_checkpoints(tmp_path, capsys, cmd):
+    """Issue 27 (3): a root of checkpoints given to inspect/verify/export said its save
+    "did not finish"; it says what is there and asks for one of them."""
+    root = tmp_path / "run"
+    for n in (10, 20, 30, 40):
+        dckpt.save({"w": torch.zeros(2), "step": n}, str(root / f"step-{n}"))
+    (root / "logs").mkdir()  # not a checkpoint: not named
+    argv = [cmd, str(root)] + ([str(tmp_path / "out")] if cmd == "export" else [])
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (f"dckpt {cmd}: {root} is a root holding step-10 ... "
+                                       "step-40 (4 checkpoints): name one of them\n")
+    two = tmp_path / "two"
+    for n in (10, 20):
+        dckpt.save({"w": torch.zeros(2)}, str(two / f"step-{n}"))
+    argv[1] = str(two)
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (f"dckpt {cmd}: {two} is a root holding step-10, step-20 "
+                                       "(2 checkpoints): name one of them\n")
+
+
+@pytest.mark.parametrize("cmd", ["inspect", "verify", "export"])
+def test_a_save_that_did_not_finish_keeps_its_message(tmp_path, capsys, cmd):
+    half = tmp_path / "step-5"
+    half.mkdir()
+    (half / "data-0123456789abcdef-00000.safetensors").write_bytes(b"x" * 10)
+    argv = [cmd, str(half)] + ([str(tmp_path / "out")] if cmd == "export" else [])
+    rc = main(argv)
+    cap = capsys.readouterr()
+    text = cap.out if cmd == "verify" else cap.err
+    assert rc == (1 if cmd == "verify" else 2)
+    assert f"{half} holds no committed checkpoint (no manifest.json): the save that wrote it " \
+           "did not finish" in text, text
 
 
 def test_gc_dry_run_then_remove(tmp_path, capsys):
@@ -130,9 +175,9 @@ def test_gc_never_touches_a_checkpoint_it_cannot_read(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, cmd, fragment", [
-    (["gc", "{missing}"], "gc", "does not exist"),
-    (["gc", "--dry-run", "{missing}"], "gc", "does not exist"),
-    (["ls", "{missing}"], "ls", "does not exist"),
+    (["gc", "{missing}"], "gc", "no such path"),
+    (["gc", "--dry-run", "{missing}"], "gc", "no such path"),
+    (["ls", "{missing}"], "ls", "no such path"),
     (["gc", "{file}"], "gc", "not a directory"),
     (["--storage-options", "{not json", "ls", "{tmp}"], "ls", "--storage-options"),
     (["--storage-options", "[1, 2]", "gc", "{tmp}"], "gc", "--storage-options"),
@@ -155,13 +200,13 @@ def test_gc_missing_root_prints_no_traceback(tmp_path):
     r = subprocess.run([sys.executable, "-m", "dckpt", "gc", str(tmp_path / "nope")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert r.stderr.strip() == f"dckpt gc: {tmp_path / 'nope'} does not exist"
+    assert r.stderr.strip() == f"dckpt gc: no such path: {tmp_path / 'nope'}"
 
 
 def test_verbose_keeps_the_traceback(tmp_path, capsys):
     assert main(["-v", "gc", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err
-    assert "Traceback" in err and err.strip().endswith(f"dckpt gc: {tmp_path / 'nope'} does not exist")
+    assert "Traceback" in err and err.strip().endswith(f"dckpt gc: no such path: {tmp_path / 'nope'}")
 
 
 def test_ls_keeps_the_url_scheme_so_printed_paths_load(capsys):
