@@ -3,75 +3,86 @@
     import torch.distributed.checkpoint as dcp      # before
     from dckpt.compat import dcp                     # after
 
-``save``, ``async_save`` and ``load`` take DCP's arguments and follow DCP's semantics,
-checked against PyTorch's own DCP tests (test_e2e_save_and_load, test_save_load_api):
+``save``, ``async_save`` and ``load`` (and the deprecated ``save_state_dict`` /
+``load_state_dict``) take DCP's arguments and follow DCP's semantics, checked by
+running PyTorch's own DCP tests through this module (tests/test_dcp_reference.py,
+tests/multirank/test_dcp_reference.py; the differences are listed in
+docs/DCP_COMPAT.md):
 
 - ``save`` replaces what is at ``checkpoint_id`` (DCP overwrites; here atomically: the
-  old checkpoint stays loadable until the new one commits).
-- ``load`` fills ``state_dict`` in place and ignores checkpoint keys it does not ask for
-  (a partial load); a key it asks for that the checkpoint lacks is an error unless the
-  planner is ``DefaultLoadPlanner(allow_partial_load=True)``. A tensor saved in another
-  floating dtype is converted, as DCP's copy does. In place means: nested dicts and
-  lists stay the same objects (a dict or list held elsewhere sees the loaded values;
-  DCP itself rebuilds lists), tensors and DTensors keep their identity and storage
-  (the bytes are copied into them), other leaves are replaced inside their own
-  container, tuples are rebuilt. No container of ``state_dict`` changes before every
-  rank has read and verified its part (tensor bytes may: see :func:`dckpt.load`).
-- Stateful values (anything with ``state_dict()``/``load_state_dict()``: modules,
-  optimizers, schedulers, your own; at any depth) are saved through ``state_dict()``
-  and restored by ``load_state_dict()`` with the loaded values, inner ones first, and
-  stay the same objects in their container; other top-level values are assigned back
-  (``state_dict[key] = ...``, the same dict or list, filled), as DCP does.
+  old checkpoint stays loadable until the new one commits);
+  ``FileSystemWriter(path, overwrite=False)`` onto an existing checkpoint raises
+  CheckpointException ("Checkpoint already exists").
+- ``load`` fills ``state_dict`` in place and ignores checkpoint keys it does not ask
+  for; a key it asks for that the checkpoint lacks raises CheckpointException
+  ("Missing key in checkpoint state_dict: k.") unless the planner is
+  ``DefaultLoadPlanner(allow_partial_load=True)``: then it keeps its value. A tensor
+  of another size raises ("Size mismatch ..."); one saved in another dtype is
+  converted (as DCP's copy does); a meta tensor is replaced by a loaded one. In place
+  means: nested dicts and lists stay the same objects (a dict or list held elsewhere
+  sees the loaded values), tensors and DTensors keep their identity and storage,
+  other leaves are replaced inside their own container, tuples are rebuilt. No
+  container of ``state_dict`` changes before every rank has read and verified its
+  part (tensor bytes may: see :func:`dckpt.load`).
+- Stateful values (``state_dict()``/``load_state_dict()``: modules, optimizers,
+  schedulers, your own; at any depth) are saved through ``state_dict()`` and restored
+  by ``load_state_dict()`` with the loaded values, inner ones first, and stay the same
+  objects; both are called in sorted key order on every rank, so they may run
+  collectives. Other top-level values are assigned back (``state_dict[key] = ...``).
 - Non-tensor values: None, bool, int, float, str, nested dict/list/tuple, and ``bytes``
   / ``io.BytesIO`` (stored as uint8 tensors, never pickled; a loaded BytesIO is at
-  position 0). Anything else DCP would pickle is refused with UnsupportedValueError
-  naming its key: dckpt never unpickles.
+  position 0). Anything else DCP would pickle is refused naming its key.
 - ``checkpoint_id`` may be a str, an ``os.PathLike`` or an fsspec URL; or give a
   ``FileSystemWriter``/``FileSystemReader`` (DCP's or this module's) holding the path.
 
-Refused with CheckpointError (they have no dckpt equivalent): custom planners (only
-DCP's ``DefaultSavePlanner`` / ``DefaultLoadPlanner`` are accepted), storage writers
-and readers other than the file-system ones, ``async_stager``, and ``no_dist=True`` in
-a multi-rank process group. Accepted and ignored: the writers' tuning knobs
-(thread_count, single_file_per_rank, sync_files: dckpt always fsyncs before it
-commits), ``use_collectives``, ``async_checkpointer_type`` (the save always persists
-in a background thread). ``save`` returns a :class:`dckpt.CheckpointInfo` (DCP returns
-its Metadata); ``async_save`` a :class:`dckpt.SaveHandle` (``result()``, ``done()``,
-``exception()``, like DCP's Future).
+Errors are DCP's ``CheckpointException`` and dckpt's ``CheckpointError`` at once (see
+:mod:`dckpt.compat.dcp_errors`), raised on every rank alike; an unknown URL scheme is a
+RuntimeError ("Cannot detect ...") as in DCP. Refused (no dckpt equivalent): custom
+planners, storage writers/readers other than the file-system ones, ``async_stager``,
+``no_dist=True`` in a multi-rank group. Accepted and ignored: the writers' tuning
+knobs, ``use_collectives``, ``coordinator_rank``, ``async_checkpointer_type``.
+``save`` returns a :class:`dckpt.CheckpointInfo` (DCP returns its Metadata);
+``async_save`` a :class:`dckpt.SaveHandle` (``result()``, ``done()``, ``exception()``).
 """
 from __future__ import annotations
 
-import io
+import functools
 import json
 import logging
 import os
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.stateful import Stateful
 
 from ..engine.async_save import SaveHandle
 from ..engine.async_save import async_save as _async_save
-from ..errors import CheckpointError, UnsupportedValueError
+from ..errors import CheckpointError, NotCommittedError
 from ..format import manifest as mf
-from ..protocol.collectives import Comm, rank0_bytes
+from ..protocol.collectives import Comm, agree, rank0_bytes
 from ..protocol.commit import CheckpointInfo
 from ..protocol.commit import save as _save
 from ..protocol.restore import load as _load
 from ..protocol.restore import read_manifest_bytes
-from ..state.flatten import fill, is_stateful
 from ..storage.fsspec_storage import make_storage
+from .dcp_errors import CheckpointException, StorageDetectionError, as_dcp
+from .dcp_state import BYTES_KEY, as_bytes, fill_back, prepare_load, resolve
 
 log = logging.getLogger(__name__)
-BYTES_KEY = "__dckpt_compat_bytes__"  # JSON value: {flat key: "bytes" | "bytesio"}
 
-__all__ = ["save", "async_save", "load", "FileSystemWriter", "FileSystemReader"]
+__all__ = ["save", "async_save", "load", "save_state_dict", "load_state_dict",
+           "FileSystemWriter", "FileSystemReader", "DefaultSavePlanner", "DefaultLoadPlanner",
+           "Stateful", "CheckpointException"]
 
 
 class FileSystemWriter:
-    """A path holder, so ``storage_writer=dcp.FileSystemWriter(path)`` keeps working."""
+    """A path holder, so ``storage_writer=dcp.FileSystemWriter(path)`` keeps working;
+    ``overwrite`` (default True, as in DCP) is honoured, other knobs are ignored."""
 
-    def __init__(self, path: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
-        self.path = path
+    def __init__(self, path: str | os.PathLike, *args: Any, overwrite: bool = True,
+                 **kwargs: Any) -> None:
+        self.path, self.overwrite = path, overwrite
 
 
 class FileSystemReader:
@@ -79,6 +90,40 @@ class FileSystemReader:
 
     def __init__(self, path: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
         self.path = path
+
+
+def _dcp_errors(fn):
+    """Raise dckpt's errors as DCP's exception type (still CheckpointErrors)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except CheckpointError as e:
+            converted = as_dcp(e)
+            if converted is e:
+                raise
+            raise converted from e
+
+    return wrapper
+
+
+class _Handle(SaveHandle):
+    """The SaveHandle of :func:`async_save` whose ``result()``/``exception()`` give
+    DCP's exception type, as DCP's future does."""
+
+    @classmethod
+    def wrap(cls, handle: SaveHandle) -> "_Handle":
+        new = cls.__new__(cls)
+        new.__dict__ = handle.__dict__  # the same state: one save, two views
+        return new
+
+    def result(self, timeout: float | None = None) -> CheckpointInfo:
+        return _dcp_errors(SaveHandle.result)(self, timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        exc = SaveHandle.exception(self, timeout)
+        return as_dcp(exc) if isinstance(exc, CheckpointError) else exc
 
 
 # ---------------------------------------------------------------- arguments
@@ -97,10 +142,20 @@ def _checkpoint_path(checkpoint_id: Any, storage: Any, what: str) -> str:
         raise CheckpointError(f"dckpt.compat.dcp.{what}: give checkpoint_id (or a "
                               "FileSystemWriter/Reader with a path)")
     try:
-        return os.fspath(checkpoint_id)
+        path = os.fspath(checkpoint_id)
     except TypeError:
         raise CheckpointError(f"dckpt.compat.dcp.{what}: checkpoint_id must be a str or "
                               f"os.PathLike, not {type(checkpoint_id).__name__}") from None
+    if "://" in path and not path.startswith("file://"):
+        import fsspec
+
+        try:
+            fsspec.get_filesystem_class(path.split("://", 1)[0])
+        except (ValueError, ImportError) as e:
+            raise StorageDetectionError(
+                f"Cannot detect which StorageReader or StorageWriter to use for "
+                f"checkpoint_id: {path}: no fsspec file system for it ({e})") from None
+    return path
 
 
 def _check_planner(planner: Any, what: str, default: str) -> bool:
@@ -123,171 +178,145 @@ def _group(process_group: Any, no_dist: bool, what: str) -> Any:
     return process_group
 
 
-# ---------------------------------------------------------------- state
-def _resolve(state_dict: dict, what: str) -> tuple[dict, dict[str, tuple[Any, Any]], dict[str, str]]:
-    """(what dckpt saves or loads into, {flat key: (Stateful object, the part of the
-    first value that stands for its state_dict)}, {flat key: bytes kind}). A parallel
-    structure: Stateful values (at any depth; modules and optimizers too, which DCP
-    treats as Stateful) become their ``state_dict()``, bytes and BytesIO become uint8
-    tensors; dicts, lists and tuples are new containers, tensors the caller's own
-    objects (so a load fills them in place). Calls each Stateful's state_dict() once;
-    copies only bytes values."""
-    if not isinstance(state_dict, dict):
-        raise CheckpointError(f"dckpt.compat.dcp.{what}: state_dict must be a dict, not "
-                              f"{type(state_dict).__name__}")
-    stateful: dict[str, tuple[Any, Any]] = {}
-    kinds: dict[str, str] = {}
-
-    def walk(obj: Any, key: str) -> Any:
-        if isinstance(obj, torch.Tensor):
-            return obj
-        if isinstance(obj, (bytes, bytearray, io.BytesIO)):
-            kinds[key] = "bytesio" if isinstance(obj, io.BytesIO) else "bytes"
-            raw = obj.getvalue() if isinstance(obj, io.BytesIO) else bytes(obj)
-            return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else \
-                torch.zeros(0, dtype=torch.uint8)
-        if is_stateful(obj):
-            sd = walk(obj.state_dict(), key)
-            stateful[key] = (obj, sd)
-            return sd
-        if isinstance(obj, dict):
-            return {k: walk(v, f"{key}.{k}") for k, v in obj.items()}
-        if type(obj) in (list, tuple):
-            return type(obj)(walk(v, f"{key}.{i}") for i, v in enumerate(obj))
-        return obj
-
-    out = {}
-    for k, v in state_dict.items():
-        if not isinstance(k, str):
-            raise UnsupportedValueError(f"dckpt.compat.dcp.{what}: top-level key {k!r} is not "
-                                        "a str (DCP requires str keys at the top)")
-        out[k] = walk(v, k)
-    return out, stateful, kinds
-
-
-def _as_bytes(t: torch.Tensor, kind: str) -> bytes | io.BytesIO:
-    """A loaded uint8 tensor back as what was saved: bytes, or a BytesIO at position 0."""
-    raw = t.numpy().tobytes()
-    return io.BytesIO(raw) if kind == "bytesio" else raw
-
-
 # ---------------------------------------------------------------- the API
+@_dcp_errors
 def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None = None,
          storage_writer: Any = None, planner: Any = None, process_group: Any = None,
          no_dist: bool = False, use_collectives: bool = True) -> CheckpointInfo:
-    """DCP's ``save``: replaces the checkpoint at ``checkpoint_id`` atomically.
-    Collective, blocking I/O (see :func:`dckpt.save`). Raises CheckpointError."""
-    out, path, group = _to_save(state_dict, checkpoint_id, storage_writer, planner,
-                                process_group, no_dist, "save")
-    return _save(out, path, process_group=group, overwrite=True)
+    """DCP's ``save``: replaces the checkpoint at ``checkpoint_id`` atomically (unless
+    ``storage_writer`` is a FileSystemWriter with ``overwrite=False``: then an existing
+    checkpoint is an error). Collective, blocking I/O (see :func:`dckpt.save`); calls
+    the Stateful values' ``state_dict()`` in sorted key order. Raises
+    CheckpointException (also a CheckpointError) on every rank."""
+    out, path, group, overwrite = _to_save(state_dict, checkpoint_id, storage_writer,
+                                           planner, process_group, no_dist, "save")
+    return _save(out, path, process_group=group, overwrite=overwrite)
 
 
 def _to_save(state_dict: dict, checkpoint_id: Any, storage_writer: Any, planner: Any,
-             process_group: Any, no_dist: bool, what: str) -> tuple[dict, str, Any]:
-    """(what dckpt saves, path, group) for save/async_save. Raises CheckpointError."""
+             process_group: Any, no_dist: bool, what: str) -> tuple[dict, str, Any, bool]:
+    """(what dckpt saves, path, group, overwrite) for save/async_save. Collective: the
+    ranks agree on a failure of the state's walk (a Stateful's ``state_dict()``
+    included) before any of them starts the save. Raises CheckpointError."""
     path = _checkpoint_path(checkpoint_id, storage_writer, what)
     _check_planner(planner, what, "DefaultSavePlanner")
     group = _group(process_group, no_dist, what)
-    out, _, kinds = _resolve(state_dict, what)
-    if kinds:
-        out[BYTES_KEY] = json.dumps(kinds, sort_keys=True)
-    return out, path, group
+    out, err = None, None
+    try:
+        r = resolve(state_dict, what)
+        out = r.target
+        if r.kinds:
+            out[BYTES_KEY] = json.dumps(r.kinds, sort_keys=True)
+    except Exception as e:
+        err = e
+    agree(Comm(group), err, f"{what} to {path}")
+    return out, path, group, bool(getattr(storage_writer, "overwrite", True))
 
 
+@_dcp_errors
 def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None = None,
                storage_writer: Any = None, planner: Any = None, process_group: Any = None,
                async_checkpointer_type: Any = None, async_stager: Any = None,
                no_dist: bool = False, use_collectives: bool = True) -> SaveHandle:
     """DCP's ``async_save``: returns once the state is snapshotted (changing it after
     is safe); the handle's ``result()`` waits for the commit. Collective. Raises
-    CheckpointError (argument errors at once; save errors from ``result()``)."""
+    CheckpointException (also a CheckpointError): argument errors at once, save errors
+    from ``result()``."""
     if async_stager is not None:
         raise CheckpointError("dckpt.compat.dcp.async_save: async_stager is not supported: "
                               "dckpt stages into its own reusable host buffers")
-    out, path, group = _to_save(state_dict, checkpoint_id, storage_writer, planner,
-                                process_group, no_dist, "async_save")
-    return _async_save(out, path, process_group=group, overwrite=True)
+    out, path, group, overwrite = _to_save(state_dict, checkpoint_id, storage_writer,
+                                           planner, process_group, no_dist, "async_save")
+    return _Handle.wrap(_async_save(out, path, process_group=group, overwrite=overwrite))
 
 
+@_dcp_errors
 def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None = None,
          storage_reader: Any = None, planner: Any = None, process_group: Any = None,
          no_dist: bool = False) -> None:
-    """DCP's ``load``: fills ``state_dict`` in place (see the module docstring for the
-    rules): :func:`dckpt.load` fills a parallel structure that holds the caller's own
-    tensors and the Stateful objects' state_dicts, then the caller's containers are
-    filled from it (``state.flatten.fill``) and each Stateful's ``load_state_dict`` is
-    called. Collective: rank 0 reads the manifest once more than :func:`dckpt.load`
-    (to size bytes values and apply ``allow_partial_load``); one more walk of the
-    state, no copy of a tensor. Raises CheckpointError, StateMismatchError for a key
-    the checkpoint lacks; what a Stateful's ``load_state_dict`` raises."""
+    """DCP's ``load``: fills ``state_dict`` in place (see the module docstring).
+    Collective. Steps: resolve the state (Stateful ``state_dict()`` calls, sorted);
+    rank 0 reads the manifest for everyone; match the state against it with DCP's
+    rules (:func:`~dckpt.compat.dcp_state.prepare_load`); the ranks agree on any
+    failure so far (one small all-gather); :func:`dckpt.load` fills a parallel
+    structure holding the caller's own tensors; the caller's containers are filled
+    back and each Stateful's ``load_state_dict`` called, in sorted key order. One
+    more walk of the state and one more manifest read than :func:`dckpt.load`; no
+    copy of a tensor except dtype conversions. Raises CheckpointException (also a
+    CheckpointError) on every rank: "Missing key in checkpoint state_dict: k.",
+    "Size mismatch ...", integrity and manifest errors; what a Stateful's
+    ``load_state_dict`` raises comes through as it is."""
     path = _checkpoint_path(checkpoint_id, storage_reader, "load")
     partial = _check_planner(planner, "load", "DefaultLoadPlanner")
     group = _group(process_group, no_dist, "load")
-    target, stateful, _ = _resolve(state_dict, "load")
     comm = Comm(group)
-
-    def manifest_bytes() -> bytes:
-        storage, root = make_storage(path, None)
-        return read_manifest_bytes(storage, root)
-
-    m = mf.parse(rank0_bytes(comm, manifest_bytes, f"load from {path}"), path)
+    err: BaseException | None = None
+    r = None
+    try:
+        r = resolve(state_dict, "load")
+    except Exception as e:
+        err = e
+    m = mf.parse(rank0_bytes(comm, lambda: _manifest_bytes(path), f"load from {path}"), path)
     saved_kinds = json.loads(m.values.get(BYTES_KEY) or "{}")
-    loaded_bytes: dict[str, torch.Tensor] = {}
-    _size_bytes(target, "", m, saved_kinds, loaded_bytes)
-    removed: list = []
-    if partial:
-        _prune(target, "", m, removed)
-    _load(target, path, process_group=group, strict=False, cast=True)
-    for container, k, v in removed:  # a Stateful's state_dict gets them back as they were
-        container[k] = v
+    prep = None
+    if err is None:
+        try:
+            prep = prepare_load(r.target, m, saved_kinds, partial)
+        except Exception as e:
+            err = e
+    agree(comm, err, f"load from {path}")
+    try:
+        _load(r.target, path, process_group=group, strict=False, cast=True)
+    finally:
+        for container, k, v in prep.removed:  # a Stateful's state_dict gets them back
+            container[k] = v
+    for t, tmp in prep.converted.values():
+        with torch.no_grad():
+            t.copy_(tmp)  # DCP's copy: any dtype to any dtype
 
-    # Fill the caller's own containers in place, as dckpt.load does (state.flatten.fill):
-    # dicts and lists keep their identity (a dict held elsewhere sees the new values),
-    # tensors were copied into already (``target`` holds the caller's tensor objects),
-    # other leaves are replaced inside their container, and each Stateful gets
-    # load_state_dict of its loaded state_dict, inner ones first.
     def get(key: str, old: Any) -> Any:
-        if key in loaded_bytes:
-            return _as_bytes(loaded_bytes[key], saved_kinds[key])
+        if key in prep.bytes_:
+            return as_bytes(prep.bytes_[key], saved_kinds[key])
+        if key in prep.replaced:
+            return prep.replaced[key]  # was a meta tensor
         if isinstance(old, torch.Tensor):
-            return old  # filled in place (or, under allow_partial_load, kept)
-        return m.values[key] if key in m.values else old  # absent: a kept partial-load entry
+            return old  # filled in place (or kept by allow_partial_load)
+        return m.values[key] if key in m.values else old  # absent: a kept partial entry
 
-    for k in list(state_dict):
-        # One top-level key at a time: DCP calls load_state_dict on a top-level Stateful
-        # and leaves its slot alone, and assigns every other top-level value back
-        # (``state_dict[key] = loaded``, the same dict or list, filled).
-        one = {k: state_dict[k]}
-        fill(one, get, stateful)
-        if not (k in stateful and stateful[k][0] is state_dict[k]):
-            state_dict[k] = one[k]
+    fill_back(state_dict, r.stateful, get)
 
 
-def _size_bytes(obj: Any, key: str, m: mf.Manifest, kinds: dict[str, str],
-                loaded: dict[str, torch.Tensor]) -> None:
-    """Give each target leaf that was saved as bytes a uint8 tensor of the saved size
-    (recorded in ``loaded`` by key: the load fills it, then it becomes bytes again)."""
-    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if type(obj) is list else ()
-    for k, v in list(items):
-        sub = f"{key}.{k}" if key else str(k)
-        if sub in kinds and sub in m.tensors:
-            obj[k] = loaded[sub] = torch.empty(m.tensors[sub].shape, dtype=torch.uint8)
-        elif isinstance(v, (dict, list)):
-            _size_bytes(v, sub, m, kinds, loaded)
+def _manifest_bytes(path: str) -> bytes:
+    """Rank 0's read of the manifest; a DCP checkpoint (``.metadata``, no manifest)
+    gets an error that says how to convert it."""
+    storage, root = make_storage(path, None)
+    try:
+        return read_manifest_bytes(storage, root)
+    except NotCommittedError:
+        try:
+            is_dcp = storage.exists(storage.join(root, ".metadata"))
+        except Exception:
+            is_dcp = False
+        if is_dcp:
+            raise NotCommittedError(
+                f"{root} is a torch.distributed.checkpoint checkpoint (.metadata), not a "
+                f"dckpt one: convert it once with `dckpt import {root} NEW_PATH` (it "
+                "unpickles DCP's metadata: only for checkpoints you trust), then load "
+                "NEW_PATH") from None
+        raise
 
 
-def _prune(obj: Any, key: str, m: mf.Manifest, removed: list) -> None:
-    """allow_partial_load: take the dict entries the checkpoint lacks out of the target
-    (into ``removed``, to be put back after the load: they keep their values)."""
-    if not isinstance(obj, dict):
-        return
-    for k in list(obj):
-        sub = f"{key}.{k}" if key else str(k)
-        v = obj[k]
-        if isinstance(v, dict):
-            _prune(v, sub, m, removed)
-        elif not (sub in m.tensors or sub in m.values or any(
-                t.startswith(sub + ".") for t in (*m.tensors, *m.values))):
-            log.info("allow_partial_load: %r is not in the checkpoint; left as it is", sub)
-            removed.append((obj, k, v))
-            del obj[k]
+def save_state_dict(state_dict: dict[str, Any], storage_writer: Any, process_group: Any = None,
+                    coordinator_rank: int = 0, no_dist: bool = False,
+                    planner: Any = None) -> CheckpointInfo:
+    """DCP's deprecated ``save_state_dict``: :func:`save` with a storage writer."""
+    return save(state_dict, storage_writer=storage_writer, process_group=process_group,
+                no_dist=no_dist, planner=planner)
+
+
+def load_state_dict(state_dict: dict[str, Any], storage_reader: Any, process_group: Any = None,
+                    coordinator_rank: int = 0, no_dist: bool = False,
+                    planner: Any = None) -> None:
+    """DCP's deprecated ``load_state_dict``: :func:`load` with a storage reader."""
+    load(state_dict, storage_reader=storage_reader, process_group=process_group,
+         no_dist=no_dist, planner=planner)
