@@ -358,3 +358,53 @@ def test_inspect_into_head_ends_quietly_on_the_closed_pipe(tmp_path):
         assert first.startswith("checkpoint " if "--json" not in argv else "{"), first
         assert err == "", err
         assert rc in (0, 141), (rc, err)
+
+
+def _flip_byte(path: str, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def test_verify_names_the_closed_byte_range_and_the_tensor_region(tmp_path, capsys):
+    """Issue 27 (5): "fails its checksum in block 0 (bytes 0..)" was open-ended and did
+    not say whether it counted file or tensor bytes. Now: the file, the failing block's
+    bytes in the file (first..last, closed) and the elements they hold."""
+    from dckpt.format import shards
+
+    path = str(tmp_path / "step-1")
+    dckpt.save({"a": torch.zeros(10), "w": torch.arange(1024 * 300, dtype=torch.float32)
+                .reshape(1024, 300)}, path)
+    f = next(os.path.join(path, x) for x in os.listdir(path) if x.endswith(".safetensors"))
+    size = os.path.getsize(f)
+    with open(f, "rb") as fh:
+        raw = fh.read()
+    head = raw[:8 + int.from_bytes(raw[:8], "little")]
+    tensors, block = shards.parse_header(head, f, size)
+    w = tensors["w"]
+    at = w.start + 2 * block + 5  # a byte in w's third checksum block
+    _flip_byte(f, at)
+    assert main(["verify", path]) == 1
+    out = capsys.readouterr().out
+    lo, hi = w.start + 2 * block, w.start + 3 * block - 1
+    first, last = (2 * block) // 4, (3 * block - 1) // 4  # float32 elements of the block
+    want = (f"shard file {f}: tensor 'w' fails its checksum in block 2: bytes {lo}..{hi} of "
+            f"the file (closed range) hold w[{first // 300}, {first % 300}].."
+            f"w[{last // 300}, {last % 300}] (row-major)")
+    assert want in out, out
+    assert lo <= at <= hi
+
+
+def test_a_load_error_names_the_checkpoint_directory(tmp_path):
+    """Issue 27 (5): a checksum failure during load named only the shard file
+    (``shard file data-...safetensors``): which checkpoint was it?"""
+    path = str(tmp_path / "run" / "step-7")
+    dckpt.save({"w": torch.arange(300000.0)}, path)
+    f = next(x for x in os.listdir(path) if x.endswith(".safetensors"))
+    _flip_byte(os.path.join(path, f), os.path.getsize(os.path.join(path, f)) - 100)
+    with pytest.raises(dckpt.IntegrityError) as e:
+        dckpt.load({"w": torch.zeros(300000)}, path)
+    msg = str(e.value)
+    assert path in msg and f in msg and "checksum" in msg, msg

@@ -17,8 +17,8 @@ from typing import Any, Callable
 import torch
 
 from .. import _faults
-from ..errors import (CheckpointError, preview, ManifestError, NotCommittedError, StateMismatchError,
-                      UnsupportedValueError)
+from ..errors import (CheckpointError, preview, IntegrityError, ManifestError, NotCommittedError,
+                      StateMismatchError, UnsupportedValueError)
 from ..format import manifest as mf
 from ..format.dtypes import to_torch
 from ..state.flatten import fill, flatten, grow
@@ -174,6 +174,8 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
                              read_workers, read_budget, what)
         fill(state_dict, lambda k, old: manifest.values[k] if k in manifest.values else old,
              flat.stateful)
+    except IntegrityError as e:  # the reader names the shard file; say whose it is too
+        err = e if root in str(e) else type(e)(f"checkpoint {root}: {e}")
     except Exception as e:
         err = e
     t_read = time.perf_counter()
