@@ -152,12 +152,26 @@ def _select(m: mf.Manifest, prefix: str, out_dtype: torch.dtype | None,
         dt = out_dtype if out_dtype is not None and src in CONVERTIBLE else src
         outs.append(_Out(e, name, dt))
     if not outs:
-        tops = sorted({".".join(k.split(".")[:2]) + "." for k in m.tensors})
-        hint = f"; its tensor keys start with {preview(tops)}" if tops else \
-            " (it holds no tensors)"
         raise CheckpointError(f"no tensor of checkpoint {ckpt} has a key starting with "
-                              f"{prefix!r}{hint}")
+                              f"{prefix!r}{_prefix_hint(list(m.tensors), prefix)}")
     return outs
+
+
+def _prefix_hint(keys: list[str], prefix: str) -> str:
+    """What the keys start with (their first two parts as a prefix; a key of one or two
+    parts up to its last dot, a one-part key as itself), and the full prefix when
+    ``prefix`` matches at a part boundary inside keys (a manager's keys start with
+    ``state.``). Pure."""
+    if not keys:
+        return " (it holds no tensors)"
+    tops = sorted({k if "." not in k else ".".join(k.split(".")[:min(2, k.count("."))]) + "."
+                   for k in keys})
+    hint = f"; its tensor keys start with {preview(tops)}"
+    found = sorted({k[:i + len(prefix)] for k in keys
+                    for i in [k.find("." + prefix) + 1] if prefix and i > 0})
+    if found:
+        hint += f"; did you mean {preview(found, 3)}?"
+    return hint
 
 
 def _shards(outs: list[_Out], limit: int) -> list[list[_Out]]:

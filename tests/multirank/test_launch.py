@@ -106,6 +106,29 @@ def test_demo_model_does_not_trip_fsdp2_view_warning(tmp_path):
     assert "final step 2 params sha256" in run.text, run.text[-3000:]
     assert "returned a view tensor" not in run.text, run.text[-3000:]
     assert "Warning" not in run.text, run.text[-3000:]
+    _readme_export_works(tmp_path / "step-00000002", tmp_path / "hf")
+
+
+def _readme_export_works(ckpt, out) -> None:
+    """The README's `dckpt export` line, run on a checkpoint of launch/train.py (its
+    path and output swapped for ours): its --prefix matches the model's keys (issue 27,
+    6), and the export holds the model's weights under their module names."""
+    import shlex
+    import subprocess
+    import sys
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
+    line = next(ln for ln in readme.splitlines() if ln.startswith("dckpt export "))
+    argv = shlex.split(line.split("#")[0])
+    argv[2:4] = [str(ckpt), str(out)]
+    p = subprocess.run([sys.executable, "-m", "dckpt", *argv[1:]], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, (line, p.stdout, p.stderr)
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert {"emb.weight", "head.weight", "blocks.0.1.weight"} <= names, names
 
 
 def _durable_steps(root) -> list[str]:
