@@ -52,3 +52,14 @@ def test_logging_line_shows_saves_and_loads(tmp_path):
     assert p.returncode == 0, (p.stdout, p.stderr)
     assert re.search(r"INFO:dckpt\.\S+:saved \S*ckpts/step-10", p.stderr), p.stderr
     assert re.search(r"INFO:dckpt\.\S+:loaded \S*ckpts/step-10", p.stderr), p.stderr
+
+
+def test_tested_torch_version_is_the_one_ci_installs():
+    """The README states the torch version that is tested (issue 27, 11): it must be the
+    one .ci/run pins, and pyproject.toml's comment must say the same."""
+    root = os.path.join(os.path.dirname(__file__), "..")
+    said = re.search(r"Tested with torch (\d+\.\d+\.\d+)", open(README).read())
+    pinned = re.search(r"torch==(\d+\.\d+\.\d+)", open(os.path.join(root, ".ci", "run")).read())
+    assert said and pinned and said.group(1) == pinned.group(1), (said, pinned)
+    py = open(os.path.join(root, "pyproject.toml")).read()
+    assert f"Tested with torch {pinned.group(1)} only" in py
