@@ -119,3 +119,44 @@ def test_load_fills_plain_dicts_of_dtensors_in_place(ranks, tmp_path, m):
         assert want.keys() == got.keys()
         for k, v in want.items():
             assert torch.equal(v, got[k]), k
+
+
+def _one_rank_differs(path: str) -> list[str]:
+    """A failure on one rank only (a key the checkpoint lacks; a Stateful whose
+    state_dict() raises) is raised on every rank as DCP's CheckpointException: no rank
+    is left waiting in a collective the failing one never reaches."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from dckpt.compat import dcp
+
+    class Broken:
+        def state_dict(self):
+            raise ValueError("state_dict failed on rank 1")
+
+        def load_state_dict(self, sd) -> None:
+            pass
+
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=path)
+    seen = []
+    target = {"w": torch.zeros(2)}
+    if dist.get_rank() == 1:
+        target["only_here"] = torch.zeros(1)
+    try:
+        dcp.load(target, checkpoint_id=path)
+    except CheckpointException as e:
+        seen.append(str(e))
+    assert torch.equal(target["w"], torch.zeros(2))  # nothing read before the error
+    state = {"w": torch.ones(2), "b": Broken() if dist.get_rank() == 1 else {"x": 1}}
+    for call in (dcp.save, dcp.load):
+        try:
+            call(state, checkpoint_id=path)
+        except CheckpointException as e:
+            seen.append(str(e))
+    return seen
+
+
+def test_a_failure_on_one_rank_is_raised_on_every_rank(ranks, tmp_path):
+    for seen in ranks(2).run(_one_rank_differs, str(tmp_path / "c"), timeout=60):
+        assert len(seen) == 3
+        assert "Missing key in checkpoint state_dict: only_here." in seen[0]
+        assert all("state_dict failed on rank 1" in s for s in seen[1:])
