@@ -69,6 +69,39 @@ def _shown(f: mf.FileEntry) -> str:
     return f"{f.dir}/{f.name}" if f.dir else f.name
 
 
+def stored_name(key: str, offsets) -> str:
+    """The safetensors name of the chunk of ``key`` at ``offsets`` in a file that holds
+    several chunks of ``key`` (a strided DTensor's local tensor is several boxes):
+    ``key@o0,o1,...``. A file's only chunk of a tensor is named ``key``. Pure."""
+    return f"{key}@{','.join(str(int(x)) for x in offsets)}"
+
+
+def stored_names(pieces: list[LocalPiece]) -> list[str]:
+    """The names ``pieces`` get in one shard file: the key for a key's only piece,
+    :func:`stored_name` for each of several. Pure, O(pieces). Raises
+    UnsupportedValueError when a name so made is also another tensor's key."""
+    from .errors import UnsupportedValueError
+
+    count: dict[str, int] = {}
+    for p in pieces:
+        count[p.key] = count.get(p.key, 0) + 1
+    names = [p.key if count[p.key] == 1 else stored_name(p.key, p.box.offsets) for p in pieces]
+    if len(set(names)) != len(names):
+        taken = sorted(set(n for n in names if names.count(n) > 1))[0]
+        raise UnsupportedValueError(
+            f"tensor key {taken!r} is also the name dckpt gives a box of a strided tensor "
+            "in its shard file; rename that key")
+    return names
+
+
+def find_stored(tensors: dict, key: str, offsets) -> "shards.StoredTensor | None":
+    """The stored tensor of the chunk of ``key`` at ``offsets`` in a parsed shard
+    header: named :func:`stored_name` when its file holds several chunks of ``key``,
+    else ``key``. O(ndim)."""
+    st = tensors.get(stored_name(key, offsets)) if len(tensors) > 1 else None
+    return st if st is not None else tensors.get(key)
+
+
 def plan_reads(piece: LocalPiece, entry: mf.TensorEntry) -> list[ReadItem]:
     """The chunks of ``entry`` that overlap what ``piece`` holds."""
     if piece.local is None:
@@ -110,13 +143,14 @@ class ChunkReader:
         self.headers[fi] = shards.parse_header(head, path, size)
         return self.headers[fi]
 
-    def stored_bytes(self, fi: int, key: str, off: int, n: int, files: "_Files") -> memoryview:
-        """Bytes ``[off, off + n)`` of the entry ``key`` of file ``fi``, read with their
-        checksum blocks and verified. Blocking I/O; raises IntegrityError naming the
-        file and key."""
+    def stored_bytes(self, fi: int, key: str, off: int, n: int, files: "_Files",
+                     offsets=()) -> memoryview:
+        """Bytes ``[off, off + n)`` of the entry of ``key``'s chunk at ``offsets`` in
+        file ``fi`` (see :func:`find_stored`), read with their checksum blocks and
+        verified. Blocking I/O; raises IntegrityError naming the file and key."""
         tensors, block = self.header(fi)
         f = self.m.files[fi]
-        st = tensors.get(key)
+        st = find_stored(tensors, key, offsets)
         what = f"shard file {_shown(f)}, tensor {key!r}"
         if st is None or off + n > st.nbytes:
             raise IntegrityError(f"{what}: the file does not hold the block the manifest "
@@ -129,14 +163,15 @@ class ChunkReader:
         shards.verify(memoryview(buf), lo // block, st.crcs, block, what)
         return memoryview(buf)[off - lo:off - lo + n]
 
-    def peek(self, fi: int, key: str, off: int, n: int, files: "_Files") -> memoryview:
-        """Bytes ``[off, off + n)`` of the entry ``key`` of file ``fi``, NOT verified:
-        for decisions that a verified read confirms later (whether a delta may pay),
-        never for data. Blocking I/O; raises IntegrityError when the file does not hold
-        the range."""
+    def peek(self, fi: int, key: str, off: int, n: int, files: "_Files",
+             offsets=()) -> memoryview:
+        """Bytes ``[off, off + n)`` of the entry of ``key``'s chunk at ``offsets`` in
+        file ``fi``, NOT verified: for decisions that a verified read confirms later
+        (whether a delta may pay), never for data. Blocking I/O; raises IntegrityError
+        when the file does not hold the range."""
         tensors, _ = self.header(fi)
         f = self.m.files[fi]
-        st = tensors.get(key)
+        st = find_stored(tensors, key, offsets)
         what = f"shard file {_shown(f)}, tensor {key!r}"
         if st is None or off + n > st.nbytes:
             raise IntegrityError(f"{what}: the file does not hold bytes {off}..{off + n}")
@@ -153,13 +188,14 @@ class ChunkReader:
         size = min(b.size, entry.chunk_nbytes(ci) - k * b.size)
         isz = ITEMSIZE[entry.dtype]
         what = f"tensor {entry.key!r} chunk {ci} block {k} (in {_shown(self.m.files[row[0]])})"
+        offs = entry.chunks.offsets[ci]  # a referenced block: the base's chunk, same box
         try:
             anchor = None
             if row[3] & codec.XOR:
-                anchor = codec.decode(row[7], self.stored_bytes(row[4], entry.key, row[5], row[6], files),
-                                      size, isz)
-            data = codec.decode(row[3], self.stored_bytes(row[0], entry.key, row[1], row[2], files),
-                                size, isz, anchor)
+                anchor = codec.decode(row[7], self.stored_bytes(
+                    row[4], entry.key, row[5], row[6], files, offs), size, isz)
+            data = codec.decode(row[3], self.stored_bytes(
+                row[0], entry.key, row[1], row[2], files, offs), size, isz, anchor)
         except ValueError as e:
             raise IntegrityError(f"{what}: {e}") from None
         if codec.block_hashes(memoryview(data).cast("B"), b.size) != \
@@ -192,7 +228,7 @@ class ChunkReader:
 
     def stored(self, key: str, entry: mf.TensorEntry, item: ReadItem) -> shards.StoredTensor:
         tensors, _ = self.header(item.file)
-        st = tensors.get(key)
+        st = find_stored(tensors, key, entry.chunks.offsets[item.chunk])
         want = tuple(int(x) for x in entry.chunks.sizes[item.chunk])
         if st is None or st.dtype != entry.dtype or st.shape != want:
             raise IntegrityError(f"shard file {self.m.files[item.file].name} does not hold "

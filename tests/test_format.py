@@ -412,14 +412,16 @@ def test_manifest_bad_tensors():
     _bad(_mut(lambda d: t(d)["model.w"].pop("chunks")), "'model.w'", "chunks")
     _bad(_mut(lambda d: t(d)["model.w"]["chunks"].update(file=[0, 1, 2, 8])),
          "'model.w'", "file index out of range")
-    # a file holds one chunk of a tensor at most: more chunks than files is refused
-    _bad(_mut(lambda d: t(d)["emb"]["chunks"].update(grid=[{"runs": [[0, 1, 10]]}],
-                                                     file={"runs": [[0, 1, 9]]})),
-         "'emb'", "at most 8")
-    _bad(_mut(lambda d: t(d)["emb"].update(shape=[9]) or t(d)["emb"]["chunks"].update(
-        grid=[{"runs": [[0, 1, 10]]}])), "'emb'", "at most 9")
-    _bad(_mut(lambda d: t(d)["model.w"]["chunks"].update(grid=[[0, 1, 2, 3, 4], [0, 2, 4, 6]])),
-         "'model.w'", "more cells than there are files")
+    # a file holds at most MAX_CHUNKS_PER_FILE (1024) chunks of a tensor: more chunks
+    # than that per file (8 files here) is refused
+    _bad(_mut(lambda d: t(d)["emb"]["chunks"].update(grid=[{"runs": [[0, 1, 8194]]}],
+                                                     file={"runs": [[0, 1, 8193]]})),
+         "'emb'", "at most 8192")
+    _bad(_mut(lambda d: t(d)["emb"].update(shape=[8193]) or t(d)["emb"]["chunks"].update(
+        grid=[{"runs": [[0, 1, 8194]]}])), "'emb'", "at most 8193")
+    _bad(_mut(lambda d: t(d)["model.w"].update(shape=[128, 128]) or t(d)["model.w"][
+        "chunks"].update(grid=[{"runs": [[0, 1, 129]]}, {"runs": [[0, 1, 129]]}])),
+         "'model.w'", "more cells than 1024 per file")
     _bad(_mut(lambda d: t(d)["model.w"]["chunks"].update(file=[0, 0, -1, 1])),
          "'model.w'", "file index out of range")
     _bad(_mut(lambda d: t(d)["model.w"]["chunks"].update(file=[0, 0, 1])),

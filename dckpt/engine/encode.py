@@ -147,9 +147,10 @@ def _sample_pays(p, buf: memoryview, bc: delta.BaseChunk, enc: Encoding, k: int)
     try:
         with _Files(enc.base_reader.storage) as files:
             if af[3] == codec.RAW:
-                a = enc.base_reader.peek(af[0], p.key, af[1], n, files)
+                a = enc.base_reader.peek(af[0], p.key, af[1], n, files, p.box.offsets)
             else:  # a compressed anchor: decode the start of its stream
-                a = enc.base_reader.peek(af[0], p.key, af[1], min(af[2], PEEK_STORED), files)
+                a = enc.base_reader.peek(af[0], p.key, af[1], min(af[2], PEEK_STORED), files,
+                                         p.box.offsets)
     except Exception:  # noqa: BLE001 - the verified read, if any, reports it
         return True
     if af[3] == codec.RAW:
@@ -186,7 +187,7 @@ def _anchor(p, bc: delta.BaseChunk, k: int, enc: Encoding, nbytes: int):
     r = enc.base_reader
     try:
         with _Files(r.storage) as files:
-            stored = r.stored_bytes(af[0], p.key, af[1], af[2], files)
+            stored = r.stored_bytes(af[0], p.key, af[1], af[2], files, p.box.offsets)
             return codec.decode(af[3], stored, size, ITEMSIZE[p.dtype])
     except Exception as e:  # noqa: BLE001 - any failure: no delta for this block
         log.warning("tensor %r block %d: the base's block cannot be read (%s); writing it "

@@ -37,6 +37,10 @@ READABLE_VERSIONS = (1, 2, 3)
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 30
 MAX_NDIM = tiling.MAX_NDIM
+# A file holds at most this many chunks of one tensor (a strided DTensor's local tensor
+# is several boxes; dckpt's save refuses more), so a tensor has at most this many
+# chunks per file: the cap on what a hostile manifest's grid can make a reader allocate.
+MAX_CHUNKS_PER_FILE = 1024
 # A file reference is one plain name inside the checkpoint directory: no separators,
 # no "..", no scheme, no leading dot.
 SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}$")
@@ -151,24 +155,26 @@ def _parse_chunks(key: str, shape: tuple[int, ...], obj: Any, nfiles: int) -> Ch
     if not isinstance(obj, dict):
         raise ManifestError(f"tensor {key!r}: chunks must be an object")
     ndim = len(shape)
-    # A file holds at most one chunk of a tensor (safetensors names are unique), so no
-    # tensor has more chunks than there are files: a cheap cap against hostile sizes.
+    # A file holds at most MAX_CHUNKS_PER_FILE chunks of a tensor, so no tensor has
+    # more than that many per file: a cheap cap against hostile sizes.
+    cap = max(nfiles, 1) * MAX_CHUNKS_PER_FILE
     try:
-        file = intarray.decode(obj.get("file"), f"tensor {key!r} chunk files", nfiles)
+        file = intarray.decode(obj.get("file"), f"tensor {key!r} chunk files", cap)
         if "grid" in obj:
             g = obj["grid"]
             if not isinstance(g, list) or len(g) != ndim:
                 raise ValueError(f"tensor {key!r}: grid needs one breakpoint list per dim")
-            dims = [_grid_dim(b, key, d, shape[d], nfiles) for d, b in enumerate(g)]
+            dims = [_grid_dim(b, key, d, shape[d], cap) for d, b in enumerate(g)]
             grid = tuple(b for b, _ in dims)
-            if math.prod(len(b) - 1 for b in grid) > max(nfiles, 1):
-                raise ValueError(f"tensor {key!r}: grid has more cells than there are files")
+            if math.prod(len(b) - 1 for b in grid) > cap:
+                raise ValueError(f"tensor {key!r}: grid has more cells than "
+                                 f"{MAX_CHUNKS_PER_FILE} per file")
             offsets, sizes = _cells(grid, [a for _, a in dims])
         else:
             grid = None
             offsets, sizes = obj.get("offsets"), obj.get("sizes")
             if not (isinstance(offsets, list) and isinstance(sizes, list)
-                    and len(offsets) == len(sizes) <= nfiles
+                    and len(offsets) == len(sizes) <= cap
                     and all(isinstance(r, list) and len(r) == ndim
                             and all(type(x) is int and 0 <= x <= _I64_MAX for x in r)
                             for r in offsets + sizes)):

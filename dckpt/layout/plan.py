@@ -74,8 +74,8 @@ def _key_table(plans: list[LocalPlan]):
                         f"ranks disagree about tensor {k!r}: rank {r0} has dtype {mdt} shape "
                         f"{list(mshape)}, rank {r} has dtype {dt} shape {list(shape)}")
             ids[j] = kid
-        if len(set(ids.tolist())) != len(ids):
-            raise StateMismatchError(f"rank {r} lists a tensor key twice")
+        # A key listed more than once is a tensor of which the rank holds several
+        # boxes (a strided placement); a box listed twice is refused after the sort.
         table_ids[p.keys_json] = ids
     return list(keys), meta, table_ids
 
@@ -137,6 +137,12 @@ def _sorted_rows(plans, meta, table_ids, names, shapes) -> keymajor.Rows:
     if len(kid) > 1:
         new[1:] = ((kid[1:] != kid[:-1]) | (offs[1:] != offs[:-1]).any(1)
                    | (sizes[1:] != sizes[:-1]).any(1))
+        twice = np.flatnonzero(~new[1:] & (rank[1:] == rank[:-1]))
+        if len(twice):  # equal rows sort next to each other, ranks ascending
+            i = int(twice[0]) + 1
+            raise StateMismatchError(
+                f"rank {rank[i]} lists the box at offsets {offs[i].tolist()} sizes "
+                f"{sizes[i].tolist()} of tensor {names[kid[i]]!r} twice")
     return keymajor.Rows(kid, rank, local, list(offs.T), list(sizes.T), new)
 
 

@@ -30,12 +30,12 @@ from .. import _faults
 from ..format import manifest as mf
 from ..format import codec, shards
 from ..layout import localplan, plan as gplan
-from ..reader import ChunkReader
+from ..reader import ChunkReader, stored_names
 from ..engine import devstream, encode
 from ..engine.encode import Encoding
 from ..progress import CountingWriter, Progress
 from ..state.flatten import flatten
-from ..state.tensors import as_bytes, describe
+from ..state.tensors import as_bytes, describe_all
 from ..storage.fsspec_storage import make_storage
 from .collectives import Comm, error_payload, raise_gathered
 from . import plancache
@@ -181,7 +181,8 @@ def local_plan(state_dict: Any, path: str, storage_options: dict | None,
         if check is not None:
             check()
         flat = flatten(state_dict)
-        pieces = [describe(k, t) for k, t in flat.tensors.items()]
+        # one piece per box: a strided DTensor's local tensor is several
+        pieces = [p for k, t in flat.tensors.items() for p in describe_all(k, t)]
         boxes = np.fromiter((x for p in pieces for x in (*p.box.offsets, *p.box.sizes)),
                             np.int64)
         local = localplan.LocalPlan([(p.key, p.dtype, p.shape) for p in pieces], boxes,
@@ -213,21 +214,22 @@ def write_file(storage, root: str, name: str, rank: int, pieces: list,
     buffers: list = [devstream.DeviceSource(p.local, (after or {}).get(p.local.device), p.key)
                      if plain and devstream.streams(p.local) else as_bytes(p.local)
                      for p in pieces]
+    names = stored_names(pieces)  # a key's several boxes in one file: distinct names
     if enc is not None and pieces:
         with ThreadPoolExecutor(2, thread_name_prefix="dckpt-encode") as pool:
             plans = encode.plan_pieces(pieces, buffers, enc, pool)
             buffers = [encode.hashing(b, pl.report) for b, pl in zip(buffers, plans)]
             keep = [i for i, pl in enumerate(plans) if pl.write]
-            entries = [(pieces[i].key, "U8", (plans[i].max_bytes,), plans[i].max_bytes)
+            entries = [(names[i], "U8", (plans[i].max_bytes,), plans[i].max_bytes)
                        if plans[i].produce else
-                       (pieces[i].key, pieces[i].dtype, pieces[i].box.sizes, len(buffers[i]))
+                       (names[i], pieces[i].dtype, pieces[i].box.sizes, len(buffers[i]))
                        for i in keep]
             vote = _write_entries(storage, root, name, rank, entries,
                                   [plans[i].produce or buffers[i] for i in keep])
             # after the writes: the producers fill the block tables
             reports = [pl.report.to_json() for pl in plans]
     else:
-        entries = [(p.key, p.dtype, p.box.sizes, len(b)) for p, b in zip(pieces, buffers)]
+        entries = [(n, p.dtype, p.box.sizes, len(b)) for n, p, b in zip(names, pieces, buffers)]
         vote = _write_entries(storage, root, name, rank, entries, buffers)
     if reports is not None:
         vote["chunks"] = reports

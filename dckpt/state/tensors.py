@@ -7,13 +7,20 @@ import torch
 
 from ..errors import UnsupportedValueError
 from ..format.dtypes import to_code
-from ..layout.chunks import Box, local_box
+from ..format.manifest import MAX_CHUNKS_PER_FILE
+from ..layout.chunks import Box
+from ..layout.strided import local_boxes
 
 try:  # torch >= 2.4
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 except ImportError:  # pragma: no cover - older torch
     from torch.distributed._tensor import DTensor, Replicate, Shard  # type: ignore
     from torch.distributed._tensor.placement_types import Partial  # type: ignore
+
+try:  # FSDP2 over TP shards a dim TP already shards: a strided placement
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # pragma: no cover - a torch without it
+    _StridedShard = None  # type: ignore
 
 try:  # FSDP1's sharded state dicts (torch.distributed._shard, deprecated upstream)
     from torch.distributed._shard.sharded_tensor import Shard as _STShard
@@ -37,11 +44,11 @@ class LocalPiece:
 def _placements(dt: "DTensor", key: str) -> list[tuple]:
     out = []
     for p in dt.placements:
-        if type(p).__name__ == "_StridedShard":
-            raise UnsupportedValueError(
-                f"DTensor {key!r} uses a strided shard placement (FSDP2 + TP); not yet "
-                "supported: call .full_tensor() or redistribute it first")
-        if isinstance(p, Shard):
+        # checked first: whether a _StridedShard is also a Shard differs between torch
+        # versions, and it must never be taken for a plain one
+        if _StridedShard is not None and isinstance(p, _StridedShard):
+            out.append(("SS", p.dim if p.dim >= 0 else p.dim + dt.ndim, int(p.split_factor)))
+        elif isinstance(p, Shard):
             out.append(("S", p.dim if p.dim >= 0 else p.dim + dt.ndim))
         elif isinstance(p, Replicate):
             out.append(("R",))
@@ -92,29 +99,51 @@ def restage_sharded(t: "ShardedTensor", local: torch.Tensor) -> "ShardedTensor":
         shards, t.metadata(), process_group=t._process_group, init_rrefs=False)
 
 
-def describe(key: str, t: torch.Tensor) -> LocalPiece:
-    """The piece of ``t`` this rank holds. Cheap (no copy); raises UnsupportedValueError
+def describe_all(key: str, t: torch.Tensor) -> list[LocalPiece]:
+    """The pieces of ``t`` this rank holds: one per global box. A plain tensor, a
+    ShardedTensor and a DTensor of Shard/Replicate placements give one piece whose
+    ``local`` is the local tensor itself; a DTensor with a ``_StridedShard`` placement
+    whose local tensor interleaves several boxes gives one piece per box, each ``local``
+    a view of its region of the local tensor (a slab along the strided dim: no copy).
+    Cheap (numpy over the runs, see dckpt.layout.strided); raises UnsupportedValueError
     for an unsupported dtype or placement, or a local shard whose shape does not match
-    torch.chunk's layout (DTensor) or its own metadata (ShardedTensor)."""
+    its placements' layout (DTensor) or its own metadata (ShardedTensor)."""
     if is_sharded_tensor(t):
-        return _describe_sharded(key, t)
+        return [_describe_sharded(key, t)]
     code = to_code(t.dtype, key)
     local = t.to_local() if isinstance(t, DTensor) else t  # to_local is an autograd call
     check_plain(key, local)
-    if isinstance(t, DTensor):
-        shape = tuple(t.shape)
-        mesh = t.device_mesh
-        coord = mesh.get_coordinate()
-        if coord is None:  # this rank is not in the tensor's mesh: it holds nothing
-            return LocalPiece(key, code, shape, Box((0,) * len(shape), (0,) * len(shape)), None)
-        box = local_box(shape, tuple(mesh.shape), tuple(coord), _placements(t, key))
-        if tuple(local.shape) != box.sizes:
-            raise UnsupportedValueError(
-                f"DTensor {key!r}: local shard shape {list(local.shape)} differs from the "
-                f"torch.chunk layout {list(box.sizes)} of its placements")
-        return LocalPiece(key, code, shape, box, local)
     shape = tuple(t.shape)
-    return LocalPiece(key, code, shape, Box((0,) * len(shape), shape), t)
+    if not isinstance(t, DTensor):
+        return [LocalPiece(key, code, shape, Box((0,) * len(shape), shape), t)]
+    mesh = t.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None:  # this rank is not in the tensor's mesh: it holds nothing
+        return [LocalPiece(key, code, shape, Box((0,) * len(shape), (0,) * len(shape)), None)]
+    lb = local_boxes(shape, tuple(mesh.shape), tuple(coord), _placements(t, key))
+    if tuple(local.shape) != lb.local_shape:
+        raise UnsupportedValueError(
+            f"DTensor {key!r}: local shard shape {list(local.shape)} differs from the "
+            f"layout {list(lb.local_shape)} of its placements {list(t.placements)}")
+    if len(lb) > MAX_CHUNKS_PER_FILE:
+        raise UnsupportedValueError(
+            f"DTensor {key!r}: its local tensor holds {len(lb)} separate boxes of the global "
+            f"tensor (placements {list(t.placements)}); a shard file holds at most "
+            f"{MAX_CHUNKS_PER_FILE} chunks of a tensor: redistribute it first")
+    boxes = lb.boxes()
+    if len(boxes) == 1:  # the whole local tensor (or nothing): no view
+        return [LocalPiece(key, code, shape, boxes[0], local)]
+    return [LocalPiece(key, code, shape, b, local[r]) for b, r in zip(boxes, lb.regions())]
+
+
+def describe(key: str, t: torch.Tensor) -> LocalPiece:
+    """:func:`describe_all` for a tensor known to give one piece. Raises
+    UnsupportedValueError as it does, and when the local tensor holds several boxes."""
+    pieces = describe_all(key, t)
+    if len(pieces) != 1:
+        raise UnsupportedValueError(f"DTensor {key!r}: its local tensor holds {len(pieces)} "
+                                    "boxes of the global tensor (a strided placement)")
+    return pieces[0]
 
 
 def check_plain(key: str, t: torch.Tensor) -> None:
