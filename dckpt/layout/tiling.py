@@ -65,6 +65,9 @@ def analyse(shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray) -> T
     split = _split_one_dim(shape, offsets, sizes)
     if split is not None:
         return split
+    cgrid = _c_order_grid(shape, offsets, sizes)
+    if cgrid is not None:
+        return cgrid
     ends = offsets + sizes
     bps, lo, hi = [], [], []
     for d in range(ndim):
@@ -110,6 +113,43 @@ def _split_one_dim(shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarra
     bp = tuple(o.tolist()) + (int(shape[d]),)
     return Tiling(None, tuple(bp if k == d else (0, int(x)) for k, x in enumerate(shape)),
                   np.arange(n, dtype=np.int64))
+
+
+def _c_order_grid(shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray) -> Tiling | None:
+    """The grid whose cells the boxes are, in C order (FSDP2 over TP's rowwise weights:
+    dp splits dim 0, tp dim 1, and the planner sorts boxes by offsets), found without
+    a sort: each cut dim's cell count is where its offset first wraps to 0 along the
+    rows where every later cut dim is at its first cell; then every column must repeat
+    its breakpoints in that pattern. None for any other layout (the general test
+    decides). The caller has checked bounds and volume. O(n * cut dims)."""
+    n, ndim = offsets.shape
+    cut = [d for d in range(ndim) if offsets[:, d].any() or (sizes[:, d] != shape[d]).any()]
+    if len(cut) < 2:
+        return None
+    stride, pattern = 1, {}
+    for d in reversed(cut):
+        col = offsets[::stride, d]
+        wrap = np.flatnonzero(col[1:] == 0)
+        g = int(wrap[0]) + 1 if len(wrap) else len(col)
+        pattern[d] = (stride, g)
+        stride *= g
+    if stride != n:
+        return None
+    grid = []
+    for d in range(ndim):
+        if d not in pattern:
+            grid.append((0, int(shape[d])))
+            continue
+        st, g = pattern[d]
+        bo, bs = offsets[:g * st:st, d], sizes[:g * st:st, d]
+        if bo[0] != 0 or bo[-1] + bs[-1] != shape[d] or (bo[1:] != bo[:-1] + bs[:-1]).any():
+            return None
+        reps = n // (g * st)
+        if ((offsets[:, d] != np.tile(np.repeat(bo, st), reps)).any()
+                or (sizes[:, d] != np.tile(np.repeat(bs, st), reps)).any()):
+            return None
+        grid.append(tuple(bo.tolist()) + (int(shape[d]),))
+    return Tiling(None, tuple(grid), np.arange(n, dtype=np.int64))
 
 
 def _disjoint(lo: list[np.ndarray], hi: list[np.ndarray], dims: tuple[int, ...]) -> bool:
