@@ -22,7 +22,7 @@ from ..errors import (CheckpointError, preview, IntegrityError, ManifestError, N
 from ..format import manifest as mf
 from ..format.dtypes import to_torch
 from ..state.flatten import fill, flatten, grow
-from ..state.tensors import describe
+from ..state.tensors import describe_all
 from ..storage.base import FileTooLargeError, NotRegularFileError
 from ..storage.fsspec_storage import make_storage
 from ..reader import DEFAULT_READ_BUDGET, ChunkReader
@@ -230,9 +230,10 @@ def _match(m: mf.Manifest, tensors: dict, values: dict, cast: bool = False):
         if entry is None:
             (wrong if key in m.values else missing).append(key)
             continue
-        piece = describe(key, t)
-        local = piece.local
-        if local is not None and any(s == 0 and n > 1 for s, n in zip(local.stride(), local.shape)):
+        several = describe_all(key, t)  # a strided DTensor's local tensor: several boxes
+        piece = several[0]
+        if any(p.local is not None and any(s == 0 and n > 1 for s, n in
+                                           zip(p.local.stride(), p.local.shape)) for p in several):
             raise UnsupportedValueError(
                 f"tensor {key!r} is an expanded view (several elements share one memory "
                 "location): load into a tensor that owns its elements, e.g. .clone()")
@@ -244,7 +245,7 @@ def _match(m: mf.Manifest, tensors: dict, values: dict, cast: bool = False):
                 f"tensor {key!r}: the state_dict has dtype {piece.dtype} shape "
                 f"{list(piece.shape)}, the checkpoint has dtype {entry.dtype} shape "
                 f"{list(entry.shape)}{hint}")
-        pieces.append((piece, entry))
+        pieces += [(p, entry) for p in several]
     for key in values:
         if key not in m.values:
             (wrong if key in m.tensors else missing).append(key)
