@@ -10,7 +10,7 @@ from .format import shards
 from .format.dtypes import ITEMSIZE
 from .format.checksum import crc32
 from .progress import Progress
-from .reader import ChunkReader, _Files, file_path
+from .reader import ChunkReader, _Files, file_path, find_stored
 from .storage.fsspec_storage import make_storage
 
 log = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ def _verify(storage, root: str, m, file_indices, report: VerifyReport,
                 tensors, _ = reader.header(fi)
             except (CheckpointError, OSError):
                 continue  # already reported above
-            st = tensors.get(key)
+            st = find_stored(tensors, key, t.chunks.offsets[ci])  # key@offsets: strided
             want = tuple(int(x) for x in t.chunks.sizes[ci])
             if st is None or st.shape != want or st.dtype != t.dtype:
                 report.problems.append(f"tensor {key!r} chunk {ci}: not in {m.files[fi].name} "
