@@ -9,13 +9,40 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .protocol.commit import CheckpointInfo, save
-from .protocol.restore import load
-from .engine.async_save import SaveHandle, async_save
-from .manager import CheckpointManager
-from .state.training import TrainingState
-from .interop import ExportInfo, export, import_checkpoint
-from .errors import (
+from typing import TYPE_CHECKING
+
+# The API is imported at first use (PEP 562), not with the package: the CLI's ls,
+# inspect, du and history read JSON only and must not pay for importing torch.
+_LAZY = {"save": ".protocol.commit", "CheckpointInfo": ".protocol.commit",
+         "load": ".protocol.restore", "SaveHandle": ".engine.async_save",
+         "async_save": ".engine.async_save", "CheckpointManager": ".manager",
+         "TrainingState": ".state.training", "ExportInfo": ".interop", "export": ".interop",
+         "import_checkpoint": ".interop"}
+
+if TYPE_CHECKING:
+    from .protocol.commit import CheckpointInfo, save
+    from .protocol.restore import load
+    from .engine.async_save import SaveHandle, async_save
+    from .manager import CheckpointManager
+    from .state.training import TrainingState
+    from .interop import ExportInfo, export, import_checkpoint
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value  # once: later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+from .errors import (  # noqa: E402
     AlreadyExistsError,
     CheckpointError,
     IntegrityError,

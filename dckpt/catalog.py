@@ -10,16 +10,26 @@ import time
 from dataclasses import dataclass
 
 from .protocol import intent as _intent
-from .protocol.coordinator import DATA_FILE, TEMP_MANIFEST
 from .protocol.intent import INTENT_FILE, live_save_ids
 from .catalog_local import STEP_DIR, is_local_step, read_local_step
 from .errors import CheckpointError
 from .format import manifest as mf
 from .storage.fsspec_storage import FsspecStorage, Upload, make_storage
-# ALL_FILES, references, remove_checkpoints: re-exported (the coordinator and the manager
-# import them from here)
-from .refcount import (ALL_FILES, manifest_dirs, references, references_beside,  # noqa: F401
-                       remove_checkpoints)
+
+# gc's names come from the save protocol, which imports torch: imported at gc's first
+# use, so that ls, inspect and du (JSON only) do not pay for torch. ALL_FILES,
+# references, remove_checkpoints are re-exported (the coordinator and the manager import
+# them from here).
+_REFCOUNT = ("ALL_FILES", "manifest_dirs", "references", "references_beside",
+             "remove_checkpoints")
+
+
+def __getattr__(name: str):
+    if name in _REFCOUNT:
+        from . import refcount
+
+        return getattr(refcount, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 log = logging.getLogger(__name__)
 _now = time.time  # gc's clock (tests move it instead of aging files they cannot touch)
@@ -69,7 +79,7 @@ def _shown_join(shown: str, name: str) -> str:
 
 def _read(storage, path: str, shown: str | None = None):
     """(manifest or None, summary or None): None, None when ``path`` has no manifest."""
-    from .protocol.restore import read_manifest
+    from .protocol.manifest_read import read_manifest
 
     try:
         m, _ = read_manifest(storage, path)
@@ -170,35 +180,6 @@ def _list_checkpoints(root: str, storage_options: dict | None) -> list[Checkpoin
     return out
 
 
-def sharding(t: mf.TensorEntry) -> str:
-    """A short description of how a tensor's chunks cut it, e.g. ``4 x dim0``."""
-    n = len(t.chunks)
-    if n <= 1:
-        return "whole"
-    if t.chunks.grid is not None:
-        cuts = [f"{len(b) - 1} x dim{d}" for d, b in enumerate(t.chunks.grid) if len(b) > 2]
-        return ", ".join(cuts)
-    return f"{n} chunks"
-
-
-def inherited(m: mf.Manifest, t: mf.TensorEntry) -> str:
-    """What of tensor ``t`` lives in sibling checkpoints: ``-`` (nothing), ``all``, or
-    ``k/n blocks``. Pure."""
-    total = ref = 0
-    for ci, fi in enumerate(t.chunks.file.tolist()):
-        table = t.encoded(ci)
-        if table is None:
-            n = len(t.blocks[ci].hashes) // 16 if t.blocks is not None else 1
-            total += n
-            ref += n if m.files[fi].dir else 0
-        else:
-            total += len(table)
-            ref += sum(1 for f in table[:, 0].tolist() if m.files[f].dir)
-    if not ref:
-        return "-"
-    return "all" if ref == total else f"{ref}/{total} blocks"
-
-
 @dataclass(frozen=True)
 class Leftover:
     """A file ``dckpt gc`` would remove: ``path`` as the user wrote the root."""
@@ -212,6 +193,8 @@ class Leftover:
 
 def _leftover_kind(name: str) -> tuple[str, str | None] | None:
     """(kind, save id or None) for dckpt's own file names, None for anything else."""
+    from .protocol.coordinator import DATA_FILE, TEMP_MANIFEST
+
     m = DATA_FILE.match(name)
     if m:
         return "data", m.group(1)
@@ -227,6 +210,9 @@ def _dir_leftovers(storage, d: str, shown: str, entries, min_age_s: float,
                    now: float, no_time: list[str], referenced: frozenset = frozenset()) -> list[Leftover]:
     """The leftovers among ``entries`` (the listing of ``d``, taken before this reads its
     manifest). Skips the directory when its manifest exists but cannot be read."""
+    from .protocol.coordinator import DATA_FILE
+    from .refcount import ALL_FILES
+
     # Read the manifest only after listing: a save removes its intent only once its
     # manifest is committed, so a listing without a save's intent is followed by a
     # manifest that lists that save's files (never neither).
@@ -284,6 +270,8 @@ def find_leftovers(root: str, min_age_s: float = 3600.0,
 
 
 def _find_leftovers(root: str, min_age_s: float, storage_options: dict | None) -> list[Leftover]:
+    from .refcount import manifest_dirs, references, references_beside
+
     storage, base, shown = _open_root(root, storage_options, uploads_only=True)
     top = storage.listdir(base)
     now = _now()

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 from .errors import CheckpointError
 from .format import manifest as mf
+from .protocol.manifest_read import MAX_MANIFEST as _MAX_VIEW
 
 VIEW_FILE = re.compile(r"^manifest-(\d{5,})\.json$")  # tiers.local.view_name
 STEP_DIR = re.compile(r"^step-(\d+)$")  # tiers.local.STEP_DIR
-_MAX_VIEW = 1 << 30  # as protocol.restore.MAX_MANIFEST
 
 
 def view_ranks(names) -> list[int]:

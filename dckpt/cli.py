@@ -7,7 +7,6 @@ as the user wrote them where they are URLs, so a printed path can be passed back
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import logging
 import os
@@ -15,18 +14,9 @@ import re
 import sys
 import traceback
 
+from .cli_show import print_tensors, table as _table, when as _when
 from .errors import CheckpointError, NotCommittedError
 from .progress import size_text
-
-
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
-    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
-    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
-
-
-def _when(ts: float) -> str:
-    return _dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
 
 
 def cmd_ls(args) -> int:
@@ -56,7 +46,7 @@ def _state(s) -> str:
 
 
 def cmd_inspect(args) -> int:
-    from .protocol.restore import read_manifest
+    from .protocol.manifest_read import read_manifest
     from .storage.fsspec_storage import make_storage
 
     storage, root = make_storage(args.path, _opts(args))
@@ -67,7 +57,7 @@ def cmd_inspect(args) -> int:
 
         if expect_checkpoint(storage, root, args.path) != "local":  # raises for a wrong path
             raise
-        from .cli_tier import inspect_local
+        from .cli_show import inspect_local
 
         return inspect_local(storage, root, _shown(args.path, root), args)
     if args.json:
@@ -77,18 +67,6 @@ def cmd_inspect(args) -> int:
           f"{len(m.files)} file(s), {size_text(m.total_bytes)}, save id {m.save_id}\n")
     print_tensors(m)
     return 0
-
-
-def print_tensors(m) -> None:
-    """A manifest's tensor table and, if any, its JSON values."""
-    from .catalog import inherited, sharding
-
-    rows = [[k, t.dtype, "x".join(map(str, t.shape)) or "scalar", sharding(t),
-             str(len(t.chunks)), size_text(t.nbytes), inherited(m, t)] for k, t in m.tensors.items()]
-    print(_table(rows, ["tensor", "dtype", "shape", "sharding", "chunks", "bytes", "inherited"]))
-    if m.values:
-        print()
-        print(_table([[k, json.dumps(v)] for k, v in m.values.items()], ["value", "json"]))
 
 
 def cmd_du(args) -> int:
@@ -262,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--storage-options", help="JSON object of fsspec storage options")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress; a traceback on error")
     sub = p.add_subparsers(dest="cmd", required=True)
-    from .cli_tier import FAST_TIER
+    from .cli_show import FAST_TIER
 
     s = sub.add_parser("ls", help="list committed checkpoints under ROOT, or the steps of a "
                                   "fast-tier directory (local_root) and their ranks' views",

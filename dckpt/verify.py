@@ -45,7 +45,7 @@ def verify_checkpoint(path: str, storage_options: dict | None = None) -> VerifyR
     (NotCommittedError / ManifestError become a one-line problem too). Raises
     CheckpointError for a wrong path: nothing there ("no such path"), a file, or a root
     of checkpoints rather than one (naming them)."""
-    from .protocol.restore import read_manifest
+    from .protocol.manifest_read import read_manifest
 
     storage, root = make_storage(path, storage_options)
     report = VerifyReport(root)

@@ -408,3 +408,28 @@ def test_a_load_error_names_the_checkpoint_directory(tmp_path):
         dckpt.load({"w": torch.zeros(300000)}, path)
     msg = str(e.value)
     assert path in msg and f in msg and "checksum" in msg, msg
+
+
+@pytest.mark.parametrize("cmd", ["ls", "inspect", "du", "history", "ls-fast-tier",
+                                 "inspect-fast-tier", "ls-missing", "inspect-root"])
+def test_json_only_commands_never_import_torch(tmp_path, cmd):
+    """Issue 27 (9): every command paid ~2 s importing torch (``import dckpt`` pulled the
+    whole API). ls, inspect, du and history read JSON only: run each in a fresh
+    interpreter and check torch was never imported."""
+    root, shm = str(tmp_path / "run"), str(tmp_path / "shm")
+    mgr = dckpt.CheckpointManager(root, local_root=shm, every_steps=1, capture_rng=False)
+    assert mgr.save(1, {"w": torch.arange(4.0), "step": 1})
+    mgr.close()
+    step = os.path.join(root, "step-00000001")
+    argv = {"ls": ["ls", root], "inspect": ["inspect", step], "du": ["du", root],
+            "history": ["history", root], "ls-fast-tier": ["ls", shm],
+            "inspect-fast-tier": ["inspect", os.path.join(shm, "step-00000001")],
+            "ls-missing": ["ls", str(tmp_path / "nope")], "inspect-root": ["inspect", root]}[cmd]
+    code = ("import sys; from dckpt.cli import main; rc = main(%r); "
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:5]; "
+            "print('rc', rc)" % (argv,))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().endswith("rc 2" if cmd in ("ls-missing", "inspect-root") else "rc 0"), \
+        (r.stdout, r.stderr)

@@ -23,41 +23,13 @@ from ..format import manifest as mf
 from ..format.dtypes import to_torch
 from ..state.flatten import fill, flatten, grow
 from ..state.tensors import describe_all
-from ..storage.base import FileTooLargeError, NotRegularFileError
 from ..storage.fsspec_storage import make_storage
 from ..reader import DEFAULT_READ_BUDGET, ChunkReader
 from .collectives import Comm, agree, error_payload, raise_gathered, rank0_bytes
+# torch-free (the CLI reads manifests without importing torch); re-exported from here
+from .manifest_read import MAX_MANIFEST, read_manifest, read_manifest_bytes  # noqa: F401
 
 log = logging.getLogger(__name__)
-MAX_MANIFEST = 1 << 30  # a manifest of 10^5 tensors in 10^4 chunks each is a few hundred MB
-
-
-def read_manifest_bytes(storage, root: str, name: str = mf.MANIFEST_NAME) -> bytes:
-    """The raw bytes of ``root/manifest.json`` (or ``root/name``). Blocking I/O of the file's size only.
-    Raises NotCommittedError, ManifestError (not a regular file: a FIFO, a link to a
-    device; or over MAX_MANIFEST bytes: not something a save writes), OSError."""
-    where = storage.join(root, name)
-    try:
-        return storage.read_file(where, MAX_MANIFEST)
-    except FileNotFoundError:
-        raise NotCommittedError(
-            f"{root} holds no committed checkpoint (no {name}): the save that "
-            "wrote it did not finish, or the path is wrong") from None
-    except IsADirectoryError:
-        raise NotCommittedError(f"{where} is a directory, not a manifest") from None
-    except NotRegularFileError:
-        raise ManifestError(f"{where} is not a regular file (a FIFO, device or socket): "
-                            "not a dckpt manifest; refusing to read it") from None
-    except FileTooLargeError:
-        raise ManifestError(f"{where} is over {MAX_MANIFEST >> 20} MiB: not a dckpt "
-                            "manifest (or a damaged one)") from None
-
-
-def read_manifest(storage, root: str) -> tuple[mf.Manifest, bytes]:
-    """Read and validate ``root/manifest.json``. Blocking I/O. Raises
-    NotCommittedError (none there) or ManifestError (garbage, unsafe, newer version)."""
-    data = read_manifest_bytes(storage, root)
-    return mf.parse(data, storage.join(root, mf.MANIFEST_NAME)), data
 
 
 def load(state_dict: dict, path: str, *, process_group: Any = None,
