@@ -10,7 +10,7 @@ from .format import shards
 from .format.dtypes import ITEMSIZE
 from .format.checksum import crc32
 from .progress import Progress
-from .reader import ChunkReader, _Files, file_path, find_stored
+from .reader import ChunkReader, _Files, file_path, find_stored, stored_name
 from .storage.fsspec_storage import make_storage
 
 log = logging.getLogger(__name__)
@@ -99,10 +99,13 @@ def _verify(storage, root: str, m, file_indices, report: VerifyReport,
     byte described) and that each chunk the manifest puts in one of them is there."""
     reader = ChunkReader(storage, root, m)
     wanted = list(file_indices)
-    where = {}  # (file index, key) -> (the chunk's offsets in its tensor, tensor shape)
+    # (file index, stored name) -> (the chunk's offsets in its tensor, tensor shape, key);
+    # a file holding several chunks of a key names them key@offsets
+    where = {}
     for key, t in m.tensors.items():
         for ci, fi in enumerate(t.chunks.file.tolist()):
-            where[(fi, key)] = (tuple(int(x) for x in t.chunks.offsets[ci]), t.shape)
+            offs = tuple(int(x) for x in t.chunks.offsets[ci])
+            where[(fi, stored_name(key, offs))] = where.setdefault((fi, key), (offs, t.shape, key))
     for n, fi in enumerate(wanted):
         f = m.files[fi]
         report.files += 1
@@ -162,7 +165,7 @@ def check_tensor(storage, path: str, st: shards.StoredTensor, block: int,
     every block against its checksum. Blocking I/O of its bytes; memory one read.
     Raises CheckpointError naming the file, the failing byte range in the file (closed:
     first..last byte), and the tensor region those bytes hold. ``chunk``: (offsets,
-    tensor shape), where the stored chunk sits in its tensor, when the caller knows."""
+    tensor shape, key), where the stored chunk sits in its tensor, when the caller knows."""
     step = max(block, read // block * block)
     for pos in range(0, st.nbytes, step):
         n = min(step, st.nbytes - pos)
@@ -187,12 +190,13 @@ def check_tensor(storage, path: str, st: shards.StoredTensor, block: int,
 def region(st: shards.StoredTensor, lo: int, hi: int, chunk: tuple | None = None) -> str:
     """The tensor elements that bytes ``lo..hi`` (closed) of stored tensor ``st`` hold,
     e.g. ``w[64, 0]..w[95, 7] (row-major in its saved chunk w[64:128, 0:8])``: indices
-    in the whole tensor when ``chunk`` ((offsets, tensor shape): where the stored chunk
-    sits) is known, else in the stored chunk. Pure."""
+    in the whole tensor when ``chunk`` ((offsets, tensor shape, key): where the stored
+    chunk sits) is known, else in the stored chunk. Pure."""
+    name = chunk[2] if chunk is not None else st.name
     if not st.shape:
-        return f"{st.name} (a scalar)"
+        return f"{name} (a scalar)"
     size = ITEMSIZE.get(st.dtype, 1)
-    off, whole = chunk if chunk is not None and len(chunk[0]) == len(st.shape) else \
+    off, whole = chunk[:2] if chunk is not None and len(chunk[0]) == len(st.shape) else \
         ((0,) * len(st.shape), None)
 
     def at(flat: int) -> str:
@@ -200,12 +204,12 @@ def region(st: shards.StoredTensor, lo: int, hi: int, chunk: tuple | None = None
         for dim in reversed(st.shape):
             idx.append(flat % dim)
             flat //= dim
-        return f"{st.name}[{', '.join(str(i + o) for i, o in zip(reversed(idx), off))}]"
+        return f"{name}[{', '.join(str(i + o) for i, o in zip(reversed(idx), off))}]"
 
     text = f"{at(lo // size)}..{at(hi // size)} (row-major"
     if whole is None:
         return text + ", indices within the stored chunk)"
     if tuple(whole) != tuple(st.shape):
-        text += f" in its saved chunk {st.name}[" + ", ".join(
+        text += f" in its saved chunk {name}[" + ", ".join(
             f"{o}:{o + d}" for o, d in zip(off, st.shape)) + "]"
     return text + ")"

@@ -433,3 +433,22 @@ def test_json_only_commands_never_import_torch(tmp_path, cmd):
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().endswith("rc 2" if cmd in ("ls-missing", "inspect-root") else "rc 0"), \
         (r.stdout, r.stderr)
+
+
+def test_region_names_the_key_of_a_chunk_stored_as_key_at_offsets():
+    """A file holding several chunks of one tensor names them ``key@offsets``: the
+    region is given in the tensor's own indices and name."""
+    import numpy as np
+
+    from dckpt.format.shards import StoredTensor
+    from dckpt.verify import region
+
+    st = StoredTensor("w@32,0", "F32", (32, 8), 4096, 32 * 8 * 4, np.zeros(1, np.uint32))
+    assert region(st, 0, 32 * 8 * 4 - 1, ((32, 0), (64, 8), "w")) == \
+        "w[32, 0]..w[63, 7] (row-major in its saved chunk w[32:64, 0:8])"
+    assert region(st, 40, 71, ((32, 0), (64, 8), "w")) == \
+        "w[33, 2]..w[34, 1] (row-major in its saved chunk w[32:64, 0:8])"
+    assert region(st, 0, 3) == "w@32,0[0, 0]..w@32,0[0, 0] (row-major, indices within the " \
+        "stored chunk)"
+    scalar = StoredTensor("step", "I64", (), 4096, 8, np.zeros(1, np.uint32))
+    assert region(scalar, 0, 7, ((), (), "step")) == "step (a scalar)"
