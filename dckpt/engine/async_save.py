@@ -55,9 +55,9 @@ class SaveHandle:
             raise TimeoutError(f"the snapshot of {self.path} did not finish in {timeout} s")
 
     def _fence(self, targets: list) -> None:
-        """Make every step of each fenced optimizer, and every forward of each fenced
-        module or of its submodules, wait for the snapshot (each by itself: see
-        :mod:`dckpt.engine.fence`), adding the wait to blocking_seconds."""
+        """Make every step of each fenced optimizer, and the forwards of the fenced
+        modules that can write saved tensors, wait for the snapshot (each by itself:
+        see :mod:`dckpt.engine.fence`), adding the wait to blocking_seconds."""
         if self._copied is None:
             return
         if self._fence_obj is None:
@@ -195,11 +195,12 @@ def async_save(state_dict: Any, path: str, *, process_group: Any = None,
     ``fence`` (an optimizer or module, or a list of them): the call returns as soon as
     the buffers are ready, and the copy runs in the background, overlapped with what
     the caller does next; until it is complete every ``step()`` of each fenced
-    optimizer, and every forward of each fenced module or of any of its submodules
-    (whatever it writes in place: BatchNorm's running stats, ``Embedding(max_norm=)``
-    rows, spectral norm's ``u``/``v``), waits for it first, each by itself (from any
-    thread; an interrupted wait leaves the fence armed): see
-    :mod:`dckpt.engine.fence`. So the checkpoint holds the values at the call.
+    optimizer, and the forward of each module of a fenced module that can write a
+    saved tensor in place (BatchNorm's running stats, ``Embedding(max_norm=)`` rows,
+    spectral norm's ``u``/``v``: found by its buffers or learned, every forward at a
+    model's first fenced save), waits for it first, each by itself (from any thread;
+    an interrupted wait leaves the fence armed): see :mod:`dckpt.engine.fence`. So
+    the checkpoint holds the values at the call.
     Anything else that changes the saved tensors before that must call
     :meth:`SaveHandle.wait_snapshot` first; an in-place write it does not hold back
     (one that bumps the tensor's version counter) fails the save, naming the tensor.

@@ -2,28 +2,40 @@
 
 A fenced save returns before its snapshot is taken (the copy into host buffers runs in
 the background, or the fast tier's files are written straight from the live tensors).
-Until it is taken, a :class:`Fence` makes every target wait where it would change them:
+Until it is taken, a :class:`Fence` makes each target wait where it would change them:
 
 - an optimizer at every ``step()`` (a step pre-hook, first in line);
-- a module at every forward of it or of any of its submodules (forward pre-hooks, first
-  in line): whatever a forward writes in place (BatchNorm's running stats, the rows
-  ``Embedding(max_norm=)`` renormalises, spectral norm's ``u``/``v``, a custom buffer),
-  it writes after the snapshot. No list of known classes: every module waits.
+- a module at the forward of each of its modules that can write a saved tensor in
+  place (forward pre-hooks, first in line), chosen without a list of classes
+  (:mod:`dckpt.engine.writers`): a module with persistent buffers of its own
+  (BatchNorm's running stats, spectral norm's ``u``/``v``, a custom buffer), or one
+  seen writing its own parameters or buffers during a forward (the rows
+  ``Embedding(max_norm=)`` renormalises). At the first fenced save of a model, before
+  anything is learned, every forward waits. The other forwards (plain ``Linear``
+  layers, attention) run at once, so the copy or the fast tier's write overlaps the
+  next forward and backward passes, and only the optimizer's step (and the writers)
+  wait, as in CheckFreq or torchtitan.
 
 Each hook waits on the snapshot's event by itself, so two targets fired from two threads
 both wait, and a wait interrupted (a KeyboardInterrupt) leaves that hook and every other
-one armed. A fence is disarmed only once the snapshot is taken: a module's hook removes
-itself at its first call after that (torch iterates over a copy of a module's hooks, so
-this is safe), so later forwards pay nothing; an optimizer's hook (torch iterates over
-the live dict) stays, a check of one event per step, until :meth:`Fence.disarm`.
+one armed. A fence is disarmed only once the snapshot is taken: a module's hooks remove
+themselves after its first call that ends after that, once the outermost call returns
+(torch iterates over a copy of a module's hooks, so this is safe), so later forwards
+pay nothing; an optimizer's hook
+(torch iterates over the live dict) stays, a check of one event per step, until
+:meth:`Fence.disarm`. Arming costs O(modules + tensors) per save, no per-element work
+(about 40 ms for 4,500 modules on a CPU, and about 40 ms more for each forward under
+the hooks, only while the snapshot is taken: :mod:`dckpt.engine.writers`).
 
 What a fence does not hold back (a ``p.add_()`` outside the optimizer, an EMA update
-before the next forward) is caught, not prevented: :class:`Versions` reads each saved
-tensor's version counter (torch bumps it at every in-place write through the tensor or
-a view of it) at the call and again when the snapshot is taken, and the save fails
-naming the tensor. A write through ``.data`` or numpy does not bump the counter: the
-fast tier's read-back and the GPU fingerprint (dckpt.engine.devstream) still catch such
-a change while the files are written, not one made before.
+before the next forward, a forward that writes a saved tensor for the first time) is
+caught, not prevented: :class:`Versions` reads each saved tensor's version counter
+(torch bumps it at every in-place write through the tensor or a view of it) at the
+call and again when the snapshot is taken, and the save fails naming the tensor; a
+module whose forward wrote is learned then, and waits from the next save on. A write
+through ``.data`` or numpy does not bump the counter: the fast tier's read-back and the
+GPU fingerprint (dckpt.engine.devstream) still catch such a change while the files are
+written, not one made before.
 """
 from __future__ import annotations
 
@@ -35,6 +47,9 @@ from typing import Any, Callable
 import torch
 
 from ..errors import CheckpointError
+from .writers import ModuleHooks, eager_modules, remove
+
+__all__ = ["Fence", "Versions", "eager_modules", "releaser", "targets_of"]
 
 
 class Fence:
@@ -70,17 +85,18 @@ class Fence:
 
     def arm(self, targets: list) -> None:
         """Register the hooks on ``targets`` (optimizers and modules, checked by
-        :func:`targets_of`). Call it from the thread that owns the targets, once per
-        save; O(targets + their modules), no wait."""
-        seen: set[int] = set()
+        :func:`targets_of`): a step pre-hook per optimizer, the forward hooks of
+        :class:`~dckpt.engine.writers.ModuleHooks` on each module's eager submodules.
+        Call it from the thread that owns the targets, once per save;
+        O(targets + their modules and tensors), no wait."""
+        modules = None
         for t in targets:
             if isinstance(t, torch.optim.Optimizer):
                 self._hook_step(t)
             else:
-                for m in eager_modules(t):
-                    if id(m) not in seen:
-                        seen.add(id(m))
-                        self._hook_forward(m)
+                if modules is None:
+                    modules = ModuleHooks(self.wait, self.done, self.hooks)
+                modules.arm(t)
 
     def _hook_step(self, opt: torch.optim.Optimizer) -> None:
         def hook(*_args, **_kwargs) -> None:
@@ -95,48 +111,12 @@ class Fence:
             hooks.move_to_end(h.id, last=False)
         self.hooks.append(h)
 
-    def _hook_forward(self, m: torch.nn.Module) -> None:
-        box: list = []
-
-        def hook(*_args) -> None:
-            self.wait()
-            _remove(box[0])  # the snapshot is taken: nothing left to hold back here
-
-        box.append(m.register_forward_pre_hook(hook, prepend=True))
-        self.hooks.append(box[0])
-
     def disarm(self) -> None:
         """Remove every hook. Call it from the training thread (an optimizer's hook
         must not be removed while its step runs), once the save is over."""
         hooks, self.hooks = self.hooks, []
         for h in hooks:
-            _remove(h)
-
-
-def _remove(handle: Any) -> None:
-    try:
-        handle.remove()
-    except KeyError:  # removed by another thread between its check and its del
-        pass
-
-
-def eager_modules(root: torch.nn.Module) -> list[torch.nn.Module]:
-    """``root`` and its submodules whose forward pre-hooks run as Python code: not the
-    inside of a compiled module (``torch.compile``'s wrapper, or ``module.compile()``),
-    whose hooks would be traced into its graph; the compiled module itself is hooked,
-    so its call waits. Pure; O(modules)."""
-    out, stack, seen = [], [root], set()
-    while stack:
-        m = stack.pop()
-        if id(m) in seen:
-            continue
-        seen.add(id(m))
-        out.append(m)
-        compiled = (type(m).__name__ == "OptimizedModule"
-                    or getattr(m, "_compiled_call_impl", None) is not None)
-        if not compiled:
-            stack.extend(m.children())
-    return out
+            remove(h)
 
 
 def targets_of(fence: Any) -> list:
@@ -179,10 +159,11 @@ class Versions:
         return CheckpointError(
             f"{who}tensor {name!r} changed while {where}: it was written in place after the "
             "save was called, by something the fence does not hold back (the fenced "
-            "optimizers' step() and the fenced modules' forward wait; a manual "
-            "p.add_(), an EMA update or a load do not). Fence that too (save(..., "
-            "fence=)) or call wait_snapshot() before changing it. The save is not "
-            "committed")
+            "optimizers' step() waits, and the forwards of the fenced modules known to "
+            "write saved tensors; a manual p.add_(), an EMA update or a load do not, "
+            "nor a forward seen writing for the first time: that one waits from the "
+            "next save on). Fence that too (save(..., fence=)) or call wait_snapshot() "
+            "before changing it. The save is not committed")
 
     @classmethod
     def of_state(cls, state: Any) -> "Versions":

@@ -60,11 +60,15 @@ class TrainingState:
 def fence_targets(state: Any) -> list:
     """What an overlapped async save of ``state`` must fence on: for every
     :class:`TrainingState` in it (nested in dicts, lists, tuples) that has an optimizer,
-    the optimizer and the model. The model's fence makes every forward (of it or of
-    any submodule) wait for the snapshot, whatever its modules' classes: a forward may
-    write saved tensors in place (BatchNorm's running stats, in whatever mode it is
-    now; ``Embedding(max_norm=)``; spectral norm's ``u``/``v``; a custom buffer). A
-    TrainingState without an optimizer gives nothing to fence on (what changes its
+    the optimizer and the model. The model's fence makes the forward of each of its
+    modules that can write a saved tensor in place wait for the snapshot, chosen
+    without a list of classes (:mod:`dckpt.engine.writers`): a module with persistent
+    buffers of its own (BatchNorm's running stats, in whatever mode it is now; spectral
+    norm's ``u``/``v``; a custom buffer), or one seen writing its own parameters or
+    buffers in a forward (``Embedding(max_norm=)``); at the model's first fenced save,
+    every forward. The other forwards overlap the snapshot; a forward that writes for
+    the first time fails that save (its version check) and waits from the next one on.
+    A TrainingState without an optimizer gives nothing to fence on (what changes its
     tensors is unknown): it is copied in the call. No I/O; O(containers)."""
     out: list = []
 

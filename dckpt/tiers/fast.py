@@ -128,8 +128,8 @@ class FastTier:
         Stateful objects' ``state_dict()``), records a CUDA event per GPU, and returns;
         the background save writes the tier's files straight from the live tensors
         (CUDA ones through a small pinned bounce pair on a side stream, after the
-        event: dckpt.engine.devstream), and the fenced optimizers' steps (every forward
-        of the fenced modules) wait until this rank's files are written; an in-place
+        event: dckpt.engine.devstream), and the fenced optimizers' steps (and the forwards
+        of the fenced modules that can write saved tensors) wait until this rank's files are written; an in-place
         write the fence does not hold back fails the save (dckpt.engine.fence). The fast
         tier's files are then the one host copy of the state: no staging buffers are
         held. No fence (or another accelerator): the state is copied into reused host
