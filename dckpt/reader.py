@@ -18,6 +18,8 @@ from .layout.reshard import ReadItem, byte_span, split_item, strides
 from .layout.reshard import plan_reads as _plan
 from .progress import Progress
 from .state.tensors import LocalPiece
+# the names of several chunks of one tensor in one file; public here for the writers
+from .format.chunknames import find_stored, stored_name, stored_names  # noqa: F401
 
 DEFAULT_READ_BUDGET = 256 << 20
 log = logging.getLogger(__name__)
@@ -67,39 +69,6 @@ def file_path(storage, root: str, f: mf.FileEntry) -> str:
 
 def _shown(f: mf.FileEntry) -> str:
     return f"{f.dir}/{f.name}" if f.dir else f.name
-
-
-def stored_name(key: str, offsets) -> str:
-    """The safetensors name of the chunk of ``key`` at ``offsets`` in a file that holds
-    several chunks of ``key`` (a strided DTensor's local tensor is several boxes):
-    ``key@o0,o1,...``. A file's only chunk of a tensor is named ``key``. Pure."""
-    return f"{key}@{','.join(str(int(x)) for x in offsets)}"
-
-
-def stored_names(pieces: list[LocalPiece]) -> list[str]:
-    """The names ``pieces`` get in one shard file: the key for a key's only piece,
-    :func:`stored_name` for each of several. Pure, O(pieces). Raises
-    UnsupportedValueError when a name so made is also another tensor's key."""
-    from .errors import UnsupportedValueError
-
-    count: dict[str, int] = {}
-    for p in pieces:
-        count[p.key] = count.get(p.key, 0) + 1
-    names = [p.key if count[p.key] == 1 else stored_name(p.key, p.box.offsets) for p in pieces]
-    if len(set(names)) != len(names):
-        taken = sorted(set(n for n in names if names.count(n) > 1))[0]
-        raise UnsupportedValueError(
-            f"tensor key {taken!r} is also the name dckpt gives a box of a strided tensor "
-            "in its shard file; rename that key")
-    return names
-
-
-def find_stored(tensors: dict, key: str, offsets) -> "shards.StoredTensor | None":
-    """The stored tensor of the chunk of ``key`` at ``offsets`` in a parsed shard
-    header: named :func:`stored_name` when its file holds several chunks of ``key``,
-    else ``key``. O(ndim)."""
-    st = tensors.get(stored_name(key, offsets)) if len(tensors) > 1 else None
-    return st if st is not None else tensors.get(key)
 
 
 def plan_reads(piece: LocalPiece, entry: mf.TensorEntry) -> list[ReadItem]:

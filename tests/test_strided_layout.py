@@ -373,3 +373,25 @@ def test_c_order_grids_are_recognised_without_a_sort(steps, data):
         f = tiling._c_order_grid(shape, bad, sizes)
         assert f is None
         assert tiling.analyse(shape, bad, sizes).error is not None
+
+
+def test_chunk_names_in_a_file():
+    """A key's only chunk in a file is named by the key; several are key@offsets; a
+    generated name that is also a key is refused, naming it; lookups prefer the
+    offset name and fall back to the key (files of older saves)."""
+    from dckpt.errors import UnsupportedValueError
+    from dckpt.format.chunknames import find_stored, stored_names
+    from dckpt.state.tensors import LocalPiece
+
+    def piece(key, offs):
+        return LocalPiece(key, "F32", (8, 4), Box(offs, (2, 4)), None)
+
+    names = stored_names([piece("w", (0, 0)), piece("b", (0, 0)), piece("w", (4, 0))])
+    assert names == ["w@0,0", "b", "w@4,0"]
+    with pytest.raises(UnsupportedValueError, match="'w@4,0'"):
+        stored_names([piece("w", (0, 0)), piece("w", (4, 0)), piece("w@4,0", (0, 0))])
+    header = {"w@0,0": "first", "w@4,0": "second", "b": "bias"}
+    assert find_stored(header, "w", (4, 0)) == "second"
+    assert find_stored(header, "b", (0, 0)) == "bias"
+    assert find_stored({"w": "only"}, "w", (4, 0)) == "only"
+    assert find_stored(header, "x", (0, 0)) is None

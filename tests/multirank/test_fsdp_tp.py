@@ -351,6 +351,17 @@ def _write_paths(base: str) -> list:
         got = _write_state(0, zero=True)
         dckpt.load(got, path)
         out.append(_same_state(got, _write_state(add)) and verify_checkpoint(path).ok)
+    from dckpt.engine import devstream
+
+    devstream.STREAM_CPU = True  # each box's view through the GPU path's bounce blocks
+    try:
+        path = os.path.join(base, "streamed")
+        dckpt.save(_write_state(5.0), path)
+    finally:
+        devstream.STREAM_CPU = False
+    got = _write_state(0, zero=True)
+    dckpt.load(got, path)
+    out.append(_same_state(got, _write_state(5.0)) and verify_checkpoint(path).ok)
     path = os.path.join(base, "async")
     h = dckpt.async_save(_write_state(3.0), path)  # staged copies, rebuilt as DTensors
     h.result()
@@ -375,7 +386,8 @@ def _write_paths(base: str) -> list:
 def test_write_paths_with_several_boxes_per_rank(ranks, tmp_path):
     """A rank writing several chunks of one tensor into one file (its data file, and
     its fast-tier replica file) through every write path: compressed, incremental
-    against a base, async (staging buffers), and the manager's fast tier restored on
-    the same ranks (local, from each rank's own files)."""
+    against a base, streamed through bounce blocks (the CUDA path, exercised on CPU),
+    async (staging buffers), and the manager's fast tier restored on the same ranks
+    (local, from each rank's own files)."""
     got = ranks(4).run(_write_paths, str(tmp_path))
-    assert got == [[True, True, True, (4, "local", True)]] * 4
+    assert got == [[True, True, True, True, (4, "local", True)]] * 4
