@@ -33,8 +33,7 @@ over. Upstream files (pytorch/pytorch, test/distributed/checkpoint/) and what ch
   (ShardedTensor) saved, loaded into a TP model. Adapted: CUDA -> CPU.
 - fsdp/test_fsdp_dsd.py test_save_with_tp_and_load_with_fsdp2_tp and
   test_save_with_fsdp2_tp_and_load_with_tp, and the FSDP+TP case of test_e2e, at 4
-  ranks (dp=2, tp=2). These need strided shards (issue 26 section 1): while dckpt still
-  refuses a _StridedShard placement they skip, naming the refusal.
+  ranks (dp=2, tp=2), through dckpt's strided shards (_StridedShard placements).
 """
 from __future__ import annotations
 
@@ -45,34 +44,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-
-SKIP = "skip: "
-
-
-def _refused(e: BaseException) -> str | None:
-    """The reason to skip when dckpt refuses a layout it does not support yet."""
-    msg = str(e)
-    if "strided shard placement" in msg and "not yet supported" in msg:
-        return SKIP + msg.strip().splitlines()[-1][:300]
-    return None
-
-
-def _unless_refused(fn, *args):
-    """``fn(*args)`` on a rank, or the skip reason when dckpt refuses the layout (the
-    ranks agree on that error, so every rank returns the same)."""
-    try:
-        return fn(*args)
-    except Exception as e:
-        if _refused(e):
-            return _refused(e)
-        raise
-
-
-def _skip_if_refused(results: list) -> None:
-    for r in results:
-        if isinstance(r, str) and r.startswith(SKIP):
-            pytest.skip(r)
-
 
 # ------------------------------------------------------------------ models
 class Dummy(nn.Module):
@@ -629,13 +600,11 @@ def _two_d(path: str, src: str, dst: str):
 
 @pytest.mark.parametrize("src, dst", [("tp", "fsdp2_tp"), ("fsdp2_tp", "tp")])
 def test_fsdp2_tp_round_trips(ranks, tmp_path, src, dst):
-    results = ranks(4).run(_unless_refused, _two_d, str(tmp_path / "c"), src, dst)
-    _skip_if_refused(results)
+    results = ranks(4).run(_two_d, str(tmp_path / "c"), src, dst)
     assert results == [True] * 4
 
 
 @pytest.mark.parametrize("kind", ["hsdp", "fsdp2_tp"])
 def test_e2e_2d(ranks, tmp_path, kind):
-    results = ranks(4).run(_unless_refused, _e2e, str(tmp_path / "c"), kind, False)
-    _skip_if_refused(results)
+    results = ranks(4).run(_e2e, str(tmp_path / "c"), kind, False)
     assert results == [True] * 4
