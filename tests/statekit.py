@@ -104,3 +104,12 @@ def fsdp2_mlp(dims: tuple[int, int, int], seed: int, lr: float = 0.01):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model, torch.optim.AdamW(model.parameters(), lr=lr)
+
+
+def flip_byte(path: str, at: int, mask: int = 0x01) -> None:
+    """XOR the byte at offset ``at`` of ``path`` with ``mask`` (a bit flip on disk)."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ mask]))

@@ -15,6 +15,7 @@ import torch
 
 import dckpt
 from dckpt.cli import main
+from tests.statekit import flip_byte
 
 
 def _ckpt(root, name="step-1", n=3):
@@ -360,14 +361,6 @@ def test_inspect_into_head_ends_quietly_on_the_closed_pipe(tmp_path):
         assert rc in (0, 141), (rc, err)
 
 
-def _flip_byte(path: str, at: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(at)
-        b = f.read(1)
-        f.seek(at)
-        f.write(bytes([b[0] ^ 0x01]))
-
-
 def test_verify_names_the_closed_byte_range_and_the_tensor_region(tmp_path, capsys):
     """Issue 27 (5): "fails its checksum in block 0 (bytes 0..)" was open-ended and did
     not say whether it counted file or tensor bytes. Now: the file, the failing block's
@@ -385,7 +378,7 @@ def test_verify_names_the_closed_byte_range_and_the_tensor_region(tmp_path, caps
     tensors, block = shards.parse_header(head, f, size)
     w = tensors["w"]
     at = w.start + 2 * block + 5  # a byte in w's third checksum block
-    _flip_byte(f, at)
+    flip_byte(f, at)
     assert main(["verify", path]) == 1
     out = capsys.readouterr().out
     lo, hi = w.start + 2 * block, w.start + 3 * block - 1
@@ -403,7 +396,7 @@ def test_a_load_error_names_the_checkpoint_directory(tmp_path):
     path = str(tmp_path / "run" / "step-7")
     dckpt.save({"w": torch.arange(300000.0)}, path)
     f = next(x for x in os.listdir(path) if x.endswith(".safetensors"))
-    _flip_byte(os.path.join(path, f), os.path.getsize(os.path.join(path, f)) - 100)
+    flip_byte(os.path.join(path, f), os.path.getsize(os.path.join(path, f)) - 100)
     with pytest.raises(dckpt.IntegrityError) as e:
         dckpt.load({"w": torch.zeros(300000)}, path)
     msg = str(e.value)

@@ -11,6 +11,7 @@ import torch
 
 import dckpt
 from dckpt.cli import main
+from tests.statekit import flip_byte
 
 
 def _state(step: int) -> dict:
@@ -103,14 +104,6 @@ def _two_rank_save(shm: str, root: str) -> list:
     return mgr.steps(tier="local")
 
 
-def _flip(path: str, at: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(at)
-        b = f.read(1)
-        f.seek(at)
-        f.write(bytes([b[0] ^ 0x10]))
-
-
 def test_two_ranks_views_complete_then_damaged(tmp_path, capsys, ranks):
     shm, root = str(tmp_path / "shm"), str(tmp_path / "run")
     assert ranks(2).run(_two_rank_save, shm, root) == [[1, 2], [1, 2]]
@@ -143,7 +136,7 @@ def test_two_ranks_views_complete_then_damaged(tmp_path, capsys, ranks):
     data1 = os.path.join(s2, next(n for n in names if n.startswith("data-") and
                                   n.endswith("-00001.safetensors")))
     size = os.path.getsize(data1)
-    _flip(data1, size - 10)
+    flip_byte(data1, size - 10, 0x10)
     assert main(["verify", s2]) == 1
     out = capsys.readouterr().out
     assert out.startswith(f"FAILED {s2} (fast-tier step"), out

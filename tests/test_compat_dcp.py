@@ -3,9 +3,7 @@ cases follow PyTorch's own DCP tests (test_e2e_save_and_load.py, test_save_load_
 each run with DCP itself and with dckpt's module, one process."""
 from __future__ import annotations
 
-import io
 import pathlib
-from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -14,87 +12,30 @@ import torch.distributed.checkpoint as torch_dcp
 import dckpt
 from dckpt.compat import dcp as dckpt_dcp
 from dckpt.errors import CheckpointError, UnsupportedValueError
+from tests.dcpkit import Net, StatefulObj, TrainState, train
 
 BOTH = pytest.mark.parametrize("dcp", [torch_dcp, dckpt_dcp], ids=["torch-dcp", "dckpt"])
-
-
-class Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net1 = torch.nn.Linear(8, 16)
-        self.net2 = torch.nn.Linear(16, 8)
-
-    def forward(self, x):
-        return self.net2(torch.relu(self.net1(x)))
-
-
-class StatefulObj:
-    def __init__(self) -> None:
-        self.data = torch.rand(10, 10)
-
-    def state_dict(self):
-        return {"data": self.data}
-
-    def load_state_dict(self, state_dict):
-        self.data = state_dict["data"]
-
-
-@dataclass
-class TrainState:
-    """As in DCP's e2e test: tensors and a BytesIO of torch.save'd losses. The BytesIO
-    round-trips as bytes under dckpt (never unpickled by dckpt itself)."""
-
-    step: int = 0
-    current_loss: float = -1
-    losses: list = field(default_factory=list)
-
-    def state_dict(self):
-        buf = io.BytesIO()
-        torch.save(self.losses, buf)
-        return {"step": torch.tensor(self.step, dtype=torch.int32),
-                "current_loss": torch.tensor(self.current_loss, dtype=torch.float32),
-                "losses": buf}
-
-    def load_state_dict(self, sd) -> None:
-        self.step = sd["step"].item()
-        self.current_loss = sd["current_loss"].item()
-        sd["losses"].seek(0)
-        self.losses = torch.load(sd["losses"], weights_only=True)
-
-
-def _train(model, optim, steps: int) -> TrainState:
-    torch.manual_seed(0)
-    ts = TrainState()
-    for _ in range(steps):
-        model(torch.rand(8, 8)).sum().backward()
-        ts.step += 1
-        ts.current_loss = torch.rand(1).item()
-        ts.losses.append(ts.current_loss)
-        optim.step()
-        optim.zero_grad()
-    return ts
 
 
 @BOTH
 def test_e2e_modules_optimizers_statefuls_and_bytes(tmp_path, dcp):
     model, optim = Net(), None
     optim = torch.optim.Adam(model.parameters(), lr=0.1)
-    ts = _train(model, optim, 2)
+    ts = train(model, optim, 2)
     obj = StatefulObj()
     dcp.save({"model": model, "optimizer": optim, "s": obj, "train_state": ts},
              checkpoint_id=str(tmp_path / "c"))
 
     model2 = Net()
     optim2 = torch.optim.Adam(model2.parameters(), lr=0.1)
-    _train(model2, optim2, 1)  # DCP loads into existing optimizer state
+    train(model2, optim2, 1)  # DCP loads into existing optimizer state
     obj2, ts2 = StatefulObj(), TrainState()
     dcp.load({"model": model2, "optimizer": optim2, "s": obj2, "train_state": ts2},
              checkpoint_id=str(tmp_path / "c"))
     assert torch.equal(obj.data, obj2.data)
     assert ts == ts2
-    _train(model, optim, 1)
-    _train(model2, optim2, 1)
+    train(model, optim, 1)
+    train(model2, optim2, 1)
     for a, b in zip(model.state_dict().values(), model2.state_dict().values()):
         assert torch.equal(a, b)
 

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from dckpt.compat import dcp as dckpt_dcp
 from dckpt.errors import (AlreadyExistsError, CheckpointError, NotCommittedError,
                           StateMismatchError)
+from tests.dcpkit import Net
 
 BOTH = pytest.mark.parametrize("dcp", [torch_dcp, dckpt_dcp], ids=["torch-dcp", "dckpt"])
 
@@ -112,15 +113,6 @@ def test_no_dist(tmp_path, dcp):
     dcp.load({}, checkpoint_id=str(tmp_path))
 
 
-class _Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net1 = torch.nn.Linear(8, 16)
-        self.net2 = torch.nn.Linear(16, 8)
-
-    def forward(self, x):
-        return self.net2(torch.relu(self.net1(x)))
 
 
 @BOTH
@@ -129,12 +121,12 @@ def test_init_state_dict(tmp_path, dcp):
                                                          get_optimizer_state_dict,
                                                          set_state_dict)
 
-    model = _Net()
+    model = Net()
     optim = torch.optim.Adam(model.parameters(), lr=0.1)
     dcp.save({"model": get_model_state_dict(model),
               "optimizer": get_optimizer_state_dict(model, optim)}, checkpoint_id=str(tmp_path))
 
-    model2 = _Net()
+    model2 = Net()
     optim2 = torch.optim.Adam(model2.parameters(), lr=0.2)  # a non-tensor that must change
     msd, osd = get_model_state_dict(model2), get_optimizer_state_dict(model2, optim2)
     sd = {"model": msd, "optimizer": osd}

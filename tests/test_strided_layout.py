@@ -259,11 +259,7 @@ def test_plan_global_writes_every_box_once(state):
         assert (back.tensors[key].chunks.offsets == gp.tensors[key].offsets).all()
     # key-major (with its per-key sort) and the general lexsort agree
     names, meta, table_ids = plan._key_table(plans)
-    nd = np.array([len(s) for _, s, _ in meta], np.int64)
-    dmax = int(nd.max(initial=0))
-    shp = np.ones((len(meta), dmax), np.int64)
-    for i, (_, s, _) in enumerate(meta):
-        shp[i, :len(s)] = s
+    shp, nd = plan.shape_table(meta)
     fast = keymajor.rows(plans, table_ids, shp, nd)
     if fast is not None:
         slow = plan._sorted_rows(plans, meta, table_ids, names, shp)

@@ -115,6 +115,16 @@ def _items(plans, meta, table_ids, dmax):
             cat(off_l, (0, dmax)), cat(size_l, (0, dmax)))
 
 
+def shape_table(meta) -> tuple[np.ndarray, np.ndarray]:
+    """(shapes, ndims) of a key table's ``meta`` rows: one row per key, padded with 1s
+    to the largest ndim. Pure; O(keys x dims)."""
+    ndims = np.array([len(s) for _, s, _ in meta], np.int64)
+    shapes = np.ones((len(meta), int(ndims.max(initial=0))), np.int64)
+    for i, (_, s, _) in enumerate(meta):
+        shapes[i, :len(s)] = s
+    return shapes, ndims
+
+
 def _sorted_rows(plans, meta, table_ids, names, shapes) -> keymajor.Rows:
     """The general path: every rank's boxes stacked, checked, and sorted by (key, box,
     rank) with a lexsort. O(N log N) in the number N of (rank, tensor) items. Raises
@@ -177,11 +187,7 @@ def plan_global(plans: list[LocalPlan]) -> GlobalPlan:
     if clash:
         raise StateMismatchError(f"key {sorted(clash)[0]!r} is a tensor on one rank and a "
                                  "plain value on another")
-    ndims = np.array([len(s) for _, s, _ in meta], np.int64)
-    dmax = int(ndims.max(initial=0))
-    shapes = np.ones((len(meta), dmax), np.int64)
-    for i, (_, s, _) in enumerate(meta):
-        shapes[i, :len(s)] = s
+    shapes, ndims = shape_table(meta)
     # Sorted by (key, box, rank): equal boxes of one key are replicas.
     rows = keymajor.rows(plans, table_ids, shapes, ndims)
     if rows is None:

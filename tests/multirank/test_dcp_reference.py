@@ -38,12 +38,13 @@ over. Upstream files (pytorch/pytorch, test/distributed/checkpoint/) and what ch
 from __future__ import annotations
 
 import copy
-import io
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from tests.dcpkit import StatefulObj, TrainState, train
 
 # ------------------------------------------------------------------ models
 class Dummy(nn.Module):
@@ -56,49 +57,6 @@ class Dummy(nn.Module):
 
     def forward(self, x):
         return torch.relu(self.net2(torch.relu(self.net1(x))))
-
-
-class StatefulObj:
-    def __init__(self) -> None:
-        self.data = torch.rand(10, 10)
-
-    def state_dict(self):
-        return {"data": self.data}
-
-    def load_state_dict(self, sd) -> None:
-        self.data = sd["data"]
-
-
-class TrainState:
-    def __init__(self) -> None:
-        self.step, self.current_loss, self.losses = 0, -1.0, []
-
-    def state_dict(self):
-        buf = io.BytesIO()
-        torch.save(self.losses, buf)
-        return {"step": torch.tensor(self.step, dtype=torch.int32),
-                "current_loss": torch.tensor(self.current_loss), "losses": buf}
-
-    def load_state_dict(self, sd) -> None:
-        self.step, self.current_loss = sd["step"].item(), sd["current_loss"].item()
-        sd["losses"].seek(0)
-        self.losses = torch.load(sd["losses"], weights_only=True)
-
-    def as_tuple(self):
-        return self.step, self.current_loss, self.losses
-
-
-def _train(model, optim, steps: int) -> TrainState:
-    torch.manual_seed(0)  # the same batch on every rank, as upstream
-    ts = TrainState()
-    for _ in range(steps):
-        model(torch.rand(8, 8)).sum().backward()
-        ts.step += 1
-        ts.current_loss = torch.rand(1).item()
-        ts.losses.append(ts.current_loss)
-        optim.step()
-        optim.zero_grad()
-    return ts
 
 
 def _wrap(kind: str):
@@ -162,9 +120,9 @@ def _e2e(path: str, kind: str, use_async: bool):
     from dckpt.compat import dcp
 
     plain, plain_optim = _wrap("none")
-    _train(plain, plain_optim, 2)
+    train(plain, plain_optim, 2)
     model, optim = _wrap(kind)
-    ts = _train(model, optim, 2)
+    ts = train(model, optim, 2)
     obj = StatefulObj()
     sd = {"model": model, "optimizer": optim, "s": obj, "train_state": ts}
     if use_async:
@@ -182,8 +140,8 @@ def _e2e(path: str, kind: str, use_async: bool):
     assert torch.equal(obj.data, obj2.data) and ts.as_tuple() == ts2.as_tuple()
     _same(saved, _full(model2, optim2))  # bitwise what was saved
     # upstream's check: one more step equals the plain model's (up to reduction order)
-    _train(plain, plain_optim, 1)
-    _train(model2, optim2, 1)
+    train(plain, plain_optim, 1)
+    train(model2, optim2, 1)
     _close(_full(plain), _full(model2))
     return True
 
@@ -249,9 +207,9 @@ def _partial(path: str):
     from dckpt.compat import dcp
 
     plain, plain_optim = _wrap("none")
-    _train(plain, plain_optim, 2)
+    train(plain, plain_optim, 2)
     model, optim = _wrap("fsdp2")
-    _train(model, optim, 2)
+    train(model, optim, 2)
     dcp.save({"model": model, "optimizer": optim}, checkpoint_id=path)
     model2, _ = _wrap("fsdp2")
     dcp.load({"model": model2}, checkpoint_id=path)
