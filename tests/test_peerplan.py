@@ -203,9 +203,9 @@ def test_ring_examples_and_errors():
         ring(["a"], -1)
 
 
-@settings(max_examples=_n(150), deadline=None)
-@given(jobs, st.integers(0, 3), st.data())
-def test_fetch_plan_covers_every_part_once(job, replicas, data):
+def _lose_up_to_replicas(job, replicas: int, data):
+    """A save of one step replicated ``replicas`` times on a ring of n nodes of k ranks,
+    then up to ``replicas`` nodes lost; returns (n, k, lost, alive, choose's result)."""
     n, k = job
     rnd = random.Random(data.draw(st.integers(0, 2**32 - 1)))
     held = held_after_save(n, k, replicas)
@@ -213,7 +213,13 @@ def test_fetch_plan_covers_every_part_once(job, replicas, data):
     alive = [node_id(i) for i in range(n) if node_id(i) not in lost]
     reps = [r for r in reports_for([(10, "a", 1.0, n * k, verified(held))], n, k, rnd)
             if r.node not in lost]
-    c = choose(reps, alive)
+    return n, k, lost, alive, choose(reps, alive)
+
+
+@settings(max_examples=_n(150), deadline=None)
+@given(jobs, st.integers(0, 3), st.data())
+def test_fetch_plan_covers_every_part_once(job, replicas, data):
+    n, k, lost, alive, c = _lose_up_to_replicas(job, replicas, data)
     if not alive:
         assert c is None
         return
@@ -243,14 +249,7 @@ def test_fetch_plan_spreads_over_holders():
 @settings(max_examples=_n(150), deadline=None)
 @given(jobs, st.integers(0, 3), st.data())
 def test_rereplicate_restores_the_replica_count(job, replicas, data):
-    n, k = job
-    rnd = random.Random(data.draw(st.integers(0, 2**32 - 1)))
-    held = held_after_save(n, k, replicas)
-    lost = {node_id(i) for i in data.draw(st.sets(st.integers(0, n - 1), max_size=replicas))}
-    alive = [node_id(i) for i in range(n) if node_id(i) not in lost]
-    reps = [r for r in reports_for([(10, "a", 1.0, n * k, verified(held))], n, k, rnd)
-            if r.node not in lost]
-    c = choose(reps, alive)
+    n, k, lost, alive, c = _lose_up_to_replicas(job, replicas, data)
     if c is None:
         assert not alive
         return
