@@ -21,7 +21,6 @@ refuses, never one that loads part of the weights.
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 import uuid
@@ -39,6 +38,7 @@ from ..protocol.restore import read_manifest
 from ..reader import ChunkReader
 from ..state.tensors import LocalPiece, as_bytes
 from ..storage.fsspec_storage import FsspecStorage, make_storage
+from ..storage.rename import replace_file
 from .common import (CONVERTIBLE, log, norm_prefix, parse_dtype, parse_size, slab_rows,
                      trim_heap)
 
@@ -264,7 +264,7 @@ def _write_file(storage, root: str, name: str, group: list[_Out], reader: ChunkR
         writer.abort()
         raise
     if tmp != final:
-        _rename(storage, tmp, final)
+        replace_file(storage, tmp, final)
 
 
 def _batches(outs: list[_Out], budget: int):
@@ -306,17 +306,3 @@ def _read_batch(batch, reader: ChunkReader, budget: int, workers: int) -> list[m
         raise IntegrityError(f"export of checkpoint {reader.root}: {e}") from None
     return [as_bytes(t if t.dtype == o.dtype else t.to(o.dtype))
             for (o, _, _), t in zip(batch, temps)]
-
-
-def _rename(storage, src: str, dst: str) -> None:
-    """Move the complete file ``src`` over ``dst`` in one step: ``os.replace`` and a
-    directory fsync locally, the file system's move elsewhere. Blocking I/O."""
-    if isinstance(storage, FsspecStorage):
-        storage.fs.mv(src, dst)
-        return
-    os.replace(src, dst)
-    fd = os.open(os.path.dirname(dst) or ".", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

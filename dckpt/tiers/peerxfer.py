@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from ..errors import ERROR_TYPES, CheckpointError, CommunicationError, IntegrityError
 from ..format import shards
-from ..interop.hf_export import _rename
+from ..storage.rename import replace_file
 from ..protocol.collectives import OwnGroup, error_payload
 from ..verify import check_tensor
 
@@ -246,7 +246,7 @@ def recv_file(group: Any, storage, path: str, src: int, piece: int = PIECE, cap:
             writer.commit()
             committed = True
             (verify or verify_shard)(storage, tmp)
-            _rename(storage, tmp, path)
+            replace_file(storage, tmp, path)
             tmp = None
         except Exception as e:
             if isinstance(e, CheckpointError):  # IntegrityError from the checks stays one
