@@ -223,8 +223,9 @@ def async_save(state_dict: Any, path: str, *, process_group: Any = None,
         if targets:
             # resolved once (Stateful objects' state_dict() called now): the version
             # counters and the copies see the same live tensors
-            state_dict = live_view(state_dict)[0]
-            versions = Versions.of_state(state_dict)
+            named: dict = {}
+            state_dict = live_view(state_dict, named)[0]
+            versions = Versions(named)
         snap, copies, nbytes = saver.pool.plan(state_dict)
         if not targets:
             saver.pool.run(copies)

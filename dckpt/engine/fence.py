@@ -135,18 +135,20 @@ def targets_of(fence: Any) -> list:
 class Versions:
     """The version counters of a snapshot's live tensors, read at the call (in the
     training thread), to find a write the fence did not hold back. O(tensors), no I/O.
-    ``name_of(i)`` names the i-th tensor (called only for an error)."""
+    ``named``: the live tensors by key, as :func:`dckpt.engine.staging.live_view`
+    gathers them in the walk that resolves the state (a DTensor's own counter is read,
+    not its local shard's: an in-place op on a DTensor bumps only the former)."""
 
-    def __init__(self, tensors: list[torch.Tensor], name_of: Callable[[int], str]) -> None:
-        self._tensors = tensors
-        self._at_call = [t._version for t in tensors]
-        self._name_of = name_of
+    def __init__(self, named: dict[str, torch.Tensor]) -> None:
+        self._keys = list(named)
+        self._tensors = [named[k] for k in self._keys]
+        self._at_call = [t._version for t in self._tensors]
 
     def changed(self) -> str | None:
         """The name of the first tensor written in place since the call, or None."""
         for i, (t, v) in enumerate(zip(self._tensors, self._at_call)):
             if t._version != v:
-                return self._name_of(i)
+                return self._keys[i]
         return None
 
     def error(self, where: str, rank: int | None = None) -> CheckpointError | None:
@@ -164,27 +166,6 @@ class Versions:
             "nor a forward seen writing for the first time: that one waits from the "
             "next save on). Fence that too (save(..., fence=)) or call wait_snapshot() "
             "before changing it. The save is not committed")
-
-    @classmethod
-    def of_state(cls, state: Any) -> "Versions":
-        """The counters of every tensor of a resolved ``state`` (a live view: nested
-        containers of live tensors), named by key. A DTensor's own counter is read,
-        not its local shard's: an in-place op on a DTensor bumps only the former."""
-        from .staging import walk_state
-
-        named: dict[str, torch.Tensor] = {}
-
-        def leaf(key: str, t: torch.Tensor) -> torch.Tensor:
-            named[key] = t
-            return t
-
-        def wrap(key: str, d: Any, _local: torch.Tensor) -> Any:
-            named[key] = d
-            return d
-
-        walk_state(state, leaf, wrap)
-        keys = list(named)
-        return cls([named[k] for k in keys], lambda i: keys[i])
 
 
 def releaser(done: threading.Event, versions: Versions, where: str,

@@ -250,20 +250,30 @@ def walk_state(state: Any, leaf: Callable[[str, torch.Tensor], torch.Tensor],
     return walk(state, "")
 
 
-def live_view(state: Any) -> tuple[Any, int, set]:
+def live_view(state: Any, named: dict | None = None) -> tuple[Any, int, set]:
     """``state`` with Stateful objects resolved (their ``state_dict()`` called now, in
     the caller's thread) and every tensor kept as the live, detached tensor: what a
     save may write later, from another thread, as long as nothing changes those
     tensors first (a fence). Copies nothing. Returns (view, bytes of its tensors, the
-    non-CPU devices its tensors are on). Raises what :func:`walk_state` raises."""
+    non-CPU devices its tensors are on). ``named``, when given, receives the view's
+    tensors by key, a DTensor as itself (its own version counter is the one an
+    in-place op on it bumps: :class:`dckpt.engine.fence.Versions`), in the same walk.
+    Raises what :func:`walk_state` raises."""
     nbytes, devices = 0, set()
 
-    def leaf(_key: str, t: torch.Tensor) -> torch.Tensor:
+    def leaf(key: str, t: torch.Tensor) -> torch.Tensor:
         nonlocal nbytes
         nbytes += t.numel() * t.element_size()
         if t.device.type != "cpu":
             devices.add(t.device)
-        return t.detach()
+        t = t.detach()  # shares the version counter of the live tensor
+        if named is not None:
+            named[key] = t
+        return t
 
-    # a DTensor is kept as it is: its local shard is the live tensor already
-    return walk_state(state, leaf, lambda _k, d, _local: d), nbytes, devices
+    def wrap(key: str, d: Any, _local: torch.Tensor) -> Any:
+        if named is not None:
+            named[key] = d  # in place of its local shard, named by leaf just before
+        return d  # kept as it is: its local shard is the live tensor already
+
+    return walk_state(state, leaf, wrap), nbytes, devices

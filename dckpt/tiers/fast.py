@@ -149,12 +149,13 @@ class FastTier:
         after: dict | None = None
         release: Callable[[], None] | None = None
         try:
-            view = live_view(state) if fence else None
+            named: dict = {}  # the live tensors by key, gathered in the same walk
+            view = live_view(state, named) if fence else None
             if view is not None and devstream.live_devices_ok(view[2]):
                 snap, copied = view[0], threading.Event()
                 after = devstream.mark(view[2])  # the values at the call, on every GPU
                 # a write the fence does not hold back fails the save (engine.fence)
-                release = releaser(copied, Versions.of_state(snap),
+                release = releaser(copied, Versions(named),
                                    "the fast tier was written from it", self.comm.rank)
                 self.pool.release()  # the tier's files are the one host copy
             else:  # the state resolved once: state_dict() is not called twice
