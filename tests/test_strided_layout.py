@@ -373,8 +373,9 @@ def test_c_order_grids_are_recognised_without_a_sort(steps, data):
 
 def test_chunk_names_in_a_file():
     """A key's only chunk in a file is named by the key; several are key@offsets; a
-    generated name that is also a key is refused, naming it; lookups prefer the
-    offset name and fall back to the key (files of older saves)."""
+    generated name that is also a key is refused, naming it, and so is a key stored
+    as several chunks that is also another piece's name; lookups try the key (a
+    file's only chunk, files of older saves) and then the offset name."""
     from dckpt.errors import UnsupportedValueError
     from dckpt.format.chunknames import find_stored, stored_names
     from dckpt.state.tensors import LocalPiece
@@ -391,3 +392,22 @@ def test_chunk_names_in_a_file():
     assert find_stored(header, "b", (0, 0)) == "bias"
     assert find_stored({"w": "only"}, "w", (4, 0)) == "only"
     assert find_stored(header, "x", (0, 0)) is None
+    # a key's only chunk is found by its key even beside a key that looks like a box
+    assert stored_names([piece("w", (0, 0)), piece("w@0,0", (0, 0))]) == ["w", "w@0,0"]
+    assert find_stored({"w": "mine", "w@0,0": "other"}, "w", (0, 0)) == "mine"
+    with pytest.raises(UnsupportedValueError, match="'a@0,0' is stored as several"):
+        stored_names([piece("a@0,0", (0, 0)), piece("a@0,0", (4, 0)),
+                      piece("a", (0, 0)), piece("a", (4, 0))])
+
+
+def test_key_that_looks_like_a_box_name_loads_its_own_values(tmp_path):
+    """Keys ``w`` and ``w@0`` in one file: each loads its own values (the box-name
+    lookup once returned ``w@0``'s chunk for ``w``)."""
+    import dckpt
+
+    path = str(tmp_path / "ck")
+    dckpt.save({"w": torch.zeros(4), "w@0": torch.ones(4)}, path)
+    got = {"w": torch.full((4,), 7.0), "w@0": torch.full((4,), 7.0)}
+    dckpt.load(got, path)
+    assert torch.equal(got["w"], torch.zeros(4))
+    assert torch.equal(got["w@0"], torch.ones(4))

@@ -22,22 +22,33 @@ def stored_name(key: str, offsets) -> str:
 def stored_names(pieces: list) -> list[str]:
     """The names ``pieces`` get in one shard file: the key for a key's only piece,
     :func:`stored_name` for each of several. Pure, O(pieces). Raises
-    UnsupportedValueError when a name so made is also another tensor's key."""
+    UnsupportedValueError when a name so made is also another tensor's key, or when a
+    key stored as several chunks is also the name of another piece (either would make
+    :func:`find_stored` ambiguous: only keys holding ``@`` can do this)."""
     count: dict[str, int] = {}
     for p in pieces:
         count[p.key] = count.get(p.key, 0) + 1
     names = [p.key if count[p.key] == 1 else stored_name(p.key, p.box.offsets) for p in pieces]
-    if len(set(names)) != len(names):
+    held = set(names)
+    if len(held) != len(names):
         taken = sorted(set(n for n in names if names.count(n) > 1))[0]
         raise UnsupportedValueError(
             f"tensor key {taken!r} is also the name dckpt gives a box of a strided tensor "
             "in its shard file; rename that key")
+    # A lookup tries the key first: a key stored as several chunks must name none.
+    shadow = sorted(k for k, c in count.items() if c > 1 and k in held)
+    if shadow:
+        raise UnsupportedValueError(
+            f"tensor key {shadow[0]!r} is stored as several boxes (a strided tensor) and "
+            "is also the name dckpt gives a box of another strided tensor in its shard "
+            "file; rename that key")
     return names
 
 
 def find_stored(tensors: dict, key: str, offsets) -> "StoredTensor | None":
     """The stored tensor of the chunk of ``key`` at ``offsets`` in a parsed shard
-    header: named :func:`stored_name` when its file holds several chunks of ``key``,
-    else ``key``. O(ndim)."""
-    st = tensors.get(stored_name(key, offsets)) if len(tensors) > 1 else None
-    return st if st is not None else tensors.get(key)
+    header: ``key`` when its file holds that chunk only, else named
+    :func:`stored_name` (:func:`stored_names` makes the two unambiguous). O(1) for a
+    key's only chunk, O(ndim) otherwise."""
+    st = tensors.get(key)
+    return st if st is not None else tensors.get(stored_name(key, offsets))
