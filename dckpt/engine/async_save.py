@@ -149,11 +149,15 @@ def at_thread_exit(fn: Callable[[], None]) -> None:
 at_thread_exit(_finish_at_exit)
 
 
-def _saver(group: Any) -> _Saver:
+def _saver_key(group: Any) -> Any:
     # Keyed on the live group object: after destroy_process_group() and a new init, the
     # default group is a new object and gets a new saver (and checkpoint group).
     initialized = dist.is_available() and dist.is_initialized()
-    key = group if group is not None else (dist.group.WORLD if initialized else None)
+    return group if group is not None else (dist.group.WORLD if initialized else None)
+
+
+def _saver(group: Any) -> _Saver:
+    key = _saver_key(group)
     with _LOCK:
         for stale in drop_dead(_SAVERS, key):  # their groups were destroyed
             stale.executor.shutdown(wait=False)
@@ -168,10 +172,8 @@ def release_buffers(group: Any = None) -> None:
     no saver. Call it once no save of the group is in flight: a save in flight keeps
     the buffers it copies into alive until it ends, so it stays correct, but they are
     then freed only when it is over."""
-    initialized = dist.is_available() and dist.is_initialized()
-    key = group if group is not None else (dist.group.WORLD if initialized else None)
     with _LOCK:
-        saver = _SAVERS.get(key)
+        saver = _SAVERS.get(_saver_key(group))
     if saver is not None:
         saver.pool.release()
 
