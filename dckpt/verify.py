@@ -3,6 +3,7 @@ step: every byte of every file is checked."""
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 
 from .errors import CheckpointError, NotCommittedError
@@ -100,12 +101,15 @@ def _verify(storage, root: str, m, file_indices, report: VerifyReport,
     reader = ChunkReader(storage, root, m)
     wanted = list(file_indices)
     # (file index, stored name) -> (the chunk's offsets in its tensor, tensor shape, key);
-    # a file holding several chunks of a key names them key@offsets
+    # a file holding several chunks of a key names them key@offsets, as the writer's
+    # stored_names does (a name never stands for two chunks)
     where = {}
     for key, t in m.tensors.items():
-        for ci, fi in enumerate(t.chunks.file.tolist()):
+        files = t.chunks.file.tolist()
+        several = {fi for fi, k in Counter(files).items() if k > 1}
+        for ci, fi in enumerate(files):
             offs = tuple(int(x) for x in t.chunks.offsets[ci])
-            where[(fi, stored_name(key, offs))] = where.setdefault((fi, key), (offs, t.shape, key))
+            where[(fi, stored_name(key, offs) if fi in several else key)] = (offs, t.shape, key)
     for n, fi in enumerate(wanted):
         f = m.files[fi]
         report.files += 1

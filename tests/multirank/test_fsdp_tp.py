@@ -391,3 +391,33 @@ def test_write_paths_with_several_boxes_per_rank(ranks, tmp_path):
     (local, from each rank's own files)."""
     got = ranks(4).run(_write_paths, str(tmp_path))
     assert got == [[True, True, True, True, (4, "local", True)]] * 4
+
+
+def test_verify_names_the_damaged_box_of_a_several_box_file(ranks, tmp_path):
+    """A file holding two boxes of ``big`` (``key@offsets``), damaged in the box the
+    manifest lists second for it: verify names that box's own rows of ``big``."""
+    from dckpt.format import manifest as mf
+    from dckpt.reader import ChunkReader, stored_name
+    from dckpt.storage.fsspec_storage import make_storage
+    from dckpt.verify import verify_checkpoint
+
+    path = str(tmp_path / "views")
+    ranks(4).run(_save_big, path, "views")
+    storage, root = make_storage(path, None)
+    m = mf.parse(storage.read(storage.join(root, mf.MANIFEST_NAME), 0,
+                              storage.size(storage.join(root, mf.MANIFEST_NAME))))
+    c = m.tensors["big"].chunks
+    files = c.file.tolist()
+    fi = next(f for f in files if files.count(f) == 2)
+    ci = max(i for i, f in enumerate(files) if f == fi)  # the file's second chunk
+    row, n = int(c.offsets[ci][0]), int(c.sizes[ci][0])
+    st = ChunkReader(storage, root, m).header(fi)[0][stored_name("big", c.offsets[ci])]
+    target = storage.join(root, m.files[fi].name)
+    data = bytearray(storage.read(target, 0, m.files[fi].size))
+    data[st.start] ^= 0xFF
+    with open(target, "wb") as fh:
+        fh.write(bytes(data))
+    problems = verify_checkpoint(path).problems
+    assert len(problems) == 1, problems
+    assert f"hold big[{row}, 0].." in problems[0], problems
+    assert f"in its saved chunk big[{row}:{row + n}, 0:{COLS}]" in problems[0], problems
