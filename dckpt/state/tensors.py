@@ -8,8 +8,8 @@ import torch
 from ..errors import UnsupportedValueError
 from ..format.dtypes import to_code
 from ..format.manifest import MAX_CHUNKS_PER_FILE
-from ..layout.chunks import Box
-from ..layout.strided import local_boxes
+from ..layout.chunks import Box, local_box
+from ..layout.strided import is_strided, local_boxes
 
 try:  # torch >= 2.4
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -120,11 +120,13 @@ def describe_all(key: str, t: torch.Tensor) -> list[LocalPiece]:
     coord = mesh.get_coordinate()
     if coord is None:  # this rank is not in the tensor's mesh: it holds nothing
         return [LocalPiece(key, code, shape, Box((0,) * len(shape), (0,) * len(shape)), None)]
-    lb = local_boxes(shape, tuple(mesh.shape), tuple(coord), _placements(t, key))
-    if tuple(local.shape) != lb.local_shape:
-        raise UnsupportedValueError(
-            f"DTensor {key!r}: local shard shape {list(local.shape)} differs from the "
-            f"layout {list(lb.local_shape)} of its placements {list(t.placements)}")
+    placements = _placements(t, key)
+    if not is_strided(placements):  # one box: no arrays to build and unpack (per tensor)
+        box = local_box(shape, tuple(mesh.shape), tuple(coord), placements)
+        _check_layout(key, t, local, box.sizes)
+        return [LocalPiece(key, code, shape, box, local)]
+    lb = local_boxes(shape, tuple(mesh.shape), tuple(coord), placements)
+    _check_layout(key, t, local, lb.local_shape)
     if len(lb) > MAX_CHUNKS_PER_FILE:
         raise UnsupportedValueError(
             f"DTensor {key!r}: its local tensor holds {len(lb)} separate boxes of the global "
@@ -134,6 +136,13 @@ def describe_all(key: str, t: torch.Tensor) -> list[LocalPiece]:
     if len(boxes) == 1:  # the whole local tensor (or nothing): no view
         return [LocalPiece(key, code, shape, boxes[0], local)]
     return [LocalPiece(key, code, shape, b, local[r]) for b, r in zip(boxes, lb.regions())]
+
+
+def _check_layout(key: str, t: "DTensor", local: torch.Tensor, want: tuple) -> None:
+    if tuple(local.shape) != want:
+        raise UnsupportedValueError(
+            f"DTensor {key!r}: local shard shape {list(local.shape)} differs from the "
+            f"layout {list(want)} of its placements {list(t.placements)}")
 
 
 def describe(key: str, t: torch.Tensor) -> LocalPiece:
