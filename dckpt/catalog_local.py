@@ -11,19 +11,18 @@ multi-node job each node holds only its own ranks' views, so "incomplete" there 
 the ranks present.
 
 Torch-free and collective-free: JSON and listings only (``dckpt ls`` must not pay for
-importing torch). The file names mirror :mod:`dckpt.tiers.local`, which writes them.
+importing torch). The file names come from :mod:`dckpt.tiers.localnames`, shared with
+:mod:`dckpt.tiers.local`, which writes them.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 from .errors import CheckpointError
 from .format import manifest as mf
 from .protocol.manifest_read import MAX_MANIFEST as _MAX_VIEW
-
-VIEW_FILE = re.compile(r"^manifest-(\d{5,})\.json$")  # tiers.local.view_name
-STEP_DIR = re.compile(r"^step-(\d+)$")  # tiers.local.STEP_DIR
+from .tiers.localnames import STEP_DIR, VIEW_FILE  # noqa: F401 (catalog uses STEP_DIR)
+from .tiers.localnames import view_name as mf_name
 
 
 def view_ranks(names) -> list[int]:
@@ -101,10 +100,6 @@ class LocalStep:
                     f"{self.world_size}, not {ranks_text(self.missing)} (on other nodes, or "
                     "a save that did not finish)")
         return "complete on this node"
-
-
-def mf_name(rank: int) -> str:
-    return f"manifest-{rank:05d}.json"
 
 
 def read_local_step(storage, where: str, shown: str, names: dict[str, int] | None = None

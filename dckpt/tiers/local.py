@@ -44,19 +44,10 @@ from ..protocol.coordinator import (_pack, _unpack, data_name, dckpt_version, va
 from ..protocol.restore import MAX_MANIFEST
 from ..verify import check_tensor
 from .chooser import Held
+from .localnames import STEP_DIR, step_name, view_name  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
-STEP_DIR = re.compile(r"^step-(\d+)$")
 _OWN_FILE = re.compile(r"^(?:data|replica)-[0-9a-f]{16}-(\d{5,})\.safetensors$|^manifest-(\d{5,})\.json$")
-
-
-def step_name(step: int) -> str:
-    return f"step-{int(step):08d}"
-
-
-def view_name(rank: int) -> str:
-    """The name of ``rank``'s manifest view in a local step directory."""
-    return f"manifest-{rank:05d}.json"
 
 
 def replica_name(save_id: str, rank: int) -> str:
