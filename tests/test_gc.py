@@ -306,6 +306,22 @@ def test_a_checkpoint_loaded_through_a_link_keeps_what_it_references(tmp_path):
     assert set(os.listdir(elsewhere / "step-2")) >= {"manifest.json"}
 
 
+def test_an_overwrite_keeps_what_a_checkpoint_behind_a_link_references(tmp_path):
+    """Overwriting a base removes only the old files no sibling references, and a
+    checkpoint reached through a link in the same directory counts as a sibling (its
+    load resolves its references beside the link), as it does for gc."""
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    sd1 = _sd(1)
+    dckpt.save(sd1, str(run / "step-1"))
+    sd2 = dict(sd1, head=sd1["head"] + 1, step=2)
+    dckpt.save(sd2, str(run / "step-2"), base=str(run / "step-1"))
+    os.rename(run / "step-2", elsewhere / "step-2")
+    os.symlink(elsewhere / "step-2", run / "latest")
+    dckpt.save(_sd(3), str(run / "step-1"), overwrite=True)
+    _loads_bitwise(str(run / "latest"), sd2)
+    _loads_bitwise(str(run / "step-1"), _sd(3))
+
 def test_gc_on_a_base_prefix_on_s3(s3):
     """The same reference rules on a real S3 API (moto): prefixes are directories, and
     the base of a newer step keeps what that step references when gc is given it."""

@@ -305,14 +305,16 @@ def dckpt_version() -> str:
 def referenced_by_siblings(storage, root: str) -> set[str]:
     """Names of ``root``'s files that a committed checkpoint in a sibling directory
     references (incremental saves). One listing of the parent and one manifest read per
-    sibling. A sibling whose manifest cannot be read may reference anything: then every
-    file is reported referenced (kept for ``dckpt gc`` to decide later)."""
-    from ..catalog import ALL_FILES, references  # catalog builds on this module
+    sibling (links to directories included, one stat each: gc's rule, see
+    :func:`dckpt.refcount.manifest_dirs`). A sibling whose manifest cannot be read may
+    reference anything: then every file is reported referenced (kept for ``dckpt gc``
+    to decide later)."""
+    from ..refcount import ALL_FILES, manifest_dirs, references  # refcount imports this module
 
     parent, _, name = root.rstrip("/").rpartition("/")
     try:
-        siblings = [storage.join(parent, e.name) for e in storage.listdir(parent)
-                    if e.is_dir and not e.is_link and e.name != name] if parent else []
+        siblings = manifest_dirs(storage, parent, [e for e in storage.listdir(parent)
+                                                   if e.name != name]) if parent else []
         refs = references(storage, siblings).get(name, set())
         return {e.name for e in storage.listdir(root)} if ALL_FILES in refs else refs
     except OSError as e:
