@@ -17,9 +17,8 @@ from .format import manifest as mf
 from .storage.fsspec_storage import FsspecStorage, Upload, make_storage
 
 # gc's names come from the save protocol, which imports torch: imported at gc's first
-# use, so that ls, inspect and du (JSON only) do not pay for torch. ALL_FILES,
-# references, remove_checkpoints are re-exported (the coordinator and the manager import
-# them from here).
+# use, so that ls, inspect and du (JSON only) do not pay for torch. They are
+# re-exported (the manager imports remove_checkpoints from here).
 _REFCOUNT = ("ALL_FILES", "manifest_dirs", "references", "references_beside",
              "remove_checkpoints")
 
