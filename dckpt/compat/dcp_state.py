@@ -20,7 +20,7 @@ import torch
 from ..errors import CheckpointError, StateMismatchError, UnsupportedValueError
 from ..format import manifest as mf
 from ..format.dtypes import to_torch
-from ..state.flatten import is_stateful
+from ..state.flatten import fill, is_stateful
 
 log = logging.getLogger(__name__)
 BYTES_KEY = "__dckpt_compat_bytes__"  # JSON value: {flat key: "bytes" | "bytesio"}
@@ -235,27 +235,6 @@ def fill_back(state_dict: dict, stateful: dict[str, tuple[Any, Any]], get) -> No
     object gets ``load_state_dict`` of its loaded state_dict (inner ones first) and
     stays in its slot; every other top-level value is assigned back
     (``state_dict[key] = value``, as DCP does). Keys are visited sorted at every
-    level, so Stateful objects are loaded in the same order on every rank."""
-
-    def walk(obj: Any, key: str) -> Any:
-        if isinstance(obj, torch.Tensor):
-            return get(key, obj)
-        if key in stateful and stateful[key][0] is obj:
-            obj.load_state_dict(walk(stateful[key][1], key))
-            return obj
-        if isinstance(obj, dict):
-            for k in sorted(obj, key=str):
-                obj[k] = walk(obj[k], _join(key, k))
-            return obj
-        if type(obj) is list:
-            for i in range(len(obj)):
-                obj[i] = walk(obj[i], _join(key, i))
-            return obj
-        if type(obj) is tuple:
-            return tuple(walk(v, _join(key, i)) for i, v in enumerate(obj))
-        return get(key, obj)
-
-    for k in sorted(state_dict):
-        value = walk(state_dict[k], k)
-        if not (k in stateful and stateful[k][0] is state_dict[k]):
-            state_dict[k] = value
+    level, so Stateful objects are loaded in the same order on every rank. This is
+    :func:`dckpt.state.flatten.fill` (the walk :func:`dckpt.load` fills with), sorted."""
+    fill(state_dict, get, stateful, sort=True)

@@ -145,12 +145,15 @@ def flatten(state: Any) -> Flat:
 
 
 def fill(state: Any, get: Callable[[str, Any], Any],
-         stateful: dict[str, tuple[Any, Any]] | None = None) -> Any:
+         stateful: dict[str, tuple[Any, Any]] | None = None, *, sort: bool = False) -> Any:
     """Rebuild ``state`` with every leaf replaced by ``get(key, old_leaf)``. Dicts and
     lists are updated in place (and returned); tuples are rebuilt, keeping their type.
     ``get`` copies tensors in place and returns them, so tensor identity is kept. A
     Stateful object at key k gets ``load_state_dict`` of ``stateful[k]``'s state_dict,
-    filled the same way (inner objects first)."""
+    filled the same way (inner objects first). ``sort``: visit dict keys sorted
+    (``key=str``) instead of in insertion order, so Stateful objects are loaded in the
+    same order on every rank whatever each rank's insertion order (their
+    ``load_state_dict`` may run collectives)."""
     stateful = stateful or {}
 
     def walk(obj: Any, key: str) -> Any:
@@ -161,8 +164,11 @@ def fill(state: Any, get: Callable[[str, Any], Any],
             obj.load_state_dict(sd)
             return obj
         if isinstance(obj, dict):
-            for k in list(obj):
-                obj[k] = walk(obj[k], _join(key, str(k)))
+            for k in sorted(obj, key=str) if sort else list(obj):
+                sub, v = _join(key, str(k)), obj[k]
+                new = walk(v, sub)
+                if new is not v or sub not in stateful:  # a Stateful stays, unassigned (DCP)
+                    obj[k] = new
             return obj
         if type(obj) is list:
             for i in range(len(obj)):
