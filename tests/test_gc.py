@@ -286,9 +286,9 @@ def test_an_unreadable_sibling_manifest_keeps_the_data_files(tmp_path, caplog):
     assert any("unreadable manifest" in r.getMessage() for r in caplog.records)
 
 
-def test_a_checkpoint_loaded_through_a_link_keeps_what_it_references(tmp_path):
-    """gc never deletes through a link, but reads the manifest behind one: a load of
-    ``run/latest`` resolves its references beside the link, in ``run/``."""
+def _incremental_behind_a_link(tmp_path):
+    """run/step-1, and an incremental step-2 on it moved to elsewhere/ and reached
+    through the link run/latest; returns (run, elsewhere, step-2's state)."""
     run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
     elsewhere.mkdir()
     sd1 = _sd(1)
@@ -297,6 +297,13 @@ def test_a_checkpoint_loaded_through_a_link_keeps_what_it_references(tmp_path):
     dckpt.save(sd2, str(run / "step-2"), base=str(run / "step-1"))
     os.rename(run / "step-2", elsewhere / "step-2")
     os.symlink(elsewhere / "step-2", run / "latest")
+    return run, elsewhere, sd2
+
+
+def test_a_checkpoint_loaded_through_a_link_keeps_what_it_references(tmp_path):
+    """gc never deletes through a link, but reads the manifest behind one: a load of
+    ``run/latest`` resolves its references beside the link, in ``run/``."""
+    run, elsewhere, sd2 = _incremental_behind_a_link(tmp_path)
     os.remove(run / "step-1" / "manifest.json")
     kept = set(os.listdir(run / "step-1"))
     for target in (str(run / "step-1"), str(run)):
@@ -310,17 +317,11 @@ def test_an_overwrite_keeps_what_a_checkpoint_behind_a_link_references(tmp_path)
     """Overwriting a base removes only the old files no sibling references, and a
     checkpoint reached through a link in the same directory counts as a sibling (its
     load resolves its references beside the link), as it does for gc."""
-    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    sd1 = _sd(1)
-    dckpt.save(sd1, str(run / "step-1"))
-    sd2 = dict(sd1, head=sd1["head"] + 1, step=2)
-    dckpt.save(sd2, str(run / "step-2"), base=str(run / "step-1"))
-    os.rename(run / "step-2", elsewhere / "step-2")
-    os.symlink(elsewhere / "step-2", run / "latest")
+    run, elsewhere, sd2 = _incremental_behind_a_link(tmp_path)
     dckpt.save(_sd(3), str(run / "step-1"), overwrite=True)
     _loads_bitwise(str(run / "latest"), sd2)
     _loads_bitwise(str(run / "step-1"), _sd(3))
+
 
 def test_gc_on_a_base_prefix_on_s3(s3):
     """The same reference rules on a real S3 API (moto): prefixes are directories, and
