@@ -109,12 +109,16 @@ class CheckpointManager(RetentionMixin, RestoreMixin):
                  save_on_sigterm: bool = False, local_root: str | None = None,
                  keep_last_local: int = 1, durable_every_steps: int | None = None,
                  incremental: bool = False, full_every: int = 10,
-                 compression: str | None = None, every_epochs: int | None = None) -> None:
+                 compression: str | None = None, every_epochs: int | None = None,
+                 replicas: int = 0, node: Any = None) -> None:
         if (incremental or compression) and local_root is not None:
             raise CheckpointError(
                 "incremental=True and compression= are not supported with local_root: the "
                 "fast tier stores raw shards and stages them as they are (a delta would "
                 "reference files the durable tier does not have); use one or the other")
+        if local_root is None and replicas != 0:
+            raise CheckpointError(f"replicas={replicas!r} needs local_root: the replicas are "
+                                  "copies of the fast tier's steps on other nodes")
         if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1:
             raise CheckpointError(f"full_every must be an int >= 1, not {full_every!r}")
         compression_flag(compression)  # a bad value or a missing extra: fail now, not at the first save
@@ -169,7 +173,7 @@ class CheckpointManager(RetentionMixin, RestoreMixin):
                                  durable_every=durable_every_steps, group=process_group,
                                  comm=self.comm, durable_path=self.path,
                                  storage_options=storage_options, on_durable=self._after_commit,
-                                 owner=owner)
+                                 owner=owner, replicas=replicas, node=node)
 
     # ------------------------------------------------------------------ paths, listing
     def path(self, step: int) -> str:

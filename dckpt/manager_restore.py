@@ -14,7 +14,7 @@ from .errors import CheckpointError, IntegrityError, NotCommittedError
 from .format import manifest as mf
 from .protocol.collectives import on_rank0
 from .protocol.restore import load as _load
-from .protocol.restore import read_manifest
+from .protocol.restore import needed_chunks, read_manifest
 from .state import rng
 from .state.flatten import is_stateful
 from .storage.fsspec_storage import make_storage
@@ -104,7 +104,9 @@ class RestoreMixin:
         try (a file missing or corrupt on some node, a changed layout, a durable
         checkpoint that fails its checks) is skipped with a warning naming the
         problem, and every rank goes on with the next newest. :attr:`restored_from`
-        says which tier was used (``"local"`` or ``"durable"``).
+        says which tier was used (``"local"``, ``"durable"``, or with ``replicas``
+        ``"peer"``: some rank's files came from another node's replicas, see
+        docs/TIERS.md).
 
         Returns None only when there is no committed checkpoint at all, and then leaves
         ``state`` exactly as it was; when there are some and none loads, it raises
@@ -119,18 +121,25 @@ class RestoreMixin:
         self.restored_epoch = None
         durable = on_rank0(self.comm, self._candidates, f"list checkpoints under {self._root_arg}")
         cands = [Candidate(s, "durable", c) for s, c in durable]
-        if self.tier is not None:
+        opts: dict[tuple, Any] = {}  # with replicas: the fast tier's options by (step, time)
+        if self.tier is not None and self.tier.peers is not None:
+            for o in self.tier.peer_options():
+                opts[(o.choice.step, o.choice.created)] = o
+                cands.append(Candidate(o.choice.step, "peer", o.choice.created))
+        elif self.tier is not None:
             cands += [Candidate(s, "local", c) for s, c in self.tier.held_steps().items()]
         tried: list[str] = []
         if step is not None:
             def newest(c: Candidate) -> tuple:
-                return (c.created if c.created is not None else float("-inf"), c.tier == "local")
+                return (c.created if c.created is not None else float("-inf"),
+                        c.tier != "durable")
 
             for c in sorted((c for c in cands if c.step == step), key=newest, reverse=True):
-                if c.tier != "local":
+                if c.tier == "durable":
                     break  # the durable save of the step is the newer one
-                if self._try_local(step, state, tried):
-                    return self._restored(step, "local", state)
+                used = self._try_fast(c, opts, state, tried)
+                if used:
+                    return self._restored(step, used, state)
             self._load(step, state)  # raises why when it cannot
             return self._restored(step, "durable", state)
         order, abandoned = live_timeline(cands)
@@ -140,9 +149,10 @@ class RestoreMixin:
                         sorted({c.step for c in abandoned}), self._root_arg,
                         ", ".join(f"{c.step} {c.tier}" for c in abandoned))
         for c in order:
-            if c.tier == "local":
-                if self._try_local(c.step, state, tried):
-                    return self._restored(c.step, "local", state)
+            if c.tier != "durable":
+                used = self._try_fast(c, opts, state, tried)
+                if used:
+                    return self._restored(c.step, used, state)
                 continue
             try:
                 self._load(c.step, state)
@@ -161,13 +171,23 @@ class RestoreMixin:
         self._prepare(state, loaded=False)  # leaves the state exactly as it was
         return None
 
-    def _try_local(self, step: int, state: Any, tried: list[str]) -> bool:
-        """Load ``step`` from the fast tier; False (noted in ``tried``) when that fails
-        in a way the durable tier may not (any CheckpointError but a broken group).
-        Collective."""
+    def _try_fast(self, c: Candidate, opts: dict, state: Any, tried: list[str]) -> str | None:
+        """Load ``c`` from the fast tier: the tier used (``"local"``, or ``"peer"`` when
+        some bytes came from another node's replicas), or None (noted in ``tried``)
+        when that fails in a way the durable tier may not (any CheckpointError but a
+        broken group). Collective."""
+        step = c.step
+
+        def loader(p: str, name: str, n: int) -> None:
+            self._load(step, state, p, name, n)
+
         try:
-            self.tier.load(step, lambda p, name, n: self._load(step, state, p, name, n))
-            return True
+            if c.tier == "peer":
+                return self.tier.peer_restore(
+                    opts[(c.step, c.created)], loader,
+                    lambda m: needed_chunks(*self._load_target(state, {}), m))
+            self.tier.load(step, loader)
+            return "local"
         except Exception as e:
             if not fallback_worthy(e):
                 raise
@@ -175,8 +195,8 @@ class RestoreMixin:
             # not the directory of the rank that logs.
             self._warn_once("step %d in the fast tier could not be restored, trying the next "
                             "newest: %s", step, failure_causes(e))
-            tried.append(f"step {step} (local): {type(e).__name__}: {e}")
-            return False
+            tried.append(f"step {step} ({c.tier}): {type(e).__name__}: {e}")
+            return None
 
     def _warn_once(self, msg: str, *args: Any) -> None:
         """Log a warning about an error every rank raised alike (a gathered one): rank 0
@@ -256,9 +276,25 @@ class RestoreMixin:
               manifest_name: str | None = None, read_workers: int = 4) -> None:
         path = path or self.path(step)
         rank = self.comm.rank
-        target: dict[str, Any] = {"state": state}
         found: dict[str, Any] = {}
         self._loaded_epoch = None
+        target, extra = self._load_target(state, found)
+        _load(target, path, process_group=self.group,
+              storage_options=None if manifest_name else self.storage_options,
+              ignore_prefixes=("rng.", "manager."), extra=extra,
+              manifest_name=manifest_name, read_workers=read_workers)
+        if "sd" in found:
+            if rank < found["world"]:
+                rng.restore(found["sd"])
+            else:
+                rng.reseed(rank, found["sd"])
+
+    def _load_target(self, state: Any, found: dict[str, Any]) -> tuple[dict, Any]:
+        """(the load's target, its ``extra``): ``state`` under "state", and the RNG
+        state this rank restores, shaped after the manifest (noted in ``found``). No
+        I/O."""
+        rank = self.comm.rank
+        target: dict[str, Any] = {"state": state}
 
         def extra(m: mf.Manifest) -> dict[str, Any]:
             e = m.values.get("manager.epoch")  # read here: no target needed for it
@@ -275,12 +311,4 @@ class RestoreMixin:
             found["sd"] = rng.saved_target(m, src)
             return {"rng": {f"rank{src}": found["sd"]}}
 
-        _load(target, path, process_group=self.group,
-              storage_options=None if manifest_name else self.storage_options,
-              ignore_prefixes=("rng.", "manager."), extra=extra,
-              manifest_name=manifest_name, read_workers=read_workers)
-        if "sd" in found:
-            if rank < found["world"]:
-                rng.restore(found["sd"])
-            else:
-                rng.reseed(rank, found["sd"])
+        return target, extra

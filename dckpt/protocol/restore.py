@@ -24,7 +24,7 @@ from ..format.dtypes import to_torch
 from ..state.flatten import fill, flatten, grow
 from ..state.tensors import describe_all
 from ..storage.fsspec_storage import make_storage
-from ..reader import DEFAULT_READ_BUDGET, ChunkReader
+from ..reader import DEFAULT_READ_BUDGET, ChunkReader, plan_reads
 from .collectives import Comm, agree, error_payload, raise_gathered, rank0_bytes
 # torch-free (the CLI reads manifests without importing torch); re-exported from here
 from .manifest_read import MAX_MANIFEST, read_manifest, read_manifest_bytes  # noqa: F401
@@ -111,12 +111,7 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
     try:
         if setup_err is not None:
             raise setup_err
-        if extra is not None:
-            state_dict.update(extra(manifest))
-        if manifest.meta.get("int_keys"):  # a fresh optimizer's empty state: rebuild it
-            grow(state_dict, manifest.tensors, manifest.values, manifest.meta["int_keys"])
-        flat = flatten(state_dict)
-        pieces, unexpected = _match(manifest, flat.tensors, flat.values, cast)
+        flat, pieces, unexpected = match_target(state_dict, manifest, extra, cast)
     except Exception as e:
         err = e
     # One all-gather carries each rank's error and unexpected keys: a checkpoint key is
@@ -158,6 +153,37 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
     if comm.rank == 0:
         log.info("loaded %s: %.1f MiB on rank 0 in %.2f s", root, nbytes / 2**20, t_end - t0)
     return state_dict
+
+
+def match_target(state_dict: dict, manifest: mf.Manifest,
+                 extra: Callable[[mf.Manifest], dict] | None = None, cast: bool = False):
+    """(flattened target, [(piece, manifest entry)], unexpected keys): what a load of
+    ``manifest`` into ``state_dict`` reads, as :func:`load` plans it. Adds ``extra``'s
+    targets and grows a fresh optimizer's empty state first (as the load does; both are
+    idempotent). No I/O, no collective. Raises StateMismatchError and
+    UnsupportedValueError as :func:`load` does."""
+    if extra is not None:
+        state_dict.update(extra(manifest))
+    if manifest.meta.get("int_keys"):  # a fresh optimizer's empty state: rebuild it
+        grow(state_dict, manifest.tensors, manifest.values, manifest.meta["int_keys"])
+    flat = flatten(state_dict)
+    pieces, unexpected = _match(manifest, flat.tensors, flat.values, cast)
+    return flat, pieces, unexpected
+
+
+def needed_chunks(state_dict: dict, manifest: mf.Manifest,
+                  extra: Callable[[mf.Manifest], dict] | None = None,
+                  cast: bool = False) -> dict[int, set[tuple[str, tuple[int, ...]]]]:
+    """{file index: {(key, chunk offsets)}}: the saved chunks a load of ``manifest``
+    into ``state_dict`` on this rank reads (its headers aside). Pure planning, as
+    :func:`match_target`; raises what it raises."""
+    _, pieces, _ = match_target(state_dict, manifest, extra, cast)
+    out: dict[int, set] = {}
+    for p, e in pieces:
+        for item in plan_reads(p, e):
+            out.setdefault(item.file, set()).add(
+                (p.key, tuple(int(x) for x in e.chunks.offsets[item.chunk])))
+    return out
 
 
 def _fill_cast(pieces: list, reader: ChunkReader, workers: int, budget: int, what: str) -> int:

@@ -69,7 +69,8 @@ def live_timeline(cands: list[Candidate]) -> tuple[list[Candidate], list[Candida
     committed after it (the job was rewound past it, or started over), or a newer save
     of the same step was (it was saved again on the new timeline). The rest are
     ordered by step, then commit time, newest first; one save held by both tiers is
-    tried from the local tier first (the durable copy is its fallback). Candidates of
+    tried from the fast tier first (``"local"`` or ``"peer"``: the durable copy is its
+    fallback). Candidates of
     unknown commit time are never abandoned and abandon nothing."""
     order = sorted(cands, key=lambda c: c.step)
     abandoned: list[Candidate] = []
@@ -93,6 +94,6 @@ def live_timeline(cands: list[Candidate]) -> tuple[list[Candidate], list[Candida
 
     def rank(c: Candidate) -> tuple:
         t = c.created if c.created is not None else float("-inf")
-        return (c.step, t, c.tier == "local")
+        return (c.step, t, c.tier != "durable")
 
     return sorted(live, key=rank, reverse=True), abandoned

@@ -28,7 +28,7 @@ from ..engine import devstream
 from ..engine.fence import Versions, releaser
 from ..engine.staging import StagingPool, live_view
 from ..storage.fsspec_storage import make_storage
-from . import chooser, local, stager
+from . import chooser, local, peerrestore, replication, stager
 
 log = logging.getLogger(__name__)
 # on_commit(tier, commit, info): "local" (info None) or "durable" (the staged CheckpointInfo)
@@ -59,7 +59,7 @@ class FastTier:
     def __init__(self, local_root: str, *, keep_last_local: int, durable_every: int | None,
                  group: Any, comm: Comm, durable_path: Callable[[int], str],
                  storage_options: dict | None, on_durable: Callable[[int], None],
-                 owner: str | None = None) -> None:
+                 owner: str | None = None, replicas: int = 0, node: Any = None) -> None:
         if "://" in local_root and not local_root.startswith("file://"):
             raise CheckpointError(f"local_root must be a node-local path (e.g. /dev/shm/job "
                                   f"or a local NVMe directory), not the URL {local_root!r}")
@@ -86,6 +86,9 @@ class FastTier:
             err = CheckpointError(f"cannot create local_root {self.root}: {e}")
         agree(comm, err, f"create local_root {local_root}")
         self._sharers = _sharers(comm, self.root)
+        # Every rank's replication settings, checked together: a disagreement raises on
+        # every rank here, before any save (never a hang in the replication thread).
+        agreed = replication.agree_settings(comm, replicas, node)
         _LIVE.add(self)
         self._local_exec = cf.ThreadPoolExecutor(1, thread_name_prefix="dckpt-local")
         self._stage_exec = cf.ThreadPoolExecutor(1, thread_name_prefix="dckpt-stage")
@@ -95,6 +98,17 @@ class FastTier:
             timeout = float(os.environ.get("DCKPT_COLLECTIVE_TIMEOUT_S", "1800"))
             self._local_group = OwnGroup.create(group, timeout)
             self._stage_group = OwnGroup.create(group, timeout)
+        self.peers: replication.Replicator | None = None
+        if agreed.replicas > 0:
+            if self._local_group is None:
+                raise CheckpointError("replicas= needs an initialised process group (the "
+                                      "replicas go to other nodes' ranks)")
+            low = min(self._sharers) if self._sharers else comm.rank
+            lows = [int(b) for b in comm.all_gather_bytes(str(low).encode())]
+            place_of = {r: f"{agreed.nodes[r]}#{lows[r]}" for r in range(comm.size)}
+            self.peers = replication.Replicator(
+                self.storage, self.root, comm, OwnGroup.create(group, timeout), agreed,
+                place_of, owner, keep_last_local)
 
     # ------------------------------------------------------------------ saving
     def step_dir(self, step: int) -> str:
@@ -192,6 +206,8 @@ class FastTier:
             job = self.queue.add(step, forced)  # older copies not begun are skipped
             self._stage_jobs.append(self._stage_exec.submit(self._stage, commit, job,
                                                             on_commit))
+        if self.peers is not None:  # in the background, off the training thread
+            self.peers.submit(commit, self._replicated)
         self.cleanup(step)
         return commit
 
@@ -222,6 +238,15 @@ class FastTier:
         finally:
             self.queue.finish(job)
 
+    def _replicated(self, step: int) -> None:
+        """The replication thread, after ``step`` was replicated everywhere: the own
+        step it kept for the replicas' sake may go now (in the local saves' thread: see
+        :meth:`wait`). Never raises."""
+        try:
+            self._local_exec.submit(self.cleanup, self._last_local or step)
+        except RuntimeError:  # closed
+            pass
+
     def cleanup(self, step: int) -> None:
         """This rank, after ``step`` committed locally: remove its part of the local
         steps retention drops (never ``step``, one being staged, nor one queued for the
@@ -240,6 +265,8 @@ class FastTier:
                 view = self.storage.join(self.root, e.name, local.view_name(self.comm.rank))
                 (held if self.storage.exists(view) else partial).append(s)
             protected = {step} | self.queue.protected()
+            if self.peers is not None:  # being replicated, or the newest replicated
+                protected |= self.peers.protected()
             doomed = [s for s in held if s > step] + [s for s in partial if s < step]
             doomed += self.retention.to_delete([s for s in held if s <= step], protected)
         except Exception as e:
@@ -274,6 +301,8 @@ class FastTier:
             e = job.exception()
             if e is not None:
                 self._errors.append(e)
+        if self.peers is not None:
+            self._errors += self.peers.wait()
         if jobs and self._last_local is not None:
             # In the local saves' own thread: a cleanup beside a local save could take
             # the step it is committing for an abandoned timeline (wait() also runs
@@ -294,6 +323,8 @@ class FastTier:
         finally:
             self._local_exec.shutdown(wait=False)
             self._stage_exec.shutdown(wait=False)
+            if self.peers is not None:
+                self.peers.close()
             if self._local_job is None:  # none in flight (wait() joined it) reads them
                 self.pool.release()
 
@@ -309,6 +340,21 @@ class FastTier:
         mine = local.own_steps(self.storage, self.root, self.comm.rank, self.comm.size,
                                self.owner)
         return chooser.agree_local_steps(self.comm, mine)
+
+    def peer_options(self) -> list:
+        """With replicas: every step the job can restore from the nodes' fast tiers
+        (own parts and replicas), newest first (:func:`peerrestore.options`).
+        Collective: one all-gather."""
+        return peerrestore.options(self.peers)
+
+    def peer_restore(self, opt, loader: Callable[[str, str, int], None],
+                     needs: Callable) -> str:
+        """Restore ``opt`` (one of :meth:`peer_options`) through ``loader`` as
+        :meth:`load` does, fetching from peers what this rank lacks; returns
+        ``"local"`` or ``"peer"``. Collective; raises as :func:`peerrestore.restore`."""
+        n = self.read_workers()
+        return peerrestore.restore(self.peers, opt, self.step_dir,
+                                   lambda path, name: loader(path, name, n), needs)
 
     def load(self, step: int, loader: Callable[[str, str, int], None]) -> None:
         """Load ``step`` from the fast tier through ``loader(path, manifest_name,

@@ -265,3 +265,45 @@ def rereplicate(choice: Choice, ring_after_loss: Mapping[str, Sequence[str]],
             load[src] = load.get(src, 0) + 1
             out.setdefault(dest, []).append(Copy(p, src, dest))
     return out
+
+
+def replication_plan(nodes: Mapping[int, str], replicas: int) -> list[tuple[int, int]]:
+    """[(source rank, destination rank)]: where each rank's own part of a step goes, in
+    the order every rank runs them (see :func:`schedule`). Pure: O(W * r).
+
+    Rank p's part goes to one rank of each of the ``replicas`` ring successors of its
+    node (fewer when the job has fewer nodes): the successor's rank at p's position
+    among its node's ranks, modulo that node's size, so every receiving rank gets about
+    the same number of parts. Raises CheckpointError as :func:`ring` does."""
+    succ, _ = ring(nodes.values(), replicas)
+    ranks_of: dict[str, list[int]] = {}
+    for r, n in sorted(nodes.items()):
+        ranks_of.setdefault(n, []).append(r)
+    pairs = []
+    for p, n in sorted(nodes.items()):
+        i = ranks_of[n].index(p)
+        for dest in succ[n]:
+            there = ranks_of[dest]
+            pairs.append((p, there[i % len(there)]))
+    return schedule(pairs)
+
+
+def schedule(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``pairs`` of (sender, receiver) ranks in rounds: each pair goes into the first
+    round where neither of its ranks is busy yet; the result lists round 0's pairs,
+    then round 1's, ... Pure: O(n * rounds).
+
+    Every rank runs the pairs it is in, in this order, one at a time. That cannot
+    deadlock (the earliest pair not done always has both its ranks at it), and the
+    pairs of one round, disjoint, run at the same time on different ranks."""
+    busy: list[set[int]] = []
+    placed: list[tuple[int, int, int]] = []
+    for i, (a, b) in enumerate(pairs):
+        k = 0
+        while k < len(busy) and (a in busy[k] or b in busy[k]):
+            k += 1
+        if k == len(busy):
+            busy.append(set())
+        busy[k] |= {a, b}
+        placed.append((k, i, a))
+    return [pairs[i] for _, i, _ in sorted(placed)]

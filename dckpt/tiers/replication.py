@@ -1,0 +1,218 @@
+"""The replicated fast tier's background side (issue 28): the settings every rank agrees
+on, and the copy of each locally committed step to the next ``replicas`` nodes of the
+ring, so that a lost node is restored from its peers' memory (see
+:mod:`dckpt.tiers.peerrestore` for the restore, :mod:`dckpt.tiers.peerplan` for the
+pure plans, :mod:`dckpt.tiers.peerpart` for the files and one part's transfer).
+
+Replication runs in its own thread on its own gloo group, one step at a time, in save
+order on every rank. The training thread never waits for it; a step committed while
+the previous one is still being copied supersedes every older copy not begun (the
+StageQueue rule, agreed by one all-reduce). Each rank sends its own part to one rank
+of each successor node and receives the parts its node keeps for others, one 64 MiB
+piece in flight at a time. A failed replication is logged, raised by ``wait()``, and
+the next save replicates again; it never fails training.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import logging
+import os
+import socket
+import time
+from typing import Any, Callable
+
+from ..errors import CheckpointError
+from ..policy import RetentionPolicy
+from ..protocol.collectives import Comm, agree
+from . import peerpart, peerplan, stager
+from .local import LocalCommit
+
+log = logging.getLogger(__name__)
+
+
+def agree_settings(comm: Comm, replicas: Any, node: Any) -> peerplan.Agreed:
+    """Every rank's ``replicas`` and ``node`` (None: the host name), checked together.
+    Collective: one all-gather of a few bytes. A bad value on one rank or a
+    disagreement on ``replicas`` raises the same CheckpointError on every rank (naming
+    each rank's value), never a hang of the ranks that agree."""
+    node = socket.gethostname() if node is None else node
+    ok = isinstance(replicas, int) and not isinstance(replicas, bool) and replicas >= 0
+    ok_node = isinstance(node, (str, int)) and not isinstance(node, bool) and str(node) != ""
+    mine = {"replicas": replicas if ok else repr(replicas), "node": str(node) if ok_node
+            else "", "bad": None if ok and ok_node else
+            (f"replicas must be an int >= 0, not {replicas!r}" if not ok
+             else f"node must be a non-empty str or int, not {node!r}")}
+    docs = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(mine).encode())]
+    bad = {r: d["bad"] for r, d in enumerate(docs) if d["bad"]}
+    if bad:
+        raise CheckpointError("fast tier settings: " + "; ".join(
+            f"rank {r}: {m}" for r, m in sorted(bad.items())), bad)
+    agreed = peerplan.check_settings([peerplan.Settings(r, d["replicas"], d["node"])
+                                      for r, d in enumerate(docs)])
+    return agreed
+
+
+def places(nodes: dict[int, str], sharers: list[set[int] | None]) -> dict[int, str]:
+    """{rank: its place}: the directory a rank's fast tier lives in, named by its node
+    and the lowest rank sharing it (ranks of one node usually share ``local_root``;
+    ranks that do not, or cannot tell, are each a place of their own). Pure."""
+    out = {}
+    for r, n in nodes.items():
+        s = sharers[r]
+        out[r] = f"{n}#{min(s) if s else r}"
+    return out
+
+
+def node_of(place: str) -> str:
+    return place.rsplit("#", 1)[0]
+
+
+class Replicator:
+    """The replication of one fast tier. Construct on every rank together after the
+    settings were agreed (``agreed.replicas > 0``); ``group`` is the tier's gloo group
+    for transfers (an OwnGroup), used by this class's thread and, between saves, by the
+    restore."""
+
+    def __init__(self, storage, root: str, comm: Comm, group: Any, agreed: peerplan.Agreed,
+                 place_of: dict[int, str], owner: str | None, keep_last: int) -> None:
+        self.storage, self.root, self.comm, self.group = storage, root, comm, group
+        self.replicas, self.nodes, self.place_of = agreed.replicas, dict(agreed.nodes), place_of
+        self.owner = owner
+        self.retention = RetentionPolicy(keep_last)
+        self.queue = stager.StageQueue()  # the replications queued (coalesced)
+        self.replicated: int | None = None  # the newest step replicated everywhere
+        self._jobs: list[cf.Future] = []
+        self._exec = cf.ThreadPoolExecutor(1, thread_name_prefix="dckpt-peer")
+        self._warned_space = False
+        succ, reduced = peerplan.ring(self.nodes.values(), self.replicas)
+        if reduced and comm.rank == 0:
+            log.warning("replicas=%d but the job has %d node(s): each step is replicated to "
+                        "the %d other node(s) there are", self.replicas, len(succ),
+                        len(succ) - 1)
+        if comm.rank == 0:
+            log.info("fast tier replication: %d replica(s) per step over %d node(s)",
+                     min(self.replicas, len(succ) - 1), len(succ))
+        me = comm.rank
+        if min(r for r, p in place_of.items() if p == place_of[me]) == me:
+            n = peerpart.sweep(root)  # nothing transfers yet: construction is collective
+            if n:
+                log.info("rank %d: removed %d file(s) of transfers cut short in %s", me, n, root)
+
+    # ------------------------------------------------------------------ replicating
+    def submit(self, commit: LocalCommit, on_done: Callable[[int], None]) -> None:
+        """Queue the replication of ``commit`` (every rank, after the same local
+        commit, in save order). ``on_done(step)`` runs in the replication thread once
+        the step is replicated everywhere (the fast tier's cleanup). Not blocking."""
+        self._check_space(commit)
+        job = self.queue.add(commit.step, False)  # older copies not begun are skipped
+        self._jobs.append(self._exec.submit(self._run, commit, job, on_done))
+
+    def protected(self) -> set[int]:
+        """Steps the fast tier's cleanup must keep: being replicated or queued, and the
+        newest replicated one (a node's own part of it is the copy its peers' replicas
+        back up, until a newer step is replicated)."""
+        out = self.queue.protected()
+        if self.replicated is not None:
+            out.add(self.replicated)
+        return out
+
+    def _run(self, commit: LocalCommit, job: stager.StageJob,
+             on_done: Callable[[int], None]) -> None:
+        comm = Comm(self.group)
+        try:
+            if comm.any_of([self.queue.claim(job)])[0]:
+                log.debug("replication of step %d skipped for a newer step", commit.step)
+                return
+            t0 = time.perf_counter()
+            nbytes = self.copy_out(commit.step, commit.save_id, comm)
+            self.replicated = commit.step
+            self._drop_old_replicas(commit.step)
+            if comm.rank == 0:
+                log.info("step %d replicated to %d peer node(s) in %.2f s (%.1f MiB from "
+                         "rank 0)", commit.step, min(self.replicas, len(set(self.nodes.values()))
+                                                     - 1), time.perf_counter() - t0,
+                         nbytes / 2**20)
+            on_done(commit.step)
+        except Exception as e:
+            log.error("rank %d: replication of step %d failed (training goes on; the next "
+                      "save replicates again): %s", comm.rank, commit.step, e)
+            raise
+        finally:
+            self.queue.finish(job)
+
+    def copy_out(self, step: int, save_id: str, comm: Comm) -> int:
+        """Send this rank's own part of ``step`` to its ring successors and receive the
+        parts this node keeps for others, then agree. Collective over ``comm`` (the
+        replication group); blocking. Returns the bytes this rank moved. Raises the
+        same CheckpointError on every rank when any transfer failed."""
+        me, nbytes, err = comm.rank, 0, None
+        own = None
+        # Every transfer is run even after one failed: its peer is waiting for it, and
+        # a failed transfer fails on both sides at once (no wait for a timeout).
+        for src, dst in peerplan.replication_plan(self.nodes, self.replicas):
+            if me not in (src, dst):
+                continue
+            try:
+                if me == src:
+                    if own is None:
+                        own = self._own_part(step, save_id)
+                    nbytes += peerpart.send_part(self.group, self.storage, own, dst)
+                else:
+                    nbytes += peerpart.recv_part(
+                        self.group, self.storage, peerpart.peers_dir(self.storage, self.root,
+                                                                     step),
+                        src, src, save_id, self.owner)
+            except Exception as e:
+                err = err or e
+        agree(comm, err, f"replication of step {step}")
+        return nbytes
+
+    def _own_part(self, step: int, save_id: str) -> peerpart.Part:
+        """This rank's own part of ``step`` (a stand-in naming the missing view when it
+        is gone: its send then fails on both sides, naming it)."""
+        where = self.storage.join(self.root, peerpart.step_name(step))
+        try:
+            view = peerpart.read_part(self.storage, where, self.comm.rank, self.owner)
+            if view.save_id == save_id:
+                return peerpart.Part(step, self.comm.rank, where, view)
+        except (OSError, CheckpointError) as e:
+            log.debug("own part of step %d: %s", step, e)
+        return peerpart.Missing(step, self.comm.rank, where, None)
+
+    def _drop_old_replicas(self, step: int) -> None:
+        """After ``step`` was replicated everywhere: drop the replicas ``keep_last_local``
+        does not keep (never ``step``'s) and those of steps above it (an abandoned
+        timeline). Never raises."""
+        held = peerpart.peer_steps(self.root)
+        doomed = [s for s in held if s > step]
+        doomed += self.retention.to_delete([s for s in held if s <= step], {step})
+        peerpart.drop_peer_steps(self.root, doomed)
+
+    def _check_space(self, commit: LocalCommit) -> None:
+        """Warn once when ``local_root`` cannot hold another step like ``commit`` with
+        its replicas: this node's share of it times (replicas + 1). One statvfs."""
+        if self._warned_space:
+            return
+        try:
+            st = os.statvfs(self.root)
+            free = st.f_bavail * st.f_frsize
+            here = sum(1 for p in self.place_of.values() if p == self.place_of[self.comm.rank])
+            need = commit.total_bytes * here // max(1, len(self.place_of)) * (self.replicas + 1)
+        except OSError:
+            return
+        if free < need:
+            self._warned_space = True
+            log.warning("rank %d: local_root %s has %.1f GiB free; the next step and its %d "
+                        "replica(s) need about %.1f GiB here (keep_last_local and replicas "
+                        "multiply the fast tier's size: docs/TIERS.md)", self.comm.rank,
+                        self.root, free / 2**30, self.replicas, need / 2**30)
+
+    # ------------------------------------------------------------------ waiting
+    def wait(self) -> list[BaseException]:
+        """Block until every replication queued so far is done; their errors."""
+        jobs, self._jobs = self._jobs, []
+        return [e for e in (j.exception() for j in jobs) if e is not None]
+
+    def close(self) -> None:
+        self._exec.shutdown(wait=False)
