@@ -3,7 +3,8 @@
 ``DCKPT_FAULT="point:rank:action[;point:rank:action...]"`` makes ``rank`` fail at
 ``point`` (one of plan, write, vote, commit, committed, load; stage and upload in the
 tiers' staging, where upload fires after the first block of a file is sent and its rank
-is -1: use ``*``; history half-way through a line of the save history, rank 0).
+is -1: use ``*``; history half-way through a line of the save history, rank 0; replicate on a rank
+receiving a replica, after each of its data files, before the part is held).
 ``action`` is ``raise``
 (an OSError), ``kill`` (SIGKILL of the process) or ``sleep=SECONDS``. ``rank`` may be
 ``*``. Unset in normal use; the check is one environment lookup.
@@ -14,7 +15,8 @@ import os
 import signal
 import time
 
-POINTS = ("plan", "write", "vote", "commit", "committed", "load", "stage", "upload", "history")
+POINTS = ("plan", "write", "vote", "commit", "committed", "load", "stage", "upload", "history",
+          "replicate")
 
 
 def fault(point: str, rank: int) -> None:

@@ -243,15 +243,19 @@ class FastTier:
         step it kept for the replicas' sake may go now (in the local saves' thread: see
         :meth:`wait`). Never raises."""
         try:
-            self._local_exec.submit(self.cleanup, self._last_local or step)
+            # Only retention, up to ``step``: a synchronous save may be committing a
+            # newer step in the training thread right now, which the abandoned-timeline
+            # rule (steps above the one given) would take for a rewind's leftover.
+            self._local_exec.submit(self.cleanup, step, False)
         except RuntimeError:  # closed
             pass
 
-    def cleanup(self, step: int) -> None:
+    def cleanup(self, step: int, after_commit: bool = True) -> None:
         """This rank, after ``step`` committed locally: remove its part of the local
         steps retention drops (never ``step``, one being staged, nor one queued for the
         durable tier and not superseded), of steps newer than ``step`` (an abandoned
-        timeline) and of older failed saves. Own files only, except on the lowest rank
+        timeline) and of older failed saves (``after_commit=False``: retention only, for
+        a cleanup that may run beside a save). Own files only, except on the lowest rank
         of those sharing this ``local_root``: it also removes, in those steps, the
         files of ranks that do not use this directory in this job (the job shrank, or
         they moved), which nobody else would ever remove. No collective; never raises."""
@@ -267,7 +271,8 @@ class FastTier:
             protected = {step} | self.queue.protected()
             if self.peers is not None:  # being replicated, or the newest replicated
                 protected |= self.peers.protected()
-            doomed = [s for s in held if s > step] + [s for s in partial if s < step]
+            doomed = [s for s in held if s > step] + [s for s in partial if s < step] \
+                if after_commit else []
             doomed += self.retention.to_delete([s for s in held if s <= step], protected)
         except Exception as e:
             log.warning("fast-tier cleanup after step %d skipped: %s", step, e)

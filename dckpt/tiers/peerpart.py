@@ -25,6 +25,7 @@ import re
 import shutil
 from dataclasses import dataclass
 
+from .. import _faults
 from ..errors import CheckpointError
 from ..format import manifest as mf
 from ..protocol.restore import MAX_MANIFEST
@@ -145,14 +146,15 @@ def send_part(group, storage, held: Part, dst: int, piece: int = PIECE) -> int:
 
 
 def recv_part(group, storage, where: str, part: int, src: int, save_id: str,
-              owner: str | None, piece: int = PIECE) -> int:
+              owner: str | None, piece: int = PIECE, me: int = -1) -> int:
     """Receive part ``part`` of the save ``save_id`` from rank ``src`` (who calls
     :func:`send_part`) into the step directory ``where`` (created). The view arrives
     under ``where/.incoming/``, each data file is verified whole on arrival, and the
     view is moved to its place last: until then the part is not held here, and a
     transfer cut short leaves only dot-named files (removed by :func:`sweep`). Files
     of an older save of this part in ``where`` are removed once the new one is held.
-    Returns the bytes received. Blocking, point to point; memory one piece. Raises
+    Returns the bytes received (``me``: this rank, for fault injection only).
+    Blocking, point to point; memory one piece. Raises
     CheckpointError (IntegrityError for a damaged file) naming the file and the peer;
     the sender raises too, so neither waits."""
     incoming = storage.join(where, INCOMING)
@@ -170,6 +172,7 @@ def recv_part(group, storage, where: str, part: int, src: int, save_id: str,
     view = mf.parse(storage.read_file(tmp_view, MAX_MANIFEST), tmp_view)
     for f in part_files(view, part):
         n += recv_file(group, storage, storage.join(where, f.name), src, piece)
+        _faults.fault("replicate", me)  # crash tests: a kill with the part half-received
     os.replace(tmp_view, storage.join(where, view_name(part)))  # the part is held from here
     _drop_other_saves(storage, where, part, save_id)
     return n
@@ -208,10 +211,14 @@ def link_into(storage, held: Part, where: str) -> None:
 
 def sweep(root: str) -> int:
     """Remove what transfers cut short left under ``root`` (``*.peer-*.tmp`` files,
-    ``.incoming`` views, half-made links). Call only while no transfer runs into
+    ``.incoming`` views, half-made links, ``.restore-*`` directories). Call only while no transfer runs into
     ``root`` (at the tier's construction, collective, before any save). Returns the
     number of files removed. Never raises."""
     n = 0
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        if name.startswith(".restore-"):  # a resharded restore's reads, cut short
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            n += 1
     for base, dirs, files in os.walk(root):
         for name in files:
             if (".peer-" in name and name.endswith(".tmp")) or name.endswith(".link") \

@@ -162,7 +162,7 @@ class Replicator:
                     nbytes += peerpart.recv_part(
                         self.group, self.storage, peerpart.peers_dir(self.storage, self.root,
                                                                      step),
-                        src, src, save_id, self.owner)
+                        src, src, save_id, self.owner, me=me)
             except Exception as e:
                 err = err or e
         agree(comm, err, f"replication of step {step}")

@@ -84,3 +84,103 @@ def test_lose_each_node_in_turn_and_restore_from_peers(ranks, tmp_path):
         assert _peer_parts(str(tmp_path / lost), 20) == ([2, 3] if lost == "node0" else [0, 1])
     out = pool.run(_restore, str(tmp_path), 2, timeout=DEADLINE)
     assert out == [(20, "local")] * 4
+
+
+def _data_file(root: str, step: int, part: int, peers: bool = True) -> str:
+    d = os.path.join(root, "peers", f"step-{step:08d}") if peers else \
+        os.path.join(root, f"step-{step:08d}")
+    names = [n for n in os.listdir(d) if n.startswith("data-") and n.endswith(f"-{part:05d}.safetensors")]
+    assert len(names) == 1, os.listdir(d)
+    return os.path.join(d, names[0])
+
+
+def _flip_last(path: str) -> None:
+    flip_byte(path, os.path.getsize(path) - 3)  # in the last tensor's data
+
+
+def test_a_damaged_replica_is_never_used(ranks, tmp_path):
+    pool = ranks(4)
+    pool.run(_save, str(tmp_path), 2, [10, 20], 10, timeout=DEADLINE)
+    _flip_last(_data_file(str(tmp_path / "node0"), 20, 2))  # in node1's replica of part 2
+    shutil.rmtree(tmp_path / "node1")
+    # part 2 of step 20 is held nowhere else: the durable step 10, never the damaged bytes
+    assert pool.run(_restore, str(tmp_path), 2, timeout=DEADLINE) == [(10, "durable")] * 4
+
+
+def test_two_adjacent_nodes_lost_with_one_replica_restore_durable(ranks, tmp_path):
+    pool = ranks(8)
+    pool.run(_save, str(tmp_path), 2, [10, 20], 10, timeout=DEADLINE)
+    for n in range(4):  # ring: node n's parts on node n+1
+        nxt = (n + 1) % 4
+        assert _peer_parts(str(tmp_path / f"node{nxt}"), 20) == [2 * n, 2 * n + 1]
+    shutil.rmtree(tmp_path / "node1")
+    shutil.rmtree(tmp_path / "node2")  # node1's replicas were there
+    assert pool.run(_restore, str(tmp_path), 2, timeout=DEADLINE) == [(10, "durable")] * 8
+
+
+def test_eight_ranks_on_four_nodes_lose_each_node_in_turn(ranks, tmp_path):
+    pool = ranks(8)
+    pool.run(_save, str(tmp_path), 2, [10, 20], 10, timeout=DEADLINE)
+    for n in range(4):
+        shutil.rmtree(tmp_path / f"node{n}")
+        assert pool.run(_restore, str(tmp_path), 2, timeout=DEADLINE) == [(20, "peer")] * 8
+        assert _peer_parts(str(tmp_path / f"node{n}"), 20) == [2 * ((n - 1) % 4), 2 * ((n - 1) % 4) + 1]
+        assert _peer_parts(str(tmp_path / f"node{(n + 1) % 4}"), 20) == [2 * n, 2 * n + 1]
+
+
+def test_a_damaged_replica_is_skipped_for_another_holder(ranks, tmp_path):
+    pool = ranks(6)
+    pool.run(_save_r2, str(tmp_path), [10, 20], timeout=DEADLINE)
+    for n in range(3):
+        others = [p for p in range(6) if p // 2 != n]
+        assert _peer_parts(str(tmp_path / f"node{n}"), 20) == others
+    _flip_last(_data_file(str(tmp_path / "node0"), 20, 4))  # node0's copy of part 4
+    shutil.rmtree(tmp_path / "node2")  # parts 4, 5: node0 (damaged 4) and node1 hold them
+    assert pool.run(_restore_r2, str(tmp_path), timeout=DEADLINE) == [(20, "peer")] * 6
+
+
+def _save_r2(base: str, steps: list) -> list:
+    mgr = _manager(base, 2, replicas=2)
+    for s in steps:
+        assert mgr.save(s, _state(s), force=s == 10)
+    mgr.close()
+    return mgr.steps()
+
+
+def _restore_r2(base: str) -> tuple:
+    mgr = _manager(base, 2, replicas=2)
+    st = _state(-1)
+    got = mgr.restore(st)
+    _check(st, got)
+    mgr.close()
+    return got, mgr.restored_from
+
+
+def _disagree(base: str) -> str:
+    try:
+        _manager(base, 2, replicas=1 if dist.get_rank() != 3 else 2)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_ranks_disagreeing_on_replicas_fail_alike_without_a_hang(ranks, tmp_path):
+    out = ranks(4).run(_disagree, str(tmp_path), timeout=30)
+    assert len(set(out)) == 1, out
+    assert out[0].startswith("CheckpointError") and "replicas=1 on ranks 0, 1, 2" in out[0] \
+        and "replicas=2 on rank 3" in out[0], out[0]
+
+
+def test_survivors_alone_restore_at_a_smaller_world_size(ranks, tmp_path):
+    ranks(4).run(_save, str(tmp_path), 2, [10, 20], 10, timeout=DEADLINE)
+    shutil.rmtree(tmp_path / "node1")
+    # node0's two ranks go on alone: node0 holds its own parts and node1's replicas
+    assert ranks(2).run(_restore, str(tmp_path), 2, timeout=DEADLINE) == [(20, "peer")] * 2
+
+
+def test_other_world_size_fetches_byte_ranges_from_peers(ranks, tmp_path):
+    ranks(8).run(_save, str(tmp_path), 2, [10, 20], 10, timeout=DEADLINE)
+    shutil.rmtree(tmp_path / "node3")
+    # 6 survivors on 3 nodes: node3's parts are on node0 only; each rank reads the rows
+    # it needs from whichever node holds them
+    assert ranks(6).run(_restore, str(tmp_path), 2, timeout=DEADLINE) == [(20, "peer")] * 6
