@@ -308,7 +308,7 @@ class FastTier:
                 self._errors.append(e)
         if self.peers is not None:
             self._errors += self.peers.wait()
-        if jobs and self._last_local is not None:
+        if (jobs or self.peers is not None) and self._last_local is not None:
             # In the local saves' own thread: a cleanup beside a local save could take
             # the step it is committing for an abandoned timeline (wait() also runs
             # from the exit hook, while a training thread may still be saving).

@@ -30,7 +30,7 @@ from ..errors import CheckpointError
 from ..format import manifest as mf
 from ..protocol.restore import MAX_MANIFEST
 from .localnames import STEP_DIR, VIEW_FILE, step_name, view_name
-from .peerxfer import PIECE, recv_file, send_file
+from .peerxfer import PIECE, recv_file, refuse_file, send_file
 
 log = logging.getLogger(__name__)
 PEERS = "peers"  # under local_root: the parts other nodes replicated here
@@ -158,7 +158,6 @@ def recv_part(group, storage, where: str, part: int, src: int, save_id: str,
     CheckpointError (IntegrityError for a damaged file) naming the file and the peer;
     the sender raises too, so neither waits."""
     incoming = storage.join(where, INCOMING)
-    storage.makedirs(incoming)
     tmp_view = storage.join(incoming, view_name(part))
 
     def check_view(st, path: str) -> None:
@@ -168,11 +167,31 @@ def recv_part(group, storage, where: str, part: int, src: int, save_id: str,
             raise CheckpointError(f"{path}: the sender's view is of save {v.save_id} part "
                                   f"{v.meta.get('view_of_rank')}, not {save_id} part {part}")
 
+    def local_failure(e: Exception, next_file: str | None) -> CheckpointError:
+        """A failure here between two files: the sender is about to send ``next_file``
+        (None: nothing more) and must hear of it rather than wait."""
+        err = e if isinstance(e, CheckpointError) else CheckpointError(
+            f"receiving part {part} from rank {src} into {where}: {type(e).__name__}: {e}")
+        if next_file is not None:
+            refuse_file(group, next_file, src, err)
+        return err
+
+    try:
+        storage.makedirs(incoming)
+    except Exception as e:
+        raise local_failure(e, tmp_view) from e
     n = recv_file(group, storage, tmp_view, src, piece, MAX_MANIFEST, verify=check_view)
-    view = mf.parse(storage.read_file(tmp_view, MAX_MANIFEST), tmp_view)
-    for f in part_files(view, part):
-        n += recv_file(group, storage, storage.join(where, f.name), src, piece)
-        _faults.fault("replicate", me)  # crash tests: a kill with the part half-received
+    try:
+        view = mf.parse(storage.read_file(tmp_view, MAX_MANIFEST), tmp_view)
+    except Exception as e:  # checked on arrival: only a vanished file gets here
+        raise CheckpointError(f"receiving part {part} from rank {src}: {e}") from e
+    files = [storage.join(where, f.name) for f in part_files(view, part)]
+    for i, path in enumerate(files):
+        n += recv_file(group, storage, path, src, piece)
+        try:
+            _faults.fault("replicate", me)  # crash tests: a kill with the part half-received
+        except Exception as e:
+            raise local_failure(e, files[i + 1] if i + 1 < len(files) else None) from e
     os.replace(tmp_view, storage.join(where, view_name(part)))  # the part is held from here
     _drop_other_saves(storage, where, part, save_id)
     return n

@@ -263,6 +263,17 @@ def recv_file(group: Any, storage, path: str, src: int, piece: int = PIECE, cap:
     return size
 
 
+def refuse_file(group: Any, path: str, src: int, err: BaseException) -> None:
+    """Answer the :func:`send_file` of ``path`` that rank ``src`` is starting with
+    ``err``: this receiver cannot take it (it failed between two files of a batch), so
+    the sender raises instead of waiting for a reply. Blocking, point to point; never
+    raises but CommunicationError."""
+    link = _Link(group, src, path)
+    kind, _, _ = link.recv_ctl()
+    if kind != _FAIL:  # the sender's own failure needs no answer
+        link.fail(err)
+
+
 def _remove_quietly(storage, writer, tmp: str, committed: bool) -> None:
     """Drop the temporary file of a failed transfer (never raises: the transfer's own
     error is what the caller must see)."""

@@ -81,7 +81,11 @@ class Replicator:
         self.owner = owner
         self.retention = RetentionPolicy(keep_last)
         self.queue = stager.StageQueue()  # the replications queued (coalesced)
-        self.replicated: int | None = None  # the newest step replicated everywhere
+        # The newest step replicated everywhere, as far as this rank knows. At start,
+        # the newest own step here stands in for it: its replicas on the other nodes
+        # may be the newest whole copy of this node's part, so it is kept until a newer
+        # step is replicated (a restart must not drop what a node loss would need).
+        self.replicated: int | None = max(_own_steps(storage, root), default=None)
         self._jobs: list[cf.Future] = []
         self._exec = cf.ThreadPoolExecutor(1, thread_name_prefix="dckpt-peer")
         self._warned_space = False
@@ -216,3 +220,12 @@ class Replicator:
 
     def close(self) -> None:
         self._exec.shutdown(wait=False)
+
+
+def _own_steps(storage, root: str) -> list[int]:
+    """The steps with an own step directory under ``root``. Never raises."""
+    try:
+        return [int(m.group(1)) for m in (peerpart.STEP_DIR.match(e.name)
+                                          for e in storage.listdir(root) if e.is_dir) if m]
+    except OSError:
+        return []

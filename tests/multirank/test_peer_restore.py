@@ -184,3 +184,66 @@ def test_other_world_size_fetches_byte_ranges_from_peers(ranks, tmp_path):
     # 6 survivors on 3 nodes: node3's parts are on node0 only; each rank reads the rows
     # it needs from whichever node holds them
     assert ranks(6).run(_restore, str(tmp_path), 2, timeout=DEADLINE) == [(20, "peer")] * 6
+
+
+def _leftovers(root: str) -> list[str]:
+    out = []
+    for base, dirs, files in os.walk(root):
+        out += [os.path.join(base, n) for n in files + dirs
+                if ".peer-" in n or n == ".incoming" and os.listdir(os.path.join(base, n))
+                or n.startswith(".restore-")]
+    return out
+
+
+def test_a_kill_during_replication_leaves_no_usable_partial_replica(ranks, tmp_path):
+    from harness import RankFailed
+
+    pool = ranks(4)
+    pool.run(_save, str(tmp_path), 2, [10], 10, timeout=DEADLINE)
+    # rank 3 (node1) is SIGKILLed with node0's part 1 of step 20 half received
+    with pytest.raises(RankFailed):
+        pool.run(_save, str(tmp_path), 2, [20], None, timeout=DEADLINE,
+                 env={"DCKPT_FAULT": "replicate:3:kill", "DCKPT_COLLECTIVE_TIMEOUT_S": "10"})
+    assert _leftovers(str(tmp_path / "node1"))  # the transfer was cut short there
+    shutil.rmtree(tmp_path / "node0")
+    # step 20's part 1 is held nowhere whole; step 10's replicas were kept, and so was
+    # node1's own step 10 (nothing newer was replicated): step 10 from the peer
+    assert ranks(4).run(_restore, str(tmp_path), 2, timeout=DEADLINE) == [(10, "peer")] * 4
+    assert _leftovers(str(tmp_path / "node1")) == []
+
+
+def _save_while_replication_fails(base: str) -> tuple:
+    mgr = _manager(base, 2)
+    trained = [mgr.save(s, _state(s)) for s in (10, 20)]  # training never sees it
+    try:
+        mgr.close()
+    except Exception as e:
+        return trained, f"{type(e).__name__}: {e}"
+    return trained, "no error"
+
+
+def test_a_failed_replication_never_fails_training_and_is_raised_by_close(ranks, tmp_path):
+    out = ranks(4).run(_save_while_replication_fails, str(tmp_path), timeout=DEADLINE,
+                       env={"DCKPT_FAULT": "replicate:2:raise"})
+    for trained, err in out:
+        assert trained == [True, True]
+        assert err.startswith("CheckpointError") and "replication of step" in err \
+            and "rank 2" in err, err
+    # the fast tier itself is whole: every rank restores its own files
+    assert ranks(4).run(_restore, str(tmp_path), 2, timeout=DEADLINE) == [(20, "local")] * 4
+
+
+def _save_keep(base: str, keep: int) -> None:
+    mgr = _manager(base, 2, keep_last_local=keep)
+    for s in (10, 20, 30, 40):
+        mgr.save(s, _state(s))
+        mgr.wait()  # each step replicated (a step saved meanwhile would supersede it)
+    mgr.close()
+
+
+def test_keep_last_local_applies_to_replicas(ranks, tmp_path):
+    ranks(4).run(_save_keep, str(tmp_path), 2, timeout=DEADLINE)
+    for n in ("node0", "node1"):
+        assert sorted(os.listdir(tmp_path / n / "peers")) == ["step-00000030", "step-00000040"]
+        assert sorted(x for x in os.listdir(tmp_path / n) if x.startswith("step-")) == \
+            ["step-00000030", "step-00000040"]
