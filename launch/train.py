@@ -11,7 +11,8 @@ the next unseen samples. A CheckpointManager saves every --every steps, keeps
 --keep-last, restores on start-up (also after a restart at another world size) and, with
 --save-on-sigterm, writes a final checkpoint when the job is preempted. With a fast tier
 (--local-root), the last step is saved and staged durable (--no-final-durable: only as
-the policy says). Rank 0 logs progress and, at the end, a SHA-256 of the full parameters
+the policy says); with --replicas, each node's fast-tier step is also copied to other
+nodes (--node-id names this rank's node), and a lost node resumes from them ("peer tier"). Rank 0 logs progress and, at the end, a SHA-256 of the full parameters
 (to compare runs).
 
 Under torchrun, ranks meet through a store of their rendezvous round (init_distributed),
@@ -76,6 +77,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with --local-root: saves at least this many steps apart go durable "
                         "(default: every save)")
     p.add_argument("--keep-last-local", type=int, default=1)
+    p.add_argument("--replicas", type=int, default=0,
+                   help="with --local-root: copy each node's fast-tier step to this many other "
+                        "nodes (a ring over the node ids), so a lost node restores from its "
+                        "peers instead of --ckpt-root")
+    # Not "--node": torchrun's argparse reads every argument, the script's too, and
+    # rejects --node as an ambiguous abbreviation of its --node-rank/--node_rank.
+    p.add_argument("--node-id", dest="node", default=None,
+                   help="this rank's failure domain for --replicas (ranks with the same value "
+                        "live and die together; default: the host name)")
     p.add_argument("--final-durable", action=argparse.BooleanOptionalAction, default=True,
                    help="with --local-root: save the last step with force=True, so it is "
                         "staged to --ckpt-root whatever --every/--durable-every say (a "
@@ -99,7 +109,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="synthetic data set size for --data sampler (one epoch)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step (tests)")
     p.add_argument("--log-every", type=int, default=10)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.replicas and args.local_root is None:
+        p.error("--replicas needs --local-root: the replicas are copies of the fast tier")
+    return args
 
 
 def train_step(model: nn.Module, opt, sched, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -221,7 +234,7 @@ def main(argv=None) -> None:
             args.ckpt_root, every_steps=args.every, keep_last=args.keep_last,
             async_save=args.async_save, save_on_sigterm=args.save_on_sigterm,
             local_root=args.local_root, keep_last_local=args.keep_last_local,
-            durable_every_steps=args.durable_every)
+            durable_every_steps=args.durable_every, replicas=args.replicas, node=args.node)
         restored = mgr.restore(state)
         start = state["step"] if restored is not None else 0
     if restored is not None and sched.T_max != max(1, args.steps):
