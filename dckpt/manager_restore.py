@@ -185,7 +185,7 @@ class RestoreMixin:
             if c.tier == "peer":
                 return self.tier.peer_restore(
                     opts[(c.step, c.created)], loader,
-                    lambda m: needed_chunks(*self._load_target(state, {}), m))
+                    lambda m: self._needs(state, m))
             self.tier.load(step, loader)
             return "local"
         except Exception as e:
@@ -288,6 +288,13 @@ class RestoreMixin:
                 rng.restore(found["sd"])
             else:
                 rng.reseed(rank, found["sd"])
+
+    def _needs(self, state: Any, m: mf.Manifest) -> dict[int, set]:
+        """{file index: {(key, chunk offsets)}}: what this rank's load of ``m`` into
+        ``state`` reads (a restore from peers at another world size fetches only
+        that). No I/O; raises what the load's matching raises."""
+        target, extra = self._load_target(state, {})
+        return needed_chunks(target, m, extra)
 
     def _load_target(self, state: Any, found: dict[str, Any]) -> tuple[dict, Any]:
         """(the load's target, its ``extra``): ``state`` under "state", and the RNG

@@ -88,6 +88,7 @@ def restore(rep: Replicator, opt: Option, step_dir: Callable[[int], str],
     load reads (another world size only). Collective; blocking transfers. Raises
     CheckpointError (on every rank alike) when some part cannot be had verified from
     any holder, or the load fails: the caller tries the next step."""
+    rep.fetched = 0
     if opt.local:
         load(step_dir(opt.choice.step), view_name(rep.comm.rank))
         return "local"
@@ -183,8 +184,8 @@ def _fetch_same_world(rep: Replicator, choice: Choice, where: str) -> set[tuple[
                 peerpart.send_part(rep.group, rep.storage, _held(held, choice, f.part, where),
                                    d)
             else:
-                peerpart.recv_part(rep.group, rep.storage, where, f.part, s, choice.save_id,
-                                   rep.owner)
+                rep.fetched += peerpart.recv_part(rep.group, rep.storage, where, f.part, s,
+                                                  choice.save_id, rep.owner)
         except Exception as e:
             log.info("rank %d: part %d of step %d from %s: %s", me, f.part, choice.step,
                      f.source, e)
@@ -264,7 +265,8 @@ def _fetch_ranges(rep: Replicator, choice: Choice,
                     x = _held(held, choice, part, rep.root)
                     send_ranges(rep.group, rep.storage, os.path.join(x.where, name), chunks, q)
                 else:
-                    recv_ranges(rep.group, os.path.join(where, name), entries[name], chunks, s)
+                    rep.fetched += recv_ranges(rep.group, os.path.join(where, name),
+                                               entries[name], chunks, s)
             except Exception as e:
                 log.info("rank %d: %s of step %d from %s: %s", me, name, choice.step,
                          rep.place_of[s], e)

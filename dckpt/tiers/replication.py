@@ -89,6 +89,7 @@ class Replicator:
         self._jobs: list[cf.Future] = []
         self._exec = cf.ThreadPoolExecutor(1, thread_name_prefix="dckpt-peer")
         self._warned_space = False
+        self.fetched = 0  # bytes this rank received from peers in the last restore
         succ, reduced = peerplan.ring(self.nodes.values(), self.replicas)
         if reduced and comm.rank == 0:
             log.warning("replicas=%d but the job has %d node(s): each step is replicated to "

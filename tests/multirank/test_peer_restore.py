@@ -178,12 +178,35 @@ def test_survivors_alone_restore_at_a_smaller_world_size(ranks, tmp_path):
     assert ranks(2).run(_restore, str(tmp_path), 2, timeout=DEADLINE) == [(20, "peer")] * 2
 
 
+def _restore_counting(base: str, per_node: int) -> tuple:
+    mgr = _manager(base, per_node)
+    st = _state(-1)
+    got = mgr.restore(st)
+    _check(st, got)
+    fetched = mgr.tier.peers.fetched
+    left = [n for n in os.listdir(mgr.tier.root) if n.startswith(".restore-")]
+    mgr.close()
+    return got, mgr.restored_from, fetched, left
+
+
 def test_other_world_size_fetches_byte_ranges_from_peers(ranks, tmp_path):
     ranks(8).run(_save, str(tmp_path), 2, [10, 20], 10, timeout=DEADLINE)
     shutil.rmtree(tmp_path / "node3")
-    # 6 survivors on 3 nodes: node3's parts are on node0 only; each rank reads the rows
-    # it needs from whichever node holds them
-    assert ranks(6).run(_restore, str(tmp_path), 2, timeout=DEADLINE) == [(20, "peer")] * 6
+    # 6 survivors on 3 nodes: node3's parts (6, 7) are on node0 only; each rank reads
+    # the rows it needs from whichever node holds them
+    out = ranks(6).run(_restore_counting, str(tmp_path), 2, timeout=DEADLINE)
+    assert [o[:2] for o in out] == [(20, "peer")] * 6
+    assert all(o[3] == [] for o in out)  # the sparse copies are gone after the load
+    # new rank r reads rows 4r..4r+3, saved by old parts r*4//3 ..: rank 2 (node1) reads
+    # parts 2 and 3, both on node1, and fetches nothing; rank 1 (node0) reads parts 1
+    # and 2 and fetches part 2's rows; rank 5 (node2) reads parts 6 and 7 (node3's,
+    # on node0 only). Each fetched its ranges, less than the parts' whole files.
+    fetched = [o[2] for o in out]
+    assert fetched[2] == 0 and fetched[1] > 0 and fetched[5] > 0, fetched
+    part_files = sum(os.path.getsize(os.path.join(tmp_path / "node1", f"step-{20:08d}", n))
+                     for n in os.listdir(tmp_path / "node1" / f"step-{20:08d}")
+                     if n.startswith(("data-", "replica-")))
+    assert all(f < part_files for f in fetched), (fetched, part_files)
 
 
 def _leftovers(root: str) -> list[str]:
