@@ -10,6 +10,12 @@
 3. Two torchrun agents on loopback form one job (--nnodes=1:2, c10d rendezvous). One
    agent is SIGKILLed with its workers after checkpoints exist; the survivor
    re-rendezvouses alone and finishes from the last checkpoint, which then verifies.
+4. The replicated fast tier: two agents (--nnodes=2:2), each one node (--node-id A, B)
+   with its own --local-root, --replicas 1, and fast-tier saves that never go durable.
+   Once steps are replicated, agent B is SIGKILLed with its workers and its local_root
+   wiped, as a lost machine; A's workers fail on the lost peer. Both agents start
+   again: B's part of the newest replicated step exists only as A's replica, and the
+   job resumes from it "from the peer tier" and finishes.
 
 Each phase checks what it shows and the script exits 1 with the reason on the first
 expectation that fails. Full logs are written under --workdir. The process helpers
@@ -40,7 +46,7 @@ RDZV_CONF = ("join_timeout=60,last_call_timeout=2,close_timeout=5,"
 
 # Lines echoed while narrating (everything goes to the log files).
 ECHO = re.compile(r"train: (world|data|step \d*0 )|saved \S+|final step|will restart|"
-                  r"new nodes|Error|error:")
+                  r"new nodes|Error|error:|re-created")
 
 
 class DemoError(Exception):
@@ -248,6 +254,42 @@ def position_at(agents: list[Agent], world: int, step: int) -> int:
     return pos + (step - first) * world * BATCH
 
 
+def durable_steps(root: str) -> list[int]:
+    """The steps committed under a durable root (those with a manifest), ascending."""
+    out = []
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        m = re.fullmatch(r"step-(\d+)", name)
+        if m and any(f.startswith("manifest") for f in os.listdir(os.path.join(root, name))):
+            out.append(int(m.group(1)))
+    return out
+
+
+# Phase 4 and tests/multirank/test_peer_torchrun.py: fast-tier saves every 2 steps, none
+# of them durable but the last (--durable-every far away), each replicated to the other
+# node; rank 0 logs each replication.
+PEER_ARGS = ["--every", "2", "--durable-every", "1000", "--keep-last-local", "1",
+             "--replicas", "1", "--width", "32", "--depth", "1", "--log-every", "1"]
+REPLICATED = r"step (\d+) replicated to 1 peer node"
+
+
+def peer_agents(base: str, tag: str, steps: int, nproc: int, restarts: int,
+                step_sleep: float, echo: bool = False) -> tuple[Agent, Agent]:
+    """Agents A (the c10d rendezvous host) and B of one job, --nnodes=2:2 (a restart
+    needs both), each one node: ``--node-id A``/``B``, local_root ``base``/A or /B, the
+    durable root ``base``/durable. A fresh rendezvous (port, run id) per call; logs in
+    ``base``/``tag``-A.log and -B.log."""
+    port, run_id = free_port(), f"peer-{os.getpid()}-{tag}"
+    out = []
+    for name in "AB":
+        args = ["--steps", str(steps), *PEER_ARGS, "--ckpt-root", os.path.join(base, "durable"),
+                "--node-id", name, "--local-root", os.path.join(base, name),
+                "--step-sleep", str(step_sleep)]
+        launcher = rdzv_args(port, run_id, nproc, restarts, host=name == "A", nnodes="2:2")
+        out.append(Agent(name, launcher, args, echo=echo,
+                         log_path=os.path.join(base, f"{tag}-{name}.log")))
+    return out[0], out[1]
+
+
 def expect(ok: bool, what: str) -> None:
     if not ok:
         raise DemoError(what)
@@ -333,19 +375,68 @@ def phase_multi_agent(workdir: str, nproc: int) -> None:
     expect(out.returncode == 0, "the final checkpoint verifies")
 
 
+def phase_peer(workdir: str, nproc: int) -> None:
+    print(f"\n==> 4. two agents x {nproc} ranks, one node each with its own local_root, "
+          "--replicas 1; agent B is SIGKILLed and its local_root wiped")
+    base = os.path.join(workdir, "ckpt-peer")
+    os.makedirs(base)
+    steps = 24
+    a, b = peer_agents(base, "4-run1", steps, nproc, restarts=0, step_sleep=0.25, echo=True)
+    with a, b:
+        # Two replications: the replicas' retention has run once.
+        m = wait_for([a, b], rf"{REPLICATED}[\s\S]*{REPLICATED}", timeout=120)
+        print(f"    ... steps {m.group(1)} and {m.group(2)} committed in the fast tier and "
+              "replicated to the other node", flush=True)
+        peers = os.path.join(base, "A", "peers")
+        held = sorted(os.listdir(peers)) if os.path.isdir(peers) else []
+        expect(bool(held), f"node A holds node B's step {m.group(2)} as a replica: "
+                           f"A/peers/{held}")
+        workers = b.kill()
+        shutil.rmtree(os.path.join(base, "B"))
+        print(f"    ... SIGKILLed agent B (pid {b.proc.pid}) and its workers {workers}; "
+              "wiped B's local_root", flush=True)
+        rc = a.finish(timeout=60)  # its workers fail on the dead peer; no restarts left
+        expect(rc != 0, f"agent A's workers failed on the lost peer and A exited (exit {rc})")
+    newest = max(int(s) for s in re.findall(REPLICATED, a.text + b.text))
+    durable = durable_steps(os.path.join(base, "durable"))
+    expect(newest not in durable, f"step {newest}, the newest replicated, is not in the durable "
+                                  f"root (it holds {durable or 'nothing'})")
+    print("    restarting both agents (a new rendezvous); B's local_root is empty", flush=True)
+    a, b = peer_agents(base, "4-run2", steps, nproc, restarts=0, step_sleep=0.0, echo=True)
+    with a, b:
+        rc = (a.finish(timeout=150), b.finish(timeout=30))
+    text = a.text + b.text
+    expect(rc == (0, 0), f"both agents finished (exit {rc})")
+    m = re.search(r"resumed from step (\d+) \((\w+) tier\)", text)
+    expect(m is not None, "the restarted job resumed from a checkpoint")
+    step, tier = int(m.group(1)), m.group(2)
+    expect(tier == "peer" and step >= newest,
+           f"it resumed from step {step} from the {tier} tier: node B's part came from A's "
+           f"replica (expected: step {newest}, the newest replicated, peer tier)")
+    expect(f"final step {steps}" in text, f"trained to step {steps}")
+    final = os.path.join(base, "durable", f"step-{steps:08d}")
+    out = subprocess.run([sys.executable, "-m", "dckpt", "verify", final],
+                         capture_output=True, text=True)
+    print("    $ dckpt verify " + final + "\n    " + out.stdout.strip())
+    expect(out.returncode == 0, "the final checkpoint verifies")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", required=True, help="checkpoints and logs go here")
-    p.add_argument("--nproc-per-agent", type=int, default=2, help="ranks per agent in phase 3")
+    p.add_argument("--nproc-per-agent", type=int, default=2,
+                   help="ranks per agent in phases 3 and 4")
     args = p.parse_args(argv)
     os.makedirs(args.workdir, exist_ok=True)
-    for d in ("ckpt-restart", "ckpt-elastic"):  # a fresh start: no checkpoint to resume
+    # A fresh start: no checkpoint to resume.
+    for d in ("ckpt-restart", "ckpt-elastic", "ckpt-peer"):
         shutil.rmtree(os.path.join(args.workdir, d), ignore_errors=True)
     t0 = time.monotonic()
     try:
         root = phase_restart(args.workdir)
         phase_reshard(args.workdir, root)
         phase_multi_agent(args.workdir, args.nproc_per_agent)
+        phase_peer(args.workdir, args.nproc_per_agent)
     except DemoError as e:
         print(f"\nFAILED: {e}\n(logs under {args.workdir})", file=sys.stderr)
         return 1

@@ -12,8 +12,9 @@ the next unseen samples. A CheckpointManager saves every --every steps, keeps
 --save-on-sigterm, writes a final checkpoint when the job is preempted. With a fast tier
 (--local-root), the last step is saved and staged durable (--no-final-durable: only as
 the policy says); with --replicas, each node's fast-tier step is also copied to other
-nodes (--node-id names this rank's node), and a lost node resumes from them ("peer tier"). Rank 0 logs progress and, at the end, a SHA-256 of the full parameters
-(to compare runs).
+nodes (--node-id names this rank's node), and a lost node resumes from them ("peer
+tier"). Rank 0 logs progress and, at the end, a SHA-256 of the full parameters (to
+compare runs).
 
 Under torchrun, ranks meet through a store of their rendezvous round (init_distributed),
 so restarts and membership changes with several agents (--nnodes=1:2) reconnect cleanly;

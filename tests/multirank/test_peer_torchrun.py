@@ -1,11 +1,12 @@
 """The replicated fast tier (issue 28) under real torchrun: two agents on one host, each
-one node (``--node-id A`` / ``B``) with its own ``--local-root``, a shared durable
-root that no fast-tier step reaches (--durable-every 1000). Agent B is SIGKILLed with its worker once fast-tier
-steps are replicated, and its local_root is wiped, as a lost machine; agent A's worker
-fails on the dead peer and A exits. Both agents come back (a fixed --nnodes=2:2: the
-restart needs both) and resume from the newest replicated step, which exists nowhere but
-in A's local_root (A's own part and B's replica): "(peer tier)". Process handling is
-launch/elastic_demo.py's."""
+one node (``--node-id A`` / ``B``) with its own ``--local-root``, a shared durable root
+that no fast-tier step reaches (--durable-every 1000). Agent B is SIGKILLed with its
+worker once fast-tier steps are replicated, and its local_root is wiped, as a lost
+machine; agent A's worker fails on the dead peer and A exits. Both agents come back (a
+fixed --nnodes=2:2: the restart needs both) and resume from the newest replicated step,
+which exists nowhere but in A's local_root (A's own part and B's replica): "(peer
+tier)". Process handling and the job's settings are launch/elastic_demo.py's (its phase 4
+narrates the same run)."""
 from __future__ import annotations
 
 import os
@@ -15,48 +16,18 @@ import shutil
 import pytest
 
 from dckpt.verify import verify_checkpoint
-from launch.elastic_demo import (Agent, DemoError, free_port, rdzv_args, standalone_args,
-                                 wait_for)
+from launch.elastic_demo import (REPLICATED, Agent, DemoError, durable_steps, peer_agents,
+                                 standalone_args, wait_for)
 from tests.multirank.test_launch import sha
 
 pytestmark = pytest.mark.slow
 
 STEPS = 24
-MODEL = ["--width", "32", "--depth", "1"]
-# Fast-tier saves every 2 steps; only the first goes durable (--durable-every is far
-# away), so every later step lives only in the nodes' local_roots and their replicas.
-COMMON = ["--steps", str(STEPS), "--every", "2", "--durable-every", "1000",
-          "--keep-last-local", "1", "--replicas", "1", *MODEL, "--log-every", "1"]
-REPLICATED = r"step (\d+) replicated to 1 peer node"
-
-
-def durable_steps(root) -> list[int]:
-    """The committed steps under the durable root (a manifest is written last)."""
-    out = []
-    for name in os.listdir(root) if os.path.isdir(root) else []:
-        m = re.fullmatch(r"step-(\d+)", name)
-        if m and any(f.startswith("manifest") for f in os.listdir(os.path.join(root, name))):
-            out.append(int(m.group(1)))
-    return sorted(out)
-
-
-def agents(tmp_path, tag: str, restarts: int, step_sleep: float) -> tuple[Agent, Agent]:
-    """Agent A (the c10d rendezvous host, node A) and agent B (node B), one worker each,
-    a fresh rendezvous (port and run id) per call."""
-    port, run_id = free_port(), f"peer-{os.getpid()}-{tag}"
-    out = []
-    for name in "AB":
-        args = [*COMMON, "--ckpt-root", str(tmp_path / "durable"), "--node-id", name,
-                "--local-root", str(tmp_path / name), "--step-sleep", str(step_sleep)]
-        launcher = rdzv_args(port, run_id, nproc=1, restarts=restarts, host=name == "A",
-                             nnodes="2:2")
-        out.append(Agent(name, launcher, args,
-                         log_path=str(tmp_path / f"{tag}-{name}.log")))
-    return out[0], out[1]
 
 
 def test_lost_agent_resumes_from_its_peers_replica(tmp_path):
-    a, b = agents(tmp_path, "run1", restarts=0, step_sleep=0.25)
+    base = str(tmp_path)
+    a, b = peer_agents(base, "run1", STEPS, nproc=1, restarts=0, step_sleep=0.25)
     with a, b:
         # Two replicated steps, so that retention has run on the replicas too.
         m = wait_for([a, b], rf"{REPLICATED}[\s\S]*{REPLICATED}", timeout=90)
@@ -72,13 +43,13 @@ def test_lost_agent_resumes_from_its_peers_replica(tmp_path):
         assert rc_a != 0
     text1 = a.text + b.text
     replicated = {int(s) for s in re.findall(REPLICATED, text1)}
-    durable = durable_steps(tmp_path / "durable")
+    durable = durable_steps(str(tmp_path / "durable"))
     # The fast-tier steps never went durable (--durable-every 1000; whether the first
     # save does is the policy's business): the newest replicated one is not there.
     assert max(replicated) not in durable, (durable, text1[-3000:])
     assert not (tmp_path / "B").exists()
 
-    a, b = agents(tmp_path, "run2", restarts=0, step_sleep=0.0)
+    a, b = peer_agents(base, "run2", STEPS, nproc=1, restarts=0, step_sleep=0.0)
     with a, b:
         rc = (a.finish(timeout=120), b.finish(timeout=30))
     text2 = a.text + b.text
@@ -96,8 +67,9 @@ def test_lost_agent_resumes_from_its_peers_replica(tmp_path):
     assert (tmp_path / "B").is_dir() and os.listdir(tmp_path / "B")
     # The bytes that came from the peer are the state that was saved: the resumed run
     # ends bitwise where an uninterrupted one does (train.py checkpoints the RNGs).
-    with Agent("ref", standalone_args(2, 0), ["--steps", str(STEPS), "--every", "2", *MODEL,
-                                              "--ckpt-root", str(tmp_path / "ref")]) as ref:
+    with Agent("ref", standalone_args(2, 0),
+               ["--steps", str(STEPS), "--every", "2", "--width", "32", "--depth", "1",
+                "--ckpt-root", str(tmp_path / "ref")]) as ref:
         assert ref.finish(timeout=90) == 0, ref.text[-3000:]
     assert sha(a if "params sha256" in a.text else b) == sha(ref)
     report = verify_checkpoint(str(tmp_path / "durable" / f"step-{STEPS:08d}"))
