@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from dckpt.errors import CheckpointError
 from dckpt.tiers.peerplan import (Choice, HoldReport, Settings, StepHolding, check_settings,
+                                  replication_plan, schedule,
                                   choose, complete_steps, fetch_plan, rereplicate, ring)
 
 
@@ -287,3 +288,51 @@ def test_check_settings():
         check_settings([Settings(3, 1, "")])
     with pytest.raises(CheckpointError, match="replicas must be >= 0, got -1 on every rank"):
         check_settings([Settings(0, -1, "h0")])
+
+
+def _run_schedule(order: list[tuple[int, int]]) -> int:
+    """Simulate every rank running its pairs of ``order`` one at a time, in order, a
+    pair completing only when both its ranks are at it; return the number of
+    simultaneous rounds it took, or raise on a deadlock."""
+    todo = {r: [p for p in order if r in p] for p in order for r in p}
+    rounds = 0
+    while any(todo.values()):
+        ready = {p for r, ps in todo.items() if ps for p in [ps[0]]
+                 if todo[p[0]] and todo[p[1]] and todo[p[0]][0] == p and todo[p[1]][0] == p}
+        assert ready, f"deadlock: {todo}"
+        for p in ready:
+            todo[p[0]].pop(0)
+            todo[p[1]].pop(0)
+        rounds += 1
+    return rounds
+
+
+def test_schedule_never_deadlocks_and_runs_disjoint_pairs_together():
+    rng = random.Random(7)
+    for _ in range(300):
+        n = rng.randint(2, 12)
+        pairs = []
+        for _ in range(rng.randint(1, 30)):
+            a, b = rng.sample(range(n), 2)
+            pairs.append((a, b))
+        order = schedule(pairs)
+        assert sorted(order) == sorted(pairs)
+        _run_schedule(order)
+    # a ring of 8 ranks sending to their successor: two rounds, not eight
+    assert _run_schedule(schedule([(r, (r + 1) % 8) for r in range(8)])) == 2
+
+
+def test_replication_plan_sends_each_part_to_each_successor_node_evenly():
+    nodes = {r: f"n{r // 4}" for r in range(16)}  # 4 nodes of 4 ranks
+    plan = replication_plan(nodes, 2)
+    assert len(plan) == 32
+    for p in range(16):
+        dests = sorted(nodes[d] for s, d in plan if s == p)
+        me = int(nodes[p][1:])
+        assert dests == sorted(f"n{(me + k) % 4}" for k in (1, 2))
+    received = [d for _, d in plan]
+    assert sorted(received.count(r) for r in range(16)) == [2] * 16  # even over ranks
+    # fewer nodes than replicas + 1: every other node, never the own one
+    plan = replication_plan({0: "a", 1: "a", 2: "b"}, 3)
+    assert sorted(plan) == [(0, 2), (1, 2), (2, 0)]
+    assert replication_plan({0: "a", 1: "a"}, 1) == []

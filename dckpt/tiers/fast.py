@@ -99,10 +99,11 @@ class FastTier:
             self._local_group = OwnGroup.create(group, timeout)
             self._stage_group = OwnGroup.create(group, timeout)
         self.peers: replication.Replicator | None = None
-        if agreed.replicas > 0:
-            if self._local_group is None:
-                raise CheckpointError("replicas= needs an initialised process group (the "
-                                      "replicas go to other nodes' ranks)")
+        if agreed.replicas > 0 and self._local_group is None:
+            # One process, one node: nothing to replicate to; never an error (the job goes on)
+            log.warning("replicas=%d: this job is a single process (no process group), so "
+                        "there is no other node to replicate to", agreed.replicas)
+        elif agreed.replicas > 0:
             low = min(self._sharers) if self._sharers else comm.rank
             lows = [int(b) for b in comm.all_gather_bytes(str(low).encode())]
             place_of = {r: f"{agreed.nodes[r]}#{lows[r]}" for r in range(comm.size)}

@@ -1,0 +1,90 @@
+"""The replicated fast tier's single-process parts (issue 28): settings checked before
+any collective can hang, places, the free-space warning, and the start-up sweep of
+what a killed transfer left."""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from types import SimpleNamespace
+
+import pytest
+
+from dckpt.errors import CheckpointError
+from dckpt.protocol.collectives import Comm
+from dckpt.tiers import peerpart, replication
+
+
+def test_settings_default_node_is_the_host_and_bad_values_are_named():
+    a = replication.agree_settings(Comm(), 1, None)
+    assert a.replicas == 1 and dict(a.nodes) == {0: socket.gethostname()}
+    assert dict(replication.agree_settings(Comm(), 0, 3).nodes) == {0: "3"}
+    for bad, what in ((-1, "replicas must be an int >= 0, not -1"),
+                      (True, "replicas must be an int >= 0, not True"),
+                      ("1", "replicas must be an int >= 0, not '1'")):
+        with pytest.raises(CheckpointError, match=f"rank 0: {what}"):
+            replication.agree_settings(Comm(), bad, None)
+    with pytest.raises(CheckpointError, match="rank 0: node must be a non-empty str or int"):
+        replication.agree_settings(Comm(), 1, "")
+
+
+def test_manager_refuses_replicas_without_local_root(tmp_path):
+    import dckpt
+
+    with pytest.raises(CheckpointError, match="replicas=1 needs local_root"):
+        dckpt.CheckpointManager(str(tmp_path / "ck"), replicas=1)
+
+
+def test_places_group_ranks_sharing_a_directory():
+    nodes = {0: "a", 1: "a", 2: "b", 3: "b"}
+    got = replication.places(nodes, [{0, 1}, {0, 1}, None, None])
+    assert got == {0: "a#0", 1: "a#0", 2: "b#2", 3: "b#3"}
+    assert replication.node_of("host#7#12") == "host#7"
+
+
+def test_free_space_warning_once(tmp_path, monkeypatch, caplog):
+    rep = replication.Replicator.__new__(replication.Replicator)
+    rep.root, rep.replicas, rep._warned_space = str(tmp_path), 1, False
+    rep.comm = SimpleNamespace(rank=0)
+    rep.place_of = {0: "a#0", 1: "a#0", 2: "b#2", 3: "b#2"}
+    commit = SimpleNamespace(total_bytes=8 << 30)  # 8 GiB step: 4 GiB per node, x2
+    real = os.statvfs
+    monkeypatch.setattr(os, "statvfs", lambda p: SimpleNamespace(
+        f_bavail=(3 << 30) // 4096, f_frsize=4096) if p == str(tmp_path) else real(p))
+    with caplog.at_level(logging.WARNING, "dckpt.tiers.replication"):
+        rep._check_space(commit)
+        rep._check_space(commit)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and "has 3.0 GiB free" in msgs[0] and "need about 8.0 GiB" in msgs[0]
+
+
+def test_sweep_removes_what_killed_transfers_left(tmp_path):
+    d = tmp_path / "peers" / "step-00000010"
+    (d / ".incoming").mkdir(parents=True)
+    (d / ".incoming" / "manifest-00001.json").write_text("{}")
+    (d / ".data-x-00001.safetensors.peer-abc.tmp").write_bytes(b"x")
+    (d / "data-0123456789abcdef-00001.safetensors").write_bytes(b"kept")
+    (tmp_path / ".restore-step-00000010-00003").mkdir()
+    assert peerpart.sweep(str(tmp_path)) == 3
+    left = sorted(os.path.relpath(os.path.join(b, n), tmp_path)
+                  for b, _, fs in os.walk(tmp_path) for n in fs)
+    assert left == ["peers/step-00000010/data-0123456789abcdef-00001.safetensors"]
+
+
+def test_one_process_with_replicas_warns_and_goes_on(tmp_path, caplog):
+    import torch
+
+    import dckpt
+
+    with caplog.at_level(logging.WARNING, "dckpt.tiers.fast"):
+        mgr = dckpt.CheckpointManager(str(tmp_path / "ck"), local_root=str(tmp_path / "fast"),
+                                      replicas=1, every_steps=1)
+    assert any("no other node to replicate to" in r.getMessage() for r in caplog.records)
+    mgr.save(1, {"w": torch.ones(3)})
+    mgr.close()
+    st = {"w": torch.zeros(3)}
+    mgr = dckpt.CheckpointManager(str(tmp_path / "ck"), local_root=str(tmp_path / "fast"),
+                                  replicas=1)
+    assert mgr.restore(st) == 1 and mgr.restored_from == "local"
+    assert torch.equal(st["w"], torch.ones(3))
+    mgr.close()
