@@ -2,8 +2,8 @@
 
 Public API: :func:`save`, :func:`load`, :func:`async_save` (:class:`SaveHandle`),
 :class:`CheckpointInfo`, :class:`TrainingState`, :func:`export` (to Hugging Face
-safetensors), :func:`import_checkpoint` (from DCP, safetensors, torch.save)
-and the errors.
+safetensors), :func:`import_checkpoint` (from DCP, safetensors, torch.save),
+:func:`open` (a read-only :class:`Checkpoint` view, no process group) and the errors.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ _LAZY = {"save": ".protocol.commit", "CheckpointInfo": ".protocol.commit",
          "load": ".protocol.restore", "SaveHandle": ".engine.async_save",
          "async_save": ".engine.async_save", "CheckpointManager": ".manager",
          "TrainingState": ".state.training", "ExportInfo": ".interop", "export": ".interop",
-         "import_checkpoint": ".interop"}
+         "import_checkpoint": ".interop", "open": ".view", "Checkpoint": ".view"}
 
 if TYPE_CHECKING:
     from .protocol.commit import CheckpointInfo, save
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from .manager import CheckpointManager
     from .state.training import TrainingState
     from .interop import ExportInfo, export, import_checkpoint
+    from .view import Checkpoint, open
 
 
 def __getattr__(name: str):
@@ -57,7 +58,8 @@ from .errors import (  # noqa: E402
 __all__ = [
     "save", "load", "async_save", "SaveHandle", "CheckpointInfo", "TrainingState",
     "CheckpointManager",
-    "export", "ExportInfo", "import_checkpoint",
+    # not "open": `from dckpt import *` must not shadow the builtin open()
+    "export", "ExportInfo", "import_checkpoint", "Checkpoint",
     "CheckpointError", "NotCommittedError", "AlreadyExistsError", "IntegrityError",
     "ManifestError", "StateMismatchError", "UnsupportedValueError", "RankFailure", "CommunicationError",
 ]
