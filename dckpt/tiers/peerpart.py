@@ -30,7 +30,7 @@ from ..errors import CheckpointError
 from ..format import manifest as mf
 from ..protocol.restore import MAX_MANIFEST
 from .localnames import STEP_DIR, VIEW_FILE, step_name, view_name
-from .peerxfer import PIECE, recv_file, refuse_file, send_file
+from .peerxfer import PIECE, fail_file, recv_file, refuse_file, send_file
 
 log = logging.getLogger(__name__)
 PEERS = "peers"  # under local_root: the parts other nodes replicated here
@@ -139,6 +139,13 @@ def send_part(group, storage, held: Part, dst: int, piece: int = PIECE) -> int:
     data files in view order. Returns the bytes sent. Blocking, point to point; memory
     one piece. Raises what :func:`~dckpt.tiers.peerxfer.send_file` raises (the
     receiver's error too: IntegrityError when a file failed its checks there)."""
+    if isinstance(held, Missing):
+        # Its view may still be there (a data file gone): sending it would leave the
+        # receiver waiting for files this side never sends. Fail at the view instead.
+        err = CheckpointError(f"part {held.part} of step {held.step} is not held whole in "
+                              f"{held.where}; cannot send it to rank {dst}")
+        fail_file(group, storage.join(held.where, view_name(held.part)), dst, err)
+        raise err
     n = send_file(group, storage, storage.join(held.where, view_name(held.part)), dst, piece)
     for f in held.files:
         n += send_file(group, storage, storage.join(held.where, f.name), dst, piece)

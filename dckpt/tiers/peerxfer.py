@@ -274,6 +274,13 @@ def refuse_file(group: Any, path: str, src: int, err: BaseException) -> None:
         link.fail(err)
 
 
+def fail_file(group: Any, path: str, dst: int, err: BaseException) -> None:
+    """Start the :func:`send_file` of ``path`` to rank ``dst`` with ``err`` in place of
+    its header: this sender cannot send it, so the receiver raises ``err`` instead of
+    waiting. Blocking, point to point; never raises."""
+    _Link(group, dst, path).fail(err)
+
+
 def _remove_quietly(storage, writer, tmp: str, committed: bool) -> None:
     """Drop the temporary file of a failed transfer (never raises: the transfer's own
     error is what the caller must see)."""

@@ -270,3 +270,43 @@ def test_keep_last_local_applies_to_replicas(ranks, tmp_path):
         assert sorted(os.listdir(tmp_path / n / "peers")) == ["step-00000030", "step-00000040"]
         assert sorted(x for x in os.listdir(tmp_path / n) if x.startswith("step-")) == \
             ["step-00000030", "step-00000040"]
+
+
+def _send_a_part_whose_data_file_is_gone(base: str) -> tuple:
+    """Rank 0 sends node0's part 0 of step 10, whose view is there but whose data file
+    is gone (so it is not held: a Missing stand-in); rank 1 receives it."""
+    import time
+
+    from dckpt.format import manifest as mf
+    from dckpt.protocol.collectives import OwnGroup
+    from dckpt.storage.local import LocalStorage
+    from dckpt.tiers import peerpart
+
+    where = os.path.join(base, "node0", f"step-{10:08d}")
+    view = mf.parse(open(os.path.join(where, "manifest-00000.json"), "rb").read(), "view")
+    group, storage, t0 = OwnGroup([0, 1], 30.0), LocalStorage(), time.monotonic()
+    try:
+        if dist.get_rank() == 0:
+            held = peerpart.find(peerpart.scan(storage, os.path.join(base, "node0"),
+                                               view.meta["owner"]), 10, view.save_id, 0)
+            assert held is None  # not held: its data file is gone
+            peerpart.send_part(group, storage, peerpart.Missing(10, 0, where, None), 1)
+        else:
+            peerpart.recv_part(group, storage, os.path.join(base, "dst"), 0, 0,
+                               view.save_id, view.meta["owner"])
+        return "ok", "", time.monotonic() - t0
+    except Exception as e:
+        return type(e).__name__, str(e), time.monotonic() - t0
+    finally:
+        group.shutdown()
+
+
+def test_sending_a_part_that_is_not_held_fails_on_both_sides_at_once(ranks, tmp_path):
+    pool = ranks(2)
+    pool.run(_save, str(tmp_path), 1, [10], 10, timeout=DEADLINE)
+    os.remove(_data_file(str(tmp_path / "node0"), 10, 0, peers=False))
+    out = pool.run(_send_a_part_whose_data_file_is_gone, str(tmp_path), timeout=DEADLINE)
+    for kind, msg, seconds in out:
+        assert kind == "CheckpointError" and "part 0" in msg and "step 10" in msg, out
+        assert seconds < 10, out  # neither side waited out the group's timeout
+    assert not os.path.exists(tmp_path / "dst" / "manifest-00000.json")
