@@ -233,12 +233,13 @@ def test_to_state_dict_rebuilds_the_nesting_and_int_keys(tmp_path):
         assert set(full["layers"]) == {"0", "1"} and _same(full["layers"]["1"], sd["layers"][1])
         assert full["opt"]["param_groups"]["0"]["params"] == {"0": 0, "1": 1}
         assert full["step"] == 12 and full["none"] is None
-        assert _leaves(full) == {k: v for k, v in _leaves(full).items()}  # no surprises
-        assert {k: True for k in _leaves(full)} == {k: True for k in _leaves(sd)}
+        flat = _leaves(full)  # every saved leaf, at its place, with its value
+        assert set(flat) == set(_leaves(sd))
+        assert all(_same(v, flat[k]) for k, v in _leaves(sd).items())
         model = ck.to_state_dict("model")
         assert set(model) == set(sd["model"])
         assert all(_same(sd["model"][k], model[k]) for k in model)
-        assert ck.to_state_dict("model.") .keys() == model.keys()  # a trailing dot is accepted
+        assert ck.to_state_dict("model.").keys() == model.keys()  # a trailing dot is accepted
         assert _same(ck.to_state_dict("model.w"), sd["model"]["w"])  # a leaf's key: the leaf
         assert set(ck.to_state_dict("opt.state")) == {0, 1}
     # what to_state_dict returns loads back into the model it came from
