@@ -167,8 +167,11 @@ def recv_part(group, storage, where: str, part: int, src: int, save_id: str,
     incoming = storage.join(where, INCOMING)
     tmp_view = storage.join(incoming, view_name(part))
 
+    got: list[mf.Manifest] = []  # the view as checked on arrival (never read twice)
+
     def check_view(st, path: str) -> None:
         v = mf.parse(st.read_file(path, MAX_MANIFEST), path)
+        got.append(v)
         if v.save_id != save_id or v.meta.get("view_of_rank") != part \
                 or v.meta.get("owner") != owner:
             raise CheckpointError(f"{path}: the sender's view is of save {v.save_id} part "
@@ -188,10 +191,7 @@ def recv_part(group, storage, where: str, part: int, src: int, save_id: str,
     except Exception as e:
         raise local_failure(e, tmp_view) from e
     n = recv_file(group, storage, tmp_view, src, piece, MAX_MANIFEST, verify=check_view)
-    try:
-        view = mf.parse(storage.read_file(tmp_view, MAX_MANIFEST), tmp_view)
-    except Exception as e:  # checked on arrival: only a vanished file gets here
-        raise CheckpointError(f"receiving part {part} from rank {src}: {e}") from e
+    view = got[-1]
     files = [storage.join(where, f.name) for f in part_files(view, part)]
     for i, path in enumerate(files):
         n += recv_file(group, storage, path, src, piece)
