@@ -280,7 +280,8 @@ def _fetch_ranges(rep: Replicator, choice: Choice,
 def _serve_plan(rep: Replicator, choice: Choice, asks: list[dict]) -> dict[tuple, list[str]]:
     """{(server rank, asking rank): file names}: each file a rank asks for is served by
     a rank of one of its part's holders, the one with the fewest files to serve so far
-    (ties: lowest rank). Pure, the same on every rank."""
+    (ties: lowest rank), never the asking rank. Pure, the same on every rank (so a
+    CheckpointError for a file no other rank holds is raised by all alike)."""
     ranks_of: dict[str, list[int]] = {}
     for r, p in sorted(rep.place_of.items()):
         ranks_of.setdefault(p, []).append(r)
@@ -289,7 +290,11 @@ def _serve_plan(rep: Replicator, choice: Choice, asks: list[dict]) -> dict[tuple
     for q, ask in enumerate(asks):
         for name in sorted(ask):
             part = ask[name][0]
-            options = [r for h in choice.holders[part] for r in ranks_of.get(h, [])]
+            # never the asking rank itself: its own node's copy was gone when it looked
+            options = [r for h in choice.holders[part] for r in ranks_of.get(h, []) if r != q]
+            if not options:
+                raise CheckpointError(f"step {choice.step}: rank {q} needs {name} (part "
+                                      f"{part}), which no other rank holds")
             s = min(options, key=lambda r: (load.get(r, 0), r))
             load[s] = load.get(s, 0) + 1
             jobs.setdefault((s, q), []).append(name)
