@@ -15,6 +15,7 @@ from .format import manifest as mf
 from .protocol.collectives import on_rank0
 from .protocol.restore import load as _load
 from .protocol.restore import needed_chunks, read_manifest
+from .protocol.rename import Rename, nested
 from .state import rng
 from .state.flatten import is_stateful
 from .storage.fsspec_storage import make_storage
@@ -92,7 +93,12 @@ def failure_causes(e: BaseException) -> str:
 class RestoreMixin:
     """:meth:`restore` and what it needs. Every public method is collective."""
 
-    def restore(self, state: Any, step: int | None = None) -> int | None:
+    # The current restore's allow_missing/rename, as every load and read plan of it
+    # uses them (rebound by each restore, never mutated).
+    _load_how: dict[str, Any] = {}
+
+    def restore(self, state: Any, step: int | None = None, *, allow_missing: bool = False,
+                rename: Rename = None) -> int | None:
         """Restore the newest committed checkpoint that loads and verifies (or exactly
         ``step``) into ``state`` in place; returns its step. Collective.
 
@@ -113,10 +119,20 @@ class RestoreMixin:
         CheckpointError listing each step tried and why (``state`` is then undefined: a
         failed load may have overwritten part of it). ``step`` given: that step, from
         its newest save (the fast tier's, then the durable one), whatever its timeline.
-        Waits for the saves in flight first."""
+        Waits for the saves in flight first.
+
+        ``allow_missing`` and ``rename`` are :func:`dckpt.load`'s, applied to every
+        step tried (from any tier). ``rename`` maps the keys as they are in ``state``
+        (its flattened keys, e.g. "model.fc.weight" for a TrainingState, "net.w" for
+        ``{"net": {"w": ...}}``), not under the manager's own "state." prefix; the
+        manager's "rng."/"manager." entries are never renamed. Without
+        ``allow_missing``, keys the checkpoints lack make the restore raise (they are
+        not skipped as damaged)."""
+        how = {"allow_missing": bool(allow_missing), "rename": nested("state.", rename)}
         self._finish_inflight(raise_error=False)
         if self.tier is not None:
             self.tier.wait(raise_error=False)
+        self._load_how = how
         self.restored_from = None
         self.restored_epoch = None
         durable = on_rank0(self.comm, self._candidates, f"list checkpoints under {self._root_arg}")
@@ -282,7 +298,7 @@ class RestoreMixin:
         _load(target, path, process_group=self.group,
               storage_options=None if manifest_name else self.storage_options,
               ignore_prefixes=("rng.", "manager."), extra=extra,
-              manifest_name=manifest_name, read_workers=read_workers)
+              manifest_name=manifest_name, read_workers=read_workers, **self._load_how)
         if "sd" in found:
             if rank < found["world"]:
                 rng.restore(found["sd"])
@@ -294,7 +310,7 @@ class RestoreMixin:
         ``state`` reads (a restore from peers at another world size fetches only
         that). No I/O; raises what the load's matching raises."""
         target, extra = self._load_target(state, {})
-        return needed_chunks(target, m, extra)
+        return needed_chunks(target, m, extra, **self._load_how)
 
     def _load_target(self, state: Any, found: dict[str, Any]) -> tuple[dict, Any]:
         """(the load's target, its ``extra``): ``state`` under "state", and the RNG

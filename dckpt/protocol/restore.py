@@ -26,6 +26,7 @@ from ..state.tensors import describe_all
 from ..storage.fsspec_storage import make_storage
 from ..reader import DEFAULT_READ_BUDGET, ChunkReader, plan_reads
 from .collectives import Comm, agree, error_payload, raise_gathered, rank0_bytes
+from .rename import Rename, map_keys, resolve
 # torch-free (the CLI reads manifests without importing torch); re-exported from here
 from .manifest_read import MAX_MANIFEST, read_manifest, read_manifest_bytes  # noqa: F401
 
@@ -36,7 +37,8 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
          storage_options: dict | None = None, strict: bool = True,
          read_budget: int = DEFAULT_READ_BUDGET, ignore_prefixes: tuple[str, ...] = (),
          extra: Callable[[mf.Manifest], dict] | None = None,
-         manifest_name: str | None = None, read_workers: int = 4, cast: bool = False) -> dict:
+         manifest_name: str | None = None, read_workers: int = 4, cast: bool = False,
+         allow_missing: bool = False, rename: Rename = None) -> dict:
     """Fill ``state_dict`` in place from the checkpoint at ``path`` and return it.
     Collective: call on every rank.
 
@@ -68,7 +70,21 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
     converted into the target, a group of tensors of at most ``read_budget`` bytes at a
     time (extra memory stays about ``read_budget``). Without it, a dtype difference
     is a StateMismatchError. Other dtype differences (int to float) are refused either
-    way."""
+    way.
+
+    ``rename`` (see :mod:`dckpt.protocol.rename`): maps each key of ``state_dict`` (the
+    dotted key) to the checkpoint key it is read from: a callable ``str -> str``, or a
+    dict ``{target prefix: checkpoint prefix}`` where the longest matching prefix wins
+    (``{"module.": ""}``: the target's "module.fc.weight" reads "fc.weight"). Every
+    rank must pass the same one. Two target keys mapped to one checkpoint key raise
+    StateMismatchError naming both; ``strict``'s unexpected keys are the checkpoint
+    keys no renamed target key reads.
+
+    ``allow_missing=True``: target keys the checkpoint lacks are left as they are
+    (tensors keep their values, JSON leaves theirs, a Stateful object gets them back in
+    its ``load_state_dict``) instead of raising StateMismatchError; rank 0 logs one
+    warning naming them (the count and the first few, over all ranks). A key that is
+    a tensor on one side and a value on the other is still an error."""
     t0 = time.perf_counter()
     comm = Comm(process_group)
     # A storage set-up error (an fsspec protocol missing on one node) is reported through
@@ -106,27 +122,36 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
     t_manifest = time.perf_counter()
     # Phase 1: match the target against the manifest before touching any tensor.
     err: BaseException | None = None
-    pieces, unexpected = [], []
-    flat = None
+    matched = None
     try:
         if setup_err is not None:
             raise setup_err
-        flat, pieces, unexpected = match_target(state_dict, manifest, extra, cast)
+        matched = match_target(state_dict, manifest, extra, cast, rename=rename,
+                               allow_missing=allow_missing)
     except Exception as e:
         err = e
-    # One all-gather carries each rank's error and unexpected keys: a checkpoint key is
-    # unexpected only if no rank wants it (pipeline stages each hold part of the state).
-    mine = {"error": error_payload(err), "unexpected": unexpected if strict else []}
+    # One all-gather carries each rank's error, unexpected and (allow_missing) missing
+    # keys: a checkpoint key is unexpected only if no rank wants it (pipeline stages each
+    # hold part of the state); rank 0 warns once about the keys any rank lacks.
+    mine = {"error": error_payload(err),
+            "unexpected": matched.unexpected if strict and matched else [],
+            "missing": matched.missing if matched else []}
     views = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(mine).encode())]
     errors = {r: v["error"] for r, v in enumerate(views) if v["error"]}
     if errors:
         raise_gathered(errors, f"load from {path}", err)
+    flat, pieces, names = matched.flat, matched.pieces, matched.names
     unexpected = sorted(k for k in set.intersection(*(set(v["unexpected"]) for v in views))
                         if not k.startswith(ignore_prefixes))
     if unexpected:
         raise StateMismatchError(
             f"checkpoint {root} has {len(unexpected)} key(s) the state_dict lacks: "
             f"{preview(unexpected, 8)} (pass strict=False to ignore them)")
+    if comm.rank == 0:
+        missing = list(dict.fromkeys(k for v in views for k in v["missing"]))
+        if missing:
+            log.warning("checkpoint %s lacks %d key(s) of the state_dict, left as they were "
+                        "(allow_missing=True): %s", root, len(missing), preview(missing, 8))
 
     t_match = time.perf_counter()
     # Phase 2: read, verify, copy.
@@ -139,8 +164,13 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
         nbytes = reader.fill_all(same, workers=read_workers, budget=read_budget, what=what)
         nbytes += _fill_cast([(p, e) for p, e in pieces if p.dtype != e.dtype], reader,
                              read_workers, read_budget, what)
-        fill(state_dict, lambda k, old: manifest.values[k] if k in manifest.values else old,
-             flat.stateful)
+        values = manifest.values
+
+        def value(k: str, old: Any) -> Any:
+            ck = names.get(k, k)
+            return values[ck] if ck in values else old
+
+        fill(state_dict, value, flat.stateful)
     except IntegrityError as e:  # the reader names the shard file; say whose it is too
         err = e if root in str(e) else type(e)(f"checkpoint {root}: {e}")
     except Exception as e:
@@ -155,29 +185,52 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
     return state_dict
 
 
+@dataclasses.dataclass
+class Matched:
+    """What a load reads: the flattened target, ``pieces`` ([(piece, manifest entry)],
+    each piece named by its checkpoint key), ``unexpected`` (checkpoint keys no target
+    key reads), ``missing`` (target keys the checkpoint lacks, allow_missing=True) and
+    ``names`` ({target key: checkpoint key}, tensors and values)."""
+
+    flat: Any
+    pieces: list
+    unexpected: list[str]
+    missing: list[str]
+    names: dict[str, str]
+
+
 def match_target(state_dict: dict, manifest: mf.Manifest,
-                 extra: Callable[[mf.Manifest], dict] | None = None, cast: bool = False):
-    """(flattened target, [(piece, manifest entry)], unexpected keys): what a load of
-    ``manifest`` into ``state_dict`` reads, as :func:`load` plans it. Adds ``extra``'s
-    targets and grows a fresh optimizer's empty state first (as the load does; both are
-    idempotent). No I/O, no collective. Raises StateMismatchError and
-    UnsupportedValueError as :func:`load` does."""
+                 extra: Callable[[mf.Manifest], dict] | None = None, cast: bool = False, *,
+                 rename: Rename = None, allow_missing: bool = False) -> Matched:
+    """What a load of ``manifest`` into ``state_dict`` reads, as :func:`load` plans it
+    (with its ``rename`` and ``allow_missing``). Adds ``extra``'s targets and grows a
+    fresh optimizer's empty state first (as the load does; both are idempotent; only
+    from what the checkpoint holds, so nothing is made for keys it lacks). No I/O, no
+    collective. Raises StateMismatchError and UnsupportedValueError as :func:`load`
+    does."""
+    fn = resolve(rename)
     if extra is not None:
         state_dict.update(extra(manifest))
     if manifest.meta.get("int_keys"):  # a fresh optimizer's empty state: rebuild it
-        grow(state_dict, manifest.tensors, manifest.values, manifest.meta["int_keys"])
+        grow(state_dict, manifest.tensors, manifest.values, manifest.meta["int_keys"],
+             rename=fn)
     flat = flatten(state_dict)
-    pieces, unexpected = _match(manifest, flat.tensors, flat.values, cast)
-    return flat, pieces, unexpected
+    names = map_keys((*flat.tensors, *flat.values), fn)
+    pieces, unexpected, missing = _match(manifest, flat.tensors, flat.values, cast, names,
+                                         allow_missing)
+    return Matched(flat, pieces, unexpected, missing, names)
 
 
 def needed_chunks(state_dict: dict, manifest: mf.Manifest,
                   extra: Callable[[mf.Manifest], dict] | None = None,
-                  cast: bool = False) -> dict[int, set[tuple[str, tuple[int, ...]]]]:
-    """{file index: {(key, chunk offsets)}}: the saved chunks a load of ``manifest``
-    into ``state_dict`` on this rank reads (its headers aside). Pure planning, as
-    :func:`match_target`; raises what it raises."""
-    _, pieces, _ = match_target(state_dict, manifest, extra, cast)
+                  cast: bool = False, *, rename: Rename = None,
+                  allow_missing: bool = False) -> dict[int, set[tuple[str, tuple[int, ...]]]]:
+    """{file index: {(checkpoint key, chunk offsets)}}: the saved chunks a load of
+    ``manifest`` into ``state_dict`` on this rank reads (its headers aside), with the
+    load's ``rename`` and ``allow_missing``. Pure planning, as :func:`match_target`;
+    raises what it raises."""
+    pieces = match_target(state_dict, manifest, extra, cast, rename=rename,
+                          allow_missing=allow_missing).pieces
     out: dict[int, set] = {}
     for p, e in pieces:
         for item in plan_reads(p, e):
@@ -218,42 +271,48 @@ def _fill_cast(pieces: list, reader: ChunkReader, workers: int, budget: int, wha
 _FLOAT_CODES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
 
 
-def _match(m: mf.Manifest, tensors: dict, values: dict, cast: bool = False):
-    """Pair every target tensor with its manifest entry; list problems all at once.
-    With ``cast``, a floating dtype may differ from the saved floating dtype."""
+def _match(m: mf.Manifest, tensors: dict, values: dict, cast: bool, names: dict[str, str],
+           allow_missing: bool = False):
+    """Pair every target tensor with the manifest entry of its checkpoint key
+    (``names``); list problems all at once. With ``cast``, a floating dtype may differ
+    from the saved floating dtype. Returns (pieces, unexpected, missing); ``missing`` is
+    empty unless ``allow_missing`` (else missing keys raise)."""
     missing, wrong = [], []
     pieces = []
     for key, t in tensors.items():
-        entry = m.tensors.get(key)
+        ck = names[key]
+        entry = m.tensors.get(ck)
+        shown = repr(key) if ck == key else f"{key!r} (checkpoint key {ck!r})"
         if entry is None:
-            (wrong if key in m.values else missing).append(key)
+            (wrong if ck in m.values else missing).append(key)
             continue
-        several = describe_all(key, t)  # a strided DTensor's local tensor: several boxes
+        several = describe_all(ck, t)  # a strided DTensor's local tensor: several boxes
         piece = several[0]
         if any(p.local is not None and any(s == 0 and n > 1 for s, n in
                                            zip(p.local.stride(), p.local.shape)) for p in several):
             raise UnsupportedValueError(
-                f"tensor {key!r} is an expanded view (several elements share one memory "
+                f"tensor {shown} is an expanded view (several elements share one memory "
                 "location): load into a tensor that owns its elements, e.g. .clone()")
         castable = cast and piece.dtype in _FLOAT_CODES and entry.dtype in _FLOAT_CODES
         if (piece.dtype != entry.dtype and not castable) or piece.shape != entry.shape:
             hint = ("" if piece.shape != entry.shape or cast else
                     "; pass cast=True to convert floating-point tensors while loading")
             raise StateMismatchError(
-                f"tensor {key!r}: the state_dict has dtype {piece.dtype} shape "
+                f"tensor {shown}: the state_dict has dtype {piece.dtype} shape "
                 f"{list(piece.shape)}, the checkpoint has dtype {entry.dtype} shape "
                 f"{list(entry.shape)}{hint}")
         pieces += [(p, entry) for p in several]
     for key in values:
-        if key not in m.values:
-            (wrong if key in m.tensors else missing).append(key)
+        ck = names[key]
+        if ck not in m.values:
+            (wrong if ck in m.tensors else missing).append(key)
     if wrong:
         raise StateMismatchError(f"key(s) {preview(wrong, 8)} are tensors on one side and plain "
                                  "values on the other")
-    if missing:
+    if missing and not allow_missing:
         raise StateMismatchError(f"the checkpoint lacks {len(missing)} key(s) of the "
-                                 f"state_dict: {preview(missing, 8)}")
-    wanted = set(tensors) | set(values)
+                                 f"state_dict: {preview(missing, 8)} (pass allow_missing=True "
+                                 "to leave them as they are)")
+    wanted = set(names.values())
     unexpected = [k for k in (*m.tensors, *m.values) if k not in wanted]
-    return pieces, unexpected
-
+    return pieces, unexpected, missing

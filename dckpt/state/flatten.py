@@ -183,7 +183,8 @@ def fill(state: Any, get: Callable[[str, Any], Any],
     return walk(state, "")
 
 
-def grow(state: Any, tensors: dict, values: dict, int_keys: Any) -> None:
+def grow(state: Any, tensors: dict, values: dict, int_keys: Any,
+         rename: Callable[[str], str] | None = None) -> None:
     """Rebuild, from a checkpoint, the dicts of ``state`` that are empty but held int
     keys when saved: a fresh optimizer's ``state_dict()["state"]`` is ``{}`` until its
     first step, so loading a torch.save-style checkpoint into it must create its
@@ -191,8 +192,12 @@ def grow(state: Any, tensors: dict, values: dict, int_keys: Any) -> None:
     dict had them, nested dicts with str keys elsewhere (a str key that itself contains
     "." cannot be told apart there), tensors as empty CPU tensors of the saved dtype and
     global shape, values as None (the load then fills both). ``tensors``/``values`` are
-    the manifest's; ``int_keys`` its ``meta["int_keys"]``. Allocates; no I/O. Raises
-    ManifestError when ``int_keys`` is not a list of strings."""
+    the manifest's; ``int_keys`` its ``meta["int_keys"]``. ``rename`` (a renamed load's
+    target -> checkpoint key function): an empty dict at key k is grown from the
+    checkpoint's entries under ``rename(k + ".")`` (a trailing "." so that prefix
+    tables ending in "." match the container too). Only entries the checkpoint holds
+    are made. Allocates; no I/O. Raises ManifestError when ``int_keys`` is not a list
+    of strings."""
     from ..errors import ManifestError
     from ..format.dtypes import to_torch
 
@@ -200,6 +205,13 @@ def grow(state: Any, tensors: dict, values: dict, int_keys: Any) -> None:
         raise ManifestError("meta.int_keys must be a list of strings")
     ints = set(int_keys)
     parents = {k.rpartition(".")[0] for k in ints}
+
+    def _renamed(key: str) -> str | None:
+        try:  # a key function written for leaf keys may not take a container's
+            out = rename(key + ".")
+        except Exception:
+            return None
+        return out[:-1] if isinstance(out, str) and out.endswith(".") else None
 
     def build(into: dict, prefix: str) -> None:
         head = prefix + "." if prefix else ""
@@ -225,8 +237,10 @@ def grow(state: Any, tensors: dict, values: dict, int_keys: Any) -> None:
         if isinstance(obj, torch.Tensor) or is_stateful(obj) and key:
             return
         if isinstance(obj, dict):
-            if not obj and key in parents:
-                build(obj, key)
+            if not obj:
+                src = _renamed(key) if rename is not None and key else key
+                if src in parents:
+                    build(obj, src)
                 return
             for k, v in obj.items():
                 walk(v, _join(key, str(k)))
