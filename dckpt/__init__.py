@@ -3,7 +3,8 @@
 Public API: :func:`save`, :func:`load`, :func:`async_save` (:class:`SaveHandle`),
 :class:`CheckpointInfo`, :class:`TrainingState`, :func:`export` (to Hugging Face
 safetensors), :func:`import_checkpoint` (from DCP, safetensors, torch.save),
-:func:`open` (a read-only :class:`Checkpoint` view, no process group) and the errors.
+:func:`open` (a read-only :class:`Checkpoint` view, no process group), :func:`diff`
+(:class:`DiffResult`: two checkpoints compared by value) and the errors.
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ _LAZY = {"save": ".protocol.commit", "CheckpointInfo": ".protocol.commit",
          "load": ".protocol.restore", "SaveHandle": ".engine.async_save",
          "async_save": ".engine.async_save", "CheckpointManager": ".manager",
          "TrainingState": ".state.training", "ExportInfo": ".interop", "export": ".interop",
-         "import_checkpoint": ".interop", "open": ".view", "Checkpoint": ".view"}
+         "import_checkpoint": ".interop", "open": ".view", "Checkpoint": ".view",
+         "diff": ".compare", "DiffResult": ".compare", "KeyDiff": ".compare"}
 
 if TYPE_CHECKING:
     from .protocol.commit import CheckpointInfo, save
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
     from .state.training import TrainingState
     from .interop import ExportInfo, export, import_checkpoint
     from .view import Checkpoint, open
+    from .compare import DiffResult, KeyDiff, diff
 
 
 def __getattr__(name: str):
@@ -59,7 +62,7 @@ __all__ = [
     "save", "load", "async_save", "SaveHandle", "CheckpointInfo", "TrainingState",
     "CheckpointManager",
     # not "open": `from dckpt import *` must not shadow the builtin open()
-    "export", "ExportInfo", "import_checkpoint", "Checkpoint",
+    "export", "ExportInfo", "import_checkpoint", "Checkpoint", "diff", "DiffResult", "KeyDiff",
     "CheckpointError", "NotCommittedError", "AlreadyExistsError", "IntegrityError",
     "ManifestError", "StateMismatchError", "UnsupportedValueError", "RankFailure", "CommunicationError",
 ]

@@ -1,4 +1,4 @@
-"""``dckpt`` command line: ls, inspect, verify, gc, export, import.
+"""``dckpt`` command line: ls, inspect, verify, gc, export, import, history, diff.
 
 Every error is one line ``dckpt <cmd>: <message>`` on stderr and exit status 2 (the
 traceback too under ``-v``); ``verify`` exits 1 when it finds damage. Paths are printed
@@ -333,6 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also draw blocking time, total time and size per step to FILE "
                         "(needs matplotlib: pip install 'dckpt[plot]')")
     s.set_defaults(fn=cmd_history)
+    from .cli_diff import add_parser as add_diff
+
+    add_diff(sub)
     return p
 
 
