@@ -406,3 +406,10 @@ def test_peak_memory_stays_bounded_whatever_the_checkpoint_size(tmp_path):
         7, 1.0, "equal"), k
     growth = peak - base
     assert growth < 96 << 20, f"peak RSS grew by {growth >> 20} MiB (base {base >> 20} MiB)"
+
+
+def test_dckpt_diff_is_the_function_even_after_importing_its_module():
+    import dckpt.compare
+
+    assert dckpt.diff is dckpt.compare.diff and callable(dckpt.diff)
+    assert dckpt.DiffResult is DiffResult and dckpt.KeyDiff is KeyDiff
