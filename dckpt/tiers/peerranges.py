@@ -31,7 +31,7 @@ from ..errors import CheckpointError, IntegrityError
 from ..format import shards
 from ..format.checksum import crc32
 from ..format.chunknames import find_stored
-from .peerxfer import _DATA, _FAIL, _HEAD, _MAX_CTL, _OK, _U64, PIECE, _Link
+from .peerxfer import _DATA, _FAIL, _HEAD, _MAX_CTL, _OK, _U64, PIECE, _Link, stream
 
 Chunk = tuple[str, tuple[int, ...]]
 
@@ -99,20 +99,9 @@ def send_ranges(group: Any, storage, path: str, chunks: list[Chunk], dst: int,
         if kind == _FAIL:
             link.raise_remote(payload, "receiver")
         buf = torch.empty(min(piece, max(n for _, n in ranges)), dtype=torch.uint8)
-        view = memoryview(buf.numpy())
         for off, length in ranges:
-            for pos in range(off, off + length, len(view)):
-                n = min(len(view), off + length - pos)
-                try:
-                    if reader.readv(pos, [view[:n]]) != n:
-                        raise OSError("the file ended early (it shrank while being sent)")
-                except Exception as e:
-                    err = CheckpointError(f"peer transfer of ranges of {path} to rank {dst}: "
-                                          f"the sender cannot read byte {pos}: {e!r}")
-                    link.fail(err)
-                    raise err from e
-                link.send_ctl(_DATA, n=n)
-                link.send(buf[:n])
+            stream(link, reader, buf, off, length,
+                   f"peer transfer of ranges of {path} to rank {dst}")
     kind, _, payload = link.recv_ctl()
     if kind == _FAIL:
         link.raise_remote(payload, "receiver")

@@ -148,27 +148,35 @@ def send_file(group: Any, storage, path: str, dst: int, piece: int = PIECE) -> i
         if kind == _FAIL:
             link.raise_remote(payload, "receiver")
         buf = torch.empty(min(piece, size) or 1, dtype=torch.uint8)
-        view = memoryview(buf.numpy())
-        pos = 0
-        while pos < size:
-            n = min(len(view), size - pos)
-            try:
-                got = reader.readv(pos, [view[:n]])
-                if got != n:
-                    raise OSError(f"the file ended at byte {pos + max(got, 0)} of {size} "
-                                  "(it shrank while being sent)")
-            except Exception as e:
-                err = CheckpointError(f"peer transfer of {path} to rank {dst}: the sender "
-                                      f"cannot read it at byte {pos}: {type(e).__name__}: {e}")
-                link.fail(err)
-                raise err from e
-            link.send_ctl(_DATA, n=n)
-            link.send(buf[:n])
-            pos += n
+        stream(link, reader, buf, 0, size, f"peer transfer of {path} to rank {dst}")
     kind, _, payload = link.recv_ctl()
     if kind == _FAIL:
         link.raise_remote(payload, "receiver")
     return size
+
+
+def stream(link: _Link, reader, buf: torch.Tensor, off: int, length: int, what: str) -> None:
+    """Send bytes ``[off, off + length)`` of ``reader`` as DATA pieces of at most
+    ``len(buf)`` bytes, read into ``buf`` (reused: memory one piece). A read that fails
+    or comes up short (the file shrank) is sent to the peer as FAIL and raised here as
+    CheckpointError, ``what`` naming the transfer. Blocking, point to point."""
+    view = memoryview(buf.numpy())
+    pos, end = off, off + length
+    while pos < end:
+        n = min(len(view), end - pos)
+        try:
+            got = reader.readv(pos, [view[:n]])
+            if got != n:
+                raise OSError(f"the file ended at byte {pos + max(got, 0)}, before byte "
+                              f"{end} (it shrank while being sent)")
+        except Exception as e:
+            err = CheckpointError(f"{what}: the sender cannot read it at byte {pos}: "
+                                  f"{type(e).__name__}: {e}")
+            link.fail(err)
+            raise err from e
+        link.send_ctl(_DATA, n=n)
+        link.send(buf[:n])
+        pos += n
 
 
 def recv_file(group: Any, storage, path: str, src: int, piece: int = PIECE, cap: int = CAP,
