@@ -82,8 +82,9 @@ def restore(rep: Replicator, opt: Option, step_dir: Callable[[int], str],
             load: Callable[[str, str], None],
             needs: Callable[[mf.Manifest], dict[int, set]]) -> str:
     """Restore ``opt``'s step: fetch what this rank lacks from holders, then
-    ``load(path, manifest_name)`` (every rank), then re-create the replicas the lost
-    node held. Returns ``"local"`` when no rank needed a peer's bytes, else
+    ``load(path, manifest_name)`` (every rank), then queue the re-creation of the
+    replicas the lost node held (:func:`rereplicate`, in the replication thread: it
+    starts at once, training does not wait for it, ``wait()`` does). Returns ``"local"`` when no rank needed a peer's bytes, else
     ``"peer"``. ``needs(manifest)``: {file index: {(key, chunk offsets)}} this rank's
     load reads (another world size only). Collective; blocking transfers. Raises
     CheckpointError (on every rank alike) when some part cannot be had verified from
@@ -115,7 +116,7 @@ def restore(rep: Replicator, opt: Option, step_dir: Callable[[int], str],
         finally:
             shutil.rmtree(where, ignore_errors=True)
         homes = {}
-    rereplicate(rep, choice, homes)
+    rep.after_restore(choice, homes)  # the lost node's replicas, in the background
     return "peer"
 
 
@@ -304,7 +305,8 @@ def _serve_plan(rep: Replicator, choice: Choice, asks: list[dict]) -> dict[tuple
 def rereplicate(rep: Replicator, choice: Choice, homes: dict[int, str]) -> None:
     """After restoring ``choice``: copy its parts so that each is held again on its home
     node and the home's ring successors (the replicas the lost node held for the
-    others). ``homes``: {part: node} (same world size: rank p's node). Collective;
+    others). ``homes``: {part: node} (same world size: rank p's node). Collective
+    over the replication group (run in its thread, queued by :func:`restore`);
     blocking transfers. A failure is logged (once) and never raised: the restore
     succeeded, and the next save replicates again."""
     comm, me = Comm(rep.group), rep.comm.rank

@@ -113,6 +113,27 @@ class Replicator:
         job = self.queue.add(commit.step, False)  # older copies not begun are skipped
         self._jobs.append(self._exec.submit(self._run, commit, job, on_done))
 
+    def after_restore(self, choice, homes: dict[int, str]) -> None:
+        """Queue the re-creation of the replicas of the restored step ``choice`` (see
+        :func:`dckpt.tiers.peerrestore.rereplicate`) in the replication thread: every
+        rank, at the end of the same restore. It runs before the next save's
+        replication (which supersedes it when it has not begun); its step's files stay
+        protected until it ends. Not blocking."""
+        job = self.queue.add(choice.step, False)
+        self._jobs.append(self._exec.submit(self._rereplicate, choice, homes, job))
+
+    def _rereplicate(self, choice, homes: dict[int, str], job: stager.StageJob) -> None:
+        from .peerrestore import rereplicate  # it builds on this module
+
+        comm = Comm(self.group)
+        try:
+            if comm.any_of([self.queue.claim(job)])[0]:
+                log.debug("re-replication of step %d skipped for a newer step", choice.step)
+                return
+            rereplicate(self, choice, homes)
+        finally:
+            self.queue.finish(job)
+
     def protected(self) -> set[int]:
         """Steps the fast tier's cleanup must keep: being replicated or queued, and the
         newest replicated one (a node's own part of it is the copy its peers' replicas
