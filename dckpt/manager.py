@@ -21,6 +21,7 @@ from . import failures, history
 from .state import rng
 from .state.training import fence_targets
 from .tiers.fast import FastTier
+from .tiers.stage_encoded import Chain
 from .tiers.local import step_name
 from .manager_restore import RestoreMixin, holds_stateful, root_identity
 from .manager_retention import RetentionMixin
@@ -72,8 +73,10 @@ class CheckpointManager(RetentionMixin, RestoreMixin):
     the manager is made or restores, and the save after a failed one are full.
     Retention then removes a step's manifest and only the files no kept step
     references, so deleting old steps never breaks newer ones. ``compression``
-    (None, "zstd", "lz4") applies to every save. Incremental saves need every step in
-    one root: they, and compression, cannot be combined with ``local_root``.
+    (None, "zstd", "lz4") applies to every save. With ``local_root`` both apply to the
+    durable copies only (the fast tier stays full and raw): each is incremental against
+    the last durable step this manager committed, from the block hashes in that step's
+    manifest (its data is never read back), see :mod:`dckpt.tiers.stage_encoded`.
 
     Save history: rank 0 appends a record of every committed save (step, commit time,
     bytes, blocking and total seconds, world size, tier "durable" or "local", epoch) to
@@ -111,11 +114,6 @@ class CheckpointManager(RetentionMixin, RestoreMixin):
                  incremental: bool = False, full_every: int = 10,
                  compression: str | None = None, every_epochs: int | None = None,
                  replicas: int = 0, node: Any = None) -> None:
-        if (incremental or compression) and local_root is not None:
-            raise CheckpointError(
-                "incremental=True and compression= are not supported with local_root: the "
-                "fast tier stores raw shards and stages them as they are (a delta would "
-                "reference files the durable tier does not have); use one or the other")
         if local_root is None and replicas != 0:
             raise CheckpointError(f"replicas={replicas!r} needs local_root: the replicas are "
                                   "copies of the fast tier's steps on other nodes")
@@ -174,6 +172,8 @@ class CheckpointManager(RetentionMixin, RestoreMixin):
                                  comm=self.comm, durable_path=self.path,
                                  storage_options=storage_options, on_durable=self._after_commit,
                                  owner=owner, replicas=replicas, node=node)
+            if incremental or compression:  # the fast tier stays raw; its durable copies not
+                self.tier.chain = Chain(incremental, full_every, compression, self.path)
 
     # ------------------------------------------------------------------ paths, listing
     def path(self, step: int) -> str:

@@ -238,6 +238,8 @@ class RestoreMixin:
         self._base = None  # a chain starts with a full save in every process's life
         if self.tier is not None:
             self.tier.last_durable = step
+            if self.tier.chain is not None:
+                self.tier.chain.reset()  # and the staged copies' chain too
         if self.comm.rank == 0:
             log.info("restored step %d from the %s tier", step, tier)
         return step

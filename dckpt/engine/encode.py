@@ -42,6 +42,9 @@ class Encoding:
     compressor: int = codec.RAW
     base: mf.Manifest | None = None
     base_reader: ChunkReader | None = None
+    # False: never read the base (no XOR deltas), only its manifest's hashes: a staged
+    # durable upload must not download its base (dckpt.tiers.stage_encoded)
+    deltas: bool = True
 
     @property
     def active(self) -> bool:
@@ -92,7 +95,7 @@ def plan_pieces(pieces: list, buffers: list, enc: Encoding,
             out.append(Planned(rep, False))
             continue
         k = int(np.argmax(ch))
-        worth = _sample_pays(p, buf, bc, enc, k)
+        worth = enc.deltas and _sample_pays(p, buf, bc, enc, k)
         if ch.all() and not enc.compressor and not (worth and _delta_pays(p, buf, bc, enc, k)):
             out.append(Planned(rep, True))  # changed everywhere: plain
             continue

@@ -5,6 +5,7 @@ leaves. Also the small wire helpers both sides use. I/O on rank 0 only; no colle
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -160,15 +161,18 @@ class _Coordinator:
             f"{self.root} already holds a committed checkpoint; pass overwrite=True "
             "to replace it (the old one stays intact until the new one commits)")
 
-    def commit(self, votes: list[dict], t0: float) -> bytes:
+    def commit(self, votes: list[dict], t0: float, meta: dict | None = None,
+               created: float | None = None) -> bytes:
         """Write the manifest if every rank wrote its file and every file is still
         there; else remove this save's files. After a commit, remove the files of the
-        checkpoint it replaced, and nothing else."""
+        checkpoint it replaced, and nothing else. ``meta``, ``created``: more manifest
+        meta and the commit time to record (a staged copy's: its local commit's)."""
         errors = {r: v["error"] for r, v in enumerate(votes) if v.get("error")}
         if errors:
             return _pack({"errors": errors})
         try:
-            meta = {"dckpt_version": dckpt_version(), "save_seconds": round(time.perf_counter() - t0, 3)}
+            meta = {**(meta or {}), "dckpt_version": dckpt_version(),
+                    "save_seconds": round(time.perf_counter() - t0, 3)}
             reports = {r: [delta.ChunkReport.from_json(x) for x in v["chunks"]]
                        for r, v in enumerate(votes) if "chunks" in v}
             if self.base is not None:
@@ -177,6 +181,8 @@ class _Coordinator:
                                   missing_ok=bool(reports))
             if reports:
                 m = delta.attach(m, reports, self.base, self.base_dir)
+            if created is not None:
+                m = dataclasses.replace(m, created=created)
         except Exception as e:
             return _pack({"errors": {0: error_payload(e)}})
         return self.commit_manifest(m, t0)

@@ -28,7 +28,7 @@ from ..engine import devstream
 from ..engine.fence import Versions, releaser
 from ..engine.staging import StagingPool, live_view
 from ..storage.fsspec_storage import make_storage
-from . import chooser, local, peerrestore, replication, stager
+from . import chooser, local, peerrestore, replication, stage_encoded, stager
 
 log = logging.getLogger(__name__)
 # on_commit(tier, commit, info): "local" (info None) or "durable" (the staged CheckpointInfo)
@@ -55,6 +55,9 @@ class FastTier:
     """See the module docstring. Construct on every rank together (collective: makes
     the background groups, creates each rank's ``local_root``). Raises CheckpointError
     when ``local_root`` is not a local path or cannot be created on some rank."""
+
+    # Set by the manager for incremental or compressed durable copies; None: byte copies
+    chain: "stage_encoded.Chain | None" = None
 
     def __init__(self, local_root: str, *, keep_last_local: int, durable_every: int | None,
                  group: Any, comm: Comm, durable_path: Callable[[int], str],
@@ -227,8 +230,10 @@ class FastTier:
                         commit.step, f"step {newer}" if newer and newer > commit.step
                         else "a newer step")
                 return
-            info = stager.stage(commit, self.storage, self.durable_path(commit.step), comm,
-                                self.storage_options)
+            # incremental/compressed copies (stage_encoded.Chain), else byte for byte
+            info = (self.chain.stage if self.chain is not None else stager.stage)(
+                commit, self.storage, self.durable_path(commit.step), comm,
+                self.storage_options)
             _notify(on_commit, "durable", commit, info)
             self.on_durable(commit.step)
         except Exception as e:
