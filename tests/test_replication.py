@@ -88,3 +88,52 @@ def test_one_process_with_replicas_warns_and_goes_on(tmp_path, caplog):
     assert mgr.restore(st) == 1 and mgr.restored_from == "local"
     assert torch.equal(st["w"], torch.ones(3))
     mgr.close()
+
+
+def _verdict(fn) -> str:
+    try:
+        fn()
+        return "ok"
+    except Exception as e:
+        return type(e).__name__
+
+
+def test_stream_check_agrees_with_verify_shard_on_any_split_and_any_flip(tmp_path):
+    import random
+
+    import torch
+
+    import dckpt
+    from dckpt.storage.local import LocalStorage
+    from dckpt.tiers.peerxfer import StreamCheck, verify_shard
+
+    dckpt.save({"w": torch.arange(300_000, dtype=torch.float32), "e": torch.empty(0),
+                "b": torch.ones(7, dtype=torch.int64)}, str(tmp_path / "ck"))
+    path = str(next((tmp_path / "ck").glob("data-*")))
+    good = open(path, "rb").read()
+    rng = random.Random(3)
+
+    def streamed(data: bytes) -> None:
+        c = StreamCheck(path, len(data))
+        pos = 0
+        while pos < len(data):
+            n = rng.choice([1, 7, 4096, 100_000, 1 << 20])
+            c.feed(memoryview(data)[pos:pos + n], pos)
+            pos += n
+        c.finish()
+
+    for _ in range(5):
+        streamed(good)
+    hlen = int.from_bytes(good[:8], "little")
+    for at in [0, 3, 9, hlen + 7, hlen + 8, hlen + 9, len(good) - 1] + \
+            [rng.randrange(len(good)) for _ in range(40)]:
+        bad = bytearray(good)
+        bad[at] ^= 0x10
+        with open(path, "wb") as f:
+            f.write(bad)
+        want = _verdict(lambda: verify_shard(LocalStorage(), path))
+        assert _verdict(lambda: streamed(bytes(bad))) == want, at
+        if at >= 8 + hlen:  # a flip in the data is always caught
+            assert want == "IntegrityError"
+    with pytest.raises(Exception, match="shorter than its header"):
+        StreamCheck(path, len(good)).finish()

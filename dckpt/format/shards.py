@@ -264,13 +264,13 @@ def verify_segments(segments: list, first_block: int, crcs: np.ndarray, block: i
             crc = crc32(v[pos:pos + n], crc)
             pos, filled = pos + n, filled + n
             if filled == block:
-                _check_block(crc, b, crcs, what)
+                check_block(crc, b, crcs, what)
                 b, crc, filled = b + 1, 0, 0
     if filled:
-        _check_block(crc, b, crcs, what)
+        check_block(crc, b, crcs, what)
 
 
-def _check_block(crc: int, b: int, crcs: np.ndarray, what: str) -> None:
+def check_block(crc: int, b: int, crcs: np.ndarray, what: str) -> None:
     if b >= len(crcs) or crc != int(crcs[b]):
         raise IntegrityError(f"{what}: checksum mismatch in block {b} "
                              "(flipped bits or a rewritten file)")

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -93,6 +94,7 @@ def restore(rep: Replicator, opt: Option, step_dir: Callable[[int], str],
     if opt.local:
         load(step_dir(opt.choice.step), view_name(rep.comm.rank))
         return "local"
+    t0 = time.perf_counter()
     choice, bad = opt.choice, set()
     for _ in range(_ATTEMPTS):
         choice = _without(opt.choice, bad)
@@ -106,6 +108,7 @@ def restore(rep: Replicator, opt: Option, step_dir: Callable[[int], str],
     else:
         raise CheckpointError(f"step {choice.step}: its parts failed their transfers from "
                               f"{_ATTEMPTS} sets of holders")
+    t1 = time.perf_counter()
     if choice.world == Comm(rep.group).size:
         load(step_dir(choice.step), view_name(rep.comm.rank))
         homes = {p: node_of(rep.place_of[p]) for p in range(choice.world)}
@@ -116,6 +119,10 @@ def restore(rep: Replicator, opt: Option, step_dir: Callable[[int], str],
         finally:
             shutil.rmtree(where, ignore_errors=True)
         homes = {}
+    if rep.comm.rank == 0:
+        log.info("step %d restored from peers (saved by %d ranks): fetch %.2f s (%.1f MiB on "
+                 "rank 0), load %.2f s", choice.step, choice.world, t1 - t0,
+                 rep.fetched / 2**20, time.perf_counter() - t1)
     rep.after_restore(choice, homes)  # the lost node's replicas, in the background
     return "peer"
 

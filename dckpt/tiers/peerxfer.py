@@ -37,6 +37,7 @@ from ..errors import ERROR_TYPES, CheckpointError, CommunicationError, Integrity
 from ..format import shards
 from ..storage.rename import replace_file
 from ..protocol.collectives import OwnGroup, error_payload
+from ..format.checksum import crc32
 from ..verify import check_tensor
 
 PIECE = 64 << 20  # bytes per piece: the memory a transfer holds on each rank
@@ -185,14 +186,15 @@ def recv_file(group: Any, storage, path: str, src: int, piece: int = PIECE, cap:
     put it at ``path`` of ``storage`` (its directory must exist). Returns its size.
 
     The file arrives under a temporary name beside ``path``, is verified whole
-    (``verify(storage, tmp)``; default :func:`verify_shard`, every block against the
-    shard header's own CRC32s) and only then renamed over ``path`` in one step. A
+    (``verify(storage, tmp)``, or by default :class:`StreamCheck`: what
+    :func:`verify_shard` checks, every block against the shard header's own CRC32s,
+    computed as the pieces arrive) and only then renamed over ``path`` in one step. A
     refused, failed or partial transfer leaves nothing under ``path`` (an existing file
     there is untouched), and the sender learns why and raises too.
 
-    Cost: blocking, point to point; writes the file once and reads it back once to
-    verify it (from the page cache, usually); memory: one piece of at most ``piece``
-    bytes (the sender's piece size decides: a larger one is refused).
+    Cost: blocking, point to point; writes the file once (a ``verify`` given reads it
+    back once); memory: one piece of at most ``piece`` bytes (the sender's piece size
+    decides: a larger one is refused).
     Raises CheckpointError naming the file and the peer: the sender could not read its
     file, the size is over ``cap``, the sender names another file, or the file could not
     be written here; IntegrityError when it fails its checksums or is not a shard;
@@ -229,6 +231,7 @@ def recv_file(group: Any, storage, path: str, src: int, piece: int = PIECE, cap:
         raise err from (None if err is e else e)
     local: BaseException | None = None
     committed = False
+    check = StreamCheck(tmp, size) if verify is None else None
     try:
         link.send_ctl(_OK)  # go: the sender streams the pieces now
         buf = torch.empty(min(piece, size) or 1, dtype=torch.uint8)
@@ -244,7 +247,10 @@ def recv_file(group: Any, storage, path: str, src: int, piece: int = PIECE, cap:
             link.recv(buf[:n])
             if local is None:  # after a local failure: drain the pieces, then say so
                 try:
-                    writer.write(memoryview(buf.numpy())[:n])
+                    data = memoryview(buf.numpy())[:n]
+                    if check is not None:  # the CRCs as the bytes pass: no read-back
+                        check.feed(data, pos)
+                    writer.write(data)
                 except Exception as e:
                     local = e
             pos += n
@@ -253,7 +259,10 @@ def recv_file(group: Any, storage, path: str, src: int, piece: int = PIECE, cap:
                 raise local
             writer.commit()
             committed = True
-            (verify or verify_shard)(storage, tmp)
+            if check is not None:
+                check.finish()
+            else:
+                verify(storage, tmp)
             replace_file(storage, tmp, path)
             tmp = None
         except Exception as e:
@@ -299,6 +308,82 @@ def _remove_quietly(storage, writer, tmp: str, committed: bool) -> None:
         storage.remove(tmp)
     except OSError:
         pass
+
+
+class StreamCheck:
+    """What :func:`verify_shard` checks, on the bytes of a shard file as they arrive in
+    order (no read-back): its header parsed from the first bytes, tensors that tile the
+    data region exactly, and every block of every tensor against its CRC32. Feed every
+    byte once, in order; :meth:`finish` after the last. CPU: one CRC pass; memory: the
+    header. Raises IntegrityError naming ``path`` and what failed."""
+
+    def __init__(self, path: str, size: int) -> None:
+        self.path, self.size = path, size
+        self.head = bytearray()
+        self.spans: list | None = None  # the tensors by start, once the header is in
+        self.block = 0
+        self.i = self.b = self.filled = self.crc = 0  # tensor, block, bytes, CRC so far
+
+    def _header(self) -> None:
+        if len(self.head) >= 8 and self.spans is None:
+            (hlen,) = _U64.unpack(bytes(self.head[:8]))
+            if hlen > min(shards.MAX_HEADER, self.size - 8):
+                raise IntegrityError(f"shard file {self.path}: header length {hlen} does not "
+                                     f"fit the file ({self.size} bytes)")
+            if len(self.head) >= 8 + hlen:
+                try:
+                    tensors, self.block = shards.parse_header(bytes(self.head[:8 + hlen]),
+                                                              self.path, self.size)
+                except IntegrityError:
+                    raise
+                except CheckpointError as e:
+                    raise IntegrityError(str(e)) from None
+                self.spans = sorted(tensors.values(), key=lambda st: st.start)
+                end = 8 + hlen
+                for st in self.spans:
+                    if st.start != end:
+                        raise IntegrityError(f"shard file {self.path}: bytes {end}.."
+                                             f"{st.start - 1} are not described by its header")
+                    end += st.nbytes
+                if end != self.size:
+                    raise IntegrityError(f"shard file {self.path}: bytes {end}..{self.size - 1}"
+                                         " are not described by its header")
+                self.spans = [st for st in self.spans if st.nbytes]
+
+    def feed(self, data: memoryview, pos: int) -> None:
+        """Bytes ``[pos, pos + len(data))`` of the file (every byte once, in order)."""
+        if self.spans is None:
+            take = max(0, min(len(data), 8 + shards.MAX_HEADER - len(self.head)))
+            self.head += data[:take]
+            self._header()
+            if self.spans is None:
+                return
+            skip = self._data_start() - pos
+            data, pos = data[skip:], pos + skip
+        while len(data):
+            st = self.spans[self.i]
+            n = min(self.block - self.filled, st.start + st.nbytes - pos, len(data))
+            self.crc = crc32(data[:n], self.crc)
+            self.filled += n
+            data, pos = data[n:], pos + n
+            if self.filled == self.block or pos == st.start + st.nbytes:
+                shards.check_block(self.crc, self.b, st.crcs,
+                                    f"shard file {self.path}, tensor {st.name!r}")
+                self.b, self.crc, self.filled = self.b + 1, 0, 0
+                if pos == st.start + st.nbytes:
+                    self.i, self.b = self.i + 1, 0
+
+    def _data_start(self) -> int:
+        return 8 + _U64.unpack(bytes(self.head[:8]))[0]
+
+    def finish(self) -> None:
+        """Raise IntegrityError unless every byte was checked."""
+        if self.spans is None:
+            raise IntegrityError(f"shard file {self.path}: {self.size} bytes, shorter than "
+                                 "its header")
+        if self.i != len(self.spans):
+            raise IntegrityError(f"shard file {self.path}: ended inside tensor "
+                                 f"{self.spans[self.i].name!r}")
 
 
 def verify_shard(storage, path: str) -> None:
