@@ -223,3 +223,25 @@ def test_full_every_and_restore_restart_the_chain(tmp_path):
     mgr.wait()
     assert _manifest(mgr, 6).meta.get("base") == "step-00000005"
     mgr.close()
+
+
+def test_after_a_failed_copy_the_next_is_full(tmp_path, monkeypatch):
+    root, shm = str(tmp_path / "durable"), tmp_path / "shm"
+    mgr = _manager(root, None, shm, incremental=True)
+    assert mgr.save(1, _state(1))
+    mgr.wait()
+    monkeypatch.setenv("DCKPT_FAULT", "stage:0:raise")
+    assert mgr.save(2, _state(2))
+    with pytest.raises(dckpt.CheckpointError, match="injected fault at stage"):
+        mgr.wait()
+    monkeypatch.delenv("DCKPT_FAULT")
+    assert mgr.steps() == [1] and _data_files(mgr) == {
+        f"step-00000001/{f.name}" for f in _manifest(mgr, 1).files}  # no leftover upload
+    assert mgr.save(3, _state(3))
+    mgr.wait()
+    m3 = _manifest(mgr, 3)
+    assert "base" not in m3.meta and _uploaded(mgr, 3) >= _uploaded(mgr, 1) - (1 << 16)
+    assert mgr.save(4, _state(4))
+    mgr.wait()
+    assert _manifest(mgr, 4).meta["base"] == "step-00000003"
+    mgr.close()
