@@ -185,6 +185,10 @@ class Accumulator:
         d, eq, m1, m2 = self._d[:n], self._eq[:n], self._m1[:n], self._m2[:n]
         if self.exact:
             torch.eq(a, b, out=eq)  # in the native dtype: exact where float64 rounds
+        elif self.complex:  # NaN == NaN part by part: nan+1j is not nan+2j
+            ra, rb = torch.view_as_real(a64), torch.view_as_real(b64)
+            torch.all(ra.eq(rb).logical_or_(ra.isnan().logical_and_(rb.isnan())), dim=-1,
+                      out=eq)
         else:  # float dtypes widen to float64 exactly; NaN == NaN
             torch.eq(a64, b64, out=eq)
             torch.ne(a64, a64, out=m1)

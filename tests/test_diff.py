@@ -92,6 +92,22 @@ def test_nan_inf_and_tolerance_rules_element_by_element():
     assert (z.n_diff, z.max_abs, z.rel_l2()) == (1, 1.0, inf)
 
 
+def test_complex_nan_equals_nan_only_part_by_part():
+    """Review: a complex NaN compared equal to any other complex NaN, e.g. nan+1j to
+    nan+2j, so two different checkpoints were called equal."""
+    nan = float("nan")
+    a = torch.tensor([complex(nan, 1), complex(nan, 0), complex(nan, 2), complex(1, nan)],
+                     dtype=torch.complex64)
+    b = torch.tensor([complex(nan, 2), complex(0, nan), complex(nan, 2), complex(1, nan)],
+                     dtype=torch.complex64)
+    acc = Accumulator(torch.complex64, 0.0, 0.0)
+    acc.update(a, b)
+    assert acc.n_diff == 2 and acc.max_abs == float("inf")
+    acc = Accumulator(torch.complex64, 10.0, 1.0)  # a NaN part against a number: never close
+    acc.update(a, b)
+    assert acc.n_diff == 2
+
+
 # ------------------------------------------------------------------ numbers
 def test_one_changed_tensor_reports_exact_numbers_through_many_slabs(tmp_path):
     g = torch.Generator().manual_seed(1)
