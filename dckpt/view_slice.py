@@ -51,7 +51,14 @@ def region(index: Any, shape: tuple[int, ...], key: str = "?"
     offsets, sizes, kept = [], [], []
     for d, (it, n) in enumerate(zip(items, shape)):
         if isinstance(it, slice):
-            start, stop, step = it.indices(n)  # raises TypeError for non-int bounds
+            try:
+                start, stop, step = it.indices(n)
+            except TypeError:  # a bound that is not an int (nor has __index__)
+                bad = [type(x).__name__ for x in (it.start, it.stop, it.step)
+                       if x is not None and not isinstance(x, int)]
+                raise SliceError(f"tensor {key!r}: a slice bound of type {bad[0]} at dim {d} "
+                                 "is not supported (get_slice takes ints, slices with step 1 "
+                                 "and one Ellipsis)") from None
             if step != 1:
                 raise SliceError(
                     f"tensor {key!r}: dim {d} is sliced with step {step}; get_slice reads "

@@ -210,6 +210,8 @@ def test_get_slice_equals_torch_indexing_on_every_dim(tmp_path):
     (7, "index 7 is out of range for dim 0 of size 7"),
     ((0, -6), "index -6 is out of range for dim 1 of size 5"),
     (True, "True at dim 0 is not supported"),
+    (slice(0, "x"), "bound of type str at dim 0"),  # review: was a bare TypeError
+    ((0, slice(1.5, None)), "bound of type float at dim 1"),
 ])
 def test_get_slice_refuses_what_it_cannot_read_as_ranges(index, match):
     with pytest.raises(SliceError, match=match) as e:
