@@ -204,14 +204,14 @@ class Accumulator:
         if not self.exact:
             d.nan_to_num_(nan=math.inf, posinf=math.inf)  # NaN against a number
         babs.nan_to_num_(nan=0.0, posinf=math.inf)  # a NaN in b adds nothing to ||b||
-        self.norm_b = math.hypot(self.norm_b, float(torch.linalg.vector_norm(babs)))
+        self.norm_b = math.hypot(self.norm_b, _norm(babs))
         if not self.exact and (self.atol or self.rtol):
             thr = babs.mul_(self.rtol).add_(self.atol)
             torch.le(d, thr, out=m1)
             eq.logical_or_(m1.logical_and_(torch.lt(d, math.inf, out=m2)))  # inf: never close
         self.n_diff += n - int(torch.count_nonzero(eq))
         self.max_abs = max(self.max_abs, float(d.max()))
-        self.norm_d = math.hypot(self.norm_d, float(torch.linalg.vector_norm(d)))
+        self.norm_d = math.hypot(self.norm_d, _norm(d))
 
     def rel_l2(self) -> float:
         """||a-b||_2 / ||b||_2; 0 where a == b (||a-b|| == 0), inf where ||b|| == 0 and
@@ -222,6 +222,19 @@ class Accumulator:
             return math.inf if self.norm_b == 0.0 or math.isinf(self.norm_d) else 0.0
         r = self.norm_d / self.norm_b
         return math.inf if math.isnan(r) else r
+
+
+def _norm(x: "torch.Tensor") -> float:
+    """||x||_2 of non-negative ``x``: vector_norm squares without scaling, so float64
+    values past ~1e154 overflow to inf; such a block is scaled by its max first."""
+    import torch
+
+    n = float(torch.linalg.vector_norm(x))
+    if math.isinf(n):
+        top = float(x.max())
+        if math.isfinite(top) and top > 0:
+            n = top * float(torch.linalg.vector_norm(x / top))
+    return n
 
 
 def _short(v: Any, width: int = 40) -> str:

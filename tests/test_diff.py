@@ -108,6 +108,17 @@ def test_complex_nan_equals_nan_only_part_by_part():
     assert acc.n_diff == 2
 
 
+def test_rel_l2_of_large_float64_values_does_not_overflow():
+    """Review: ||b|| of float64 values past ~1e154 overflowed to inf in the squares, so
+    rel_l2 read inf (or 0) for a finite ratio."""
+    a = torch.tensor([1e200, 1e200], dtype=torch.float64)
+    b = torch.tensor([1e200, 2e200], dtype=torch.float64)
+    acc = Accumulator(torch.float64, 0.0, 0.0)
+    acc.update(a, b)
+    assert acc.n_diff == 1 and acc.max_abs == 1e200
+    assert acc.rel_l2() == pytest.approx(1 / math.sqrt(5), rel=1e-12)
+
+
 # ------------------------------------------------------------------ numbers
 def test_one_changed_tensor_reports_exact_numbers_through_many_slabs(tmp_path):
     g = torch.Generator().manual_seed(1)
