@@ -70,9 +70,18 @@ def test_fast_tier_fallback_is_warned_once_by_rank0_naming_every_failing_rank(ra
         assert any(lvl == "DEBUG" and "fast tier" in m for lvl, m in got), got
 
 
+def _save_each_durable(base: str, steps: list[int]) -> None:
+    mgr = _manager(base)
+    for s in steps:
+        assert mgr.save(s, _state(s))
+        mgr.wait()  # each durable copy done: a copy not begun when the next step is
+        # queued is skipped for it (StageQueue), and this test needs step 2's
+    mgr.close()
+
+
 def test_durable_skip_is_warned_once_by_rank0(ranks, tmp_path):
     base = str(tmp_path)
-    ranks(3).run(_save_steps, base, [1, 2, 3])
+    ranks(3).run(_save_each_durable, base, [1, 2, 3])
     out = ranks(3).run(_restore_logged, base, {"local": [0], "durable": [3]})
     assert [o[:3] for o in out] == [(2, "durable", True)] * 3  # the fast tier keeps step 3 only
     w0 = [m for lvl, m in out[0][3] if lvl == "WARNING"]
