@@ -245,3 +245,33 @@ def test_after_a_failed_copy_the_next_is_full(tmp_path, monkeypatch):
     mgr.wait()
     assert _manifest(mgr, 4).meta["base"] == "step-00000003"
     mgr.close()
+
+
+def test_cli_du_and_verify_on_a_staged_chain(tmp_path, capsys):
+    from dckpt.cli import main
+
+    root, shm = str(tmp_path / "durable"), tmp_path / "shm"
+    mgr = _manager(root, None, shm, incremental=True)
+    for s in (1, 2):
+        assert mgr.save(s, _state(s))
+        mgr.wait()
+    mgr.close()
+    capsys.readouterr()
+    assert main(["du", root]) == 0
+    rows = {ln.split()[0].rstrip("/").rpartition("/")[2]: ln.split()
+            for ln in capsys.readouterr().out.splitlines() if "step-0000000" in ln}
+    # step 1 owns ~10 MiB and references nothing; step 2 owns ~1 MiB (the head) and
+    # references step 1's file (du counts a referenced file whole: 10 MiB)
+    assert set(rows) == {"step-00000001", "step-00000002"}
+    assert rows["step-00000001"][1:5] == ["10.0", "MiB", "0", "B"], rows
+    assert rows["step-00000002"][1:3] == ["1.0", "MiB"] and rows["step-00000002"][3:5] == \
+        ["10.0", "MiB"], rows
+    assert main(["verify", mgr.path(2)]) == 0
+    assert "OK" in capsys.readouterr().out
+    # a file of step 1 (which step 2 references) removed: verify of step 2 names it
+    d1 = tmp_path / "durable" / "step-00000001"
+    gone = next(d1.glob("data-*"))
+    gone.unlink()
+    assert main(["verify", mgr.path(2)]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED" in out and gone.name in out
