@@ -68,6 +68,28 @@ def _restore(base: str, wipe: bool) -> tuple:
     return step, mgr.restored_from, ok
 
 
+def _continue_at_3(base: str) -> tuple:
+    """Restore (from the durable chain: the fast tier's parts are 2 ranks'), then go on
+    saving incrementally at 3 ranks: (restored step, tier, ok, the new copies' bases and
+    own bytes)."""
+    from dckpt.format import manifest as mf
+
+    mgr = _manager(base, incremental=True, compression="lz4")
+    st = _state(0)
+    step = mgr.restore(st)
+    ok = _same(st, _state(step))
+    out = []
+    for s in (4, 5):
+        assert mgr.save(s, _state(s))
+        mgr.wait()
+        with open(os.path.join(mgr.path(s), "manifest.json"), "rb") as f:
+            m = mf.parse(f.read(), mgr.path(s))
+        out.append((m.meta.get("base"), m.total_bytes, sorted(f.rank for f in m.files
+                                                              if not f.dir)))
+    mgr.close()
+    return step, mgr.restored_from, ok, out
+
+
 def test_restore_2_to_3_ranks_from_a_durable_incremental_chain(ranks, tmp_path):
     from dckpt.format import manifest as mf
     from dckpt.verify import verify_checkpoint
@@ -98,3 +120,14 @@ def test_restore_2_to_3_ranks_from_a_durable_incremental_chain(ranks, tmp_path):
     assert ranks(3).run(_restore, base, False, timeout=120) == [(3, "durable", True)] * 3
     # the same world size with every node's fast tier lost
     assert ranks(2).run(_restore, base, True, timeout=120) == [(3, "durable", True)] * 2
+    # 3 ranks go on from the chain: the first copy after the restore is full (3 files,
+    # the boxes cut for 3), the next one a delta on it; a 3-rank restore with every
+    # fast tier lost reads the new chain
+    out = ranks(3).run(_continue_at_3, base, timeout=120)
+    assert all(o == out[0] for o in out)
+    step, tier, ok, copies = out[0]
+    assert (step, tier, ok) == (3, "durable", True)
+    (b4, n4, r4), (b5, n5, r5) = copies
+    assert b4 is None and r4 == [0, 1, 2] and n4 >= 3 << 20
+    assert b5 == "step-00000004" and n5 <= 0.15 * n4, (n5, n4)
+    assert ranks(3).run(_restore, base, True, timeout=120) == [(5, "durable", True)] * 3
