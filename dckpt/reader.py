@@ -148,9 +148,11 @@ class ChunkReader:
         files.read_exact(self._path(f), st.start + off, [buf], what)
         return memoryview(buf)
 
-    def raw_block(self, entry: mf.TensorEntry, ci: int, k: int, files: "_Files"):
+    def raw_block(self, entry: mf.TensorEntry, ci: int, k: int, files: "_Files",
+                  spans: dict | None = None):
         """Block ``k`` of encoded chunk ``ci`` of ``entry``, decoded (its anchor read and
-        decoded too for a delta) and checked against its content hash. Blocking I/O;
+        decoded too for a delta) and checked against its content hash; its stored bytes
+        come from ``spans`` (:meth:`encoded_spans`) when they hold them. Blocking I/O;
         raises IntegrityError naming the block and file."""
         b = entry.blocks[ci]
         row = b.table[k].tolist()
@@ -163,8 +165,12 @@ class ChunkReader:
             if row[3] & codec.XOR:
                 anchor = codec.decode(row[7], self.stored_bytes(
                     row[4], entry.key, row[5], row[6], files, offs), size, isz)
-            data = codec.decode(row[3], self.stored_bytes(
-                row[0], entry.key, row[1], row[2], files, offs), size, isz, anchor)
+            got = (spans or {}).get(row[0])
+            if got is not None and got[0] <= row[1] and row[1] + row[2] <= got[0] + len(got[1]):
+                stored = got[1][row[1] - got[0]:row[1] - got[0] + row[2]]
+            else:
+                stored = self.stored_bytes(row[0], entry.key, row[1], row[2], files, offs)
+            data = codec.decode(row[3], stored, size, isz, anchor)
         except ValueError as e:
             raise IntegrityError(f"{what}: {e}") from None
         if codec.block_hashes(memoryview(data).cast("B"), b.size) != \
@@ -172,6 +178,24 @@ class ChunkReader:
             raise IntegrityError(f"{what}: decoded bytes do not match the block's content "
                                  "hash (a damaged or replaced file)")
         return data
+
+    def encoded_spans(self, entry: mf.TensorEntry, ci: int, k0: int, k1: int,
+                      files: "_Files") -> dict[int, tuple[int, memoryview]]:
+        """The stored bytes of blocks ``k0..k1`` of encoded chunk ``ci``, one verified
+        read per file where they lie close together (an object store pays a round trip
+        per read: a compressed chunk's 1 MiB blocks must not cost one each):
+        {file index: (offset in the stored tensor, bytes)}. Files whose blocks are
+        sparse (under half the span) or span more than COALESCE_MAX are left out: their
+        blocks are read one by one. Blocking I/O; raises IntegrityError."""
+        rows = entry.blocks[ci].table[k0:k1]
+        out: dict[int, tuple[int, memoryview]] = {}
+        for fi in sorted(set(rows[:, 0].tolist())):
+            sel = rows[rows[:, 0] == fi]
+            lo, hi = int(sel[:, 1].min()), int((sel[:, 1] + sel[:, 2]).max())
+            if len(sel) > 1 and hi - lo <= COALESCE_MAX and 2 * int(sel[:, 2].sum()) >= hi - lo:
+                out[fi] = (lo, self.stored_bytes(fi, entry.key, lo, hi - lo, files,
+                                                 entry.chunks.offsets[ci]))
+        return out
 
     def copy_encoded(self, t: "Encoded", files: "_Files") -> int:
         """Decode the blocks of an encoded chunk that region ``t`` overlaps and copy the
@@ -186,8 +210,9 @@ class ChunkReader:
         base = k0 * bs
         tmp = torch.empty(min(k1 * bs, entry.chunk_nbytes(ci)) - base, dtype=torch.uint8)
         raw = memoryview(tmp.numpy())
+        spans = self.encoded_spans(entry, ci, k0, k1, files)
         for k in range(k0, k1):
-            data = memoryview(self.raw_block(entry, ci, k, files)).cast("B")
+            data = memoryview(self.raw_block(entry, ci, k, files, spans)).cast("B")
             raw[k * bs - base:k * bs - base + len(data)] = data
         src = torch.as_strided(tmp.view(to_torch(entry.dtype)), [s.stop - s.start for s in item.src],
                                strides(sizes), (a - base) // isz)
@@ -276,8 +301,12 @@ class ChunkReader:
         # Every region planned once (stored tensor, span, widening): planning is pure
         # Python per region and precedes every read, so it is the load's fixed latency.
         whole = [self._region(p, i, self.stored(p.key, e, i)) for p, e, i in planned]
-        # Pieces small enough to balance the workers' runs, and to bound the temporaries.
-        total = sum(r.nbytes for r in whole)
+        # Pieces small enough to balance the workers' runs, and to bound the temporaries
+        # (encoded chunks count too: cut into 1 MiB blocks one by one, a compressed
+        # checkpoint on an object store paid a request per block).
+        total = sum(r.nbytes for r in whole) + sum(
+            (lambda ab: ab[1] - ab[0])(byte_span(e.chunks.sizes[i.chunk].tolist(), i.src,
+                                                 ITEMSIZE[e.dtype])) for _, e, i in encoded)
         # Whole MiBs, so that cuts of a large chunk fall on checksum-block boundaries
         # (blocks are powers of two up to 1 MiB) and pieces read no widening bytes.
         per_item = max(1, min(budget // workers, total // (4 * workers)) >> 20) << 20
