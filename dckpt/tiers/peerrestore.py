@@ -5,7 +5,7 @@ another, then putting the lost node's replicas back.
 Every function here is collective over the replication group (``rep.group``, gloo) and
 is called by :class:`dckpt.tiers.fast.FastTier` between saves (the replication thread
 is idle: the restore waited for it). Transfers are point to point, scheduled in rounds
-(:func:`dckpt.tiers.peerplan.schedule`), at most one 64 MiB piece in flight per rank,
+(:func:`dckpt.tiers.peerplan.schedule`), at most one 8 MiB piece in flight per rank,
 every file verified on arrival. A transfer that fails marks that holder's copy bad;
 another holder is used when there is one, else the restore of this step raises and the
 manager tries the next step, then the durable tier: never a mix of steps.

@@ -40,7 +40,9 @@ from ..protocol.collectives import OwnGroup, error_payload
 from ..format.checksum import crc32
 from ..verify import check_tensor
 
-PIECE = 64 << 20  # bytes per piece: the memory a transfer holds on each rank
+PIECE = 8 << 20  # bytes per piece: the memory a transfer holds on each rank (smaller
+# pieces overlap the sender's reads and the receiver's CRCs and writes with the wire; 8 MiB
+# restored a 100 MiB part ~10% faster than 64 MiB, in an eighth of the memory)
 CAP = 1 << 40  # default largest file a receiver accepts
 _MAX_CTL = 1 << 20  # a control payload (JSON) larger than this is a broken peer
 _DATA, _FAIL, _HEAD, _OK = 0, 1, 2, 3
@@ -353,13 +355,17 @@ class StreamCheck:
     def feed(self, data: memoryview, pos: int) -> None:
         """Bytes ``[pos, pos + len(data))`` of the file (every byte once, in order)."""
         if self.spans is None:
-            take = max(0, min(len(data), 8 + shards.MAX_HEADER - len(self.head)))
-            self.head += data[:take]
-            self._header()
+            # keep only the header's bytes: its length first (checked), then the header
+            i = 0
+            while self.spans is None and i < len(data):
+                want = 8 if len(self.head) < 8 else self._data_start()
+                n = min(want - len(self.head), len(data) - i)
+                self.head += data[i:i + n]
+                i += n
+                self._header()
             if self.spans is None:
                 return
-            skip = self._data_start() - pos
-            data, pos = data[skip:], pos + skip
+            data, pos = data[i:], pos + i
         while len(data):
             st = self.spans[self.i]
             n = min(self.block - self.filled, st.start + st.nbytes - pos, len(data))

@@ -8,7 +8,7 @@ Replication runs in its own thread on its own gloo group, one step at a time, in
 order on every rank. The training thread never waits for it; a step committed while
 the previous one is still being copied supersedes every older copy not begun (the
 StageQueue rule, agreed by one all-reduce). Each rank sends its own part to one rank
-of each successor node and receives the parts its node keeps for others, one 64 MiB
+of each successor node and receives the parts its node keeps for others, one 8 MiB
 piece in flight at a time. A failed replication is logged, raised by ``wait()``, and
 the next save replicates again; it never fails training.
 """
