@@ -39,11 +39,11 @@ def fault(point: str, rank: int) -> None:
 
 
 class _MidWriteFault:
-    """Wraps a storage Writer: fires the ``write`` fault after the first data write, so
-    a file is left half-written."""
+    """Wraps a storage Writer: fires the ``point`` fault (``write``) after the first data
+    write, so a file is left half-written."""
 
-    def __init__(self, inner, rank: int) -> None:
-        self.inner, self.rank, self.writes = inner, rank, 0
+    def __init__(self, inner, rank: int, point: str = "write") -> None:
+        self.inner, self.rank, self.writes, self.point = inner, rank, 0, point
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -51,7 +51,7 @@ class _MidWriteFault:
     def _tick(self) -> None:
         self.writes += 1
         if self.writes == 2:
-            fault("write", self.rank)
+            fault(self.point, self.rank)
 
     def write(self, data) -> None:
         self.inner.write(data)
@@ -60,6 +60,25 @@ class _MidWriteFault:
     def pwrite(self, data, offset: int) -> None:
         self.inner.pwrite(data, offset)
         self._tick()
+
+
+class UploadFaults:
+    """A storage whose writers fire the ``upload`` fault (rank -1, as the raw
+    staging's) once a file's data is being written: the encoded staging's uploads."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def open_write(self, path: str, size_hint: int | None = None):
+        return _MidWriteFault(self.inner.open_write(path, size_hint=size_hint), -1, "upload")
+
+
+def upload_storage(storage):
+    """``storage`` itself unless an ``upload`` fault is armed (one environment lookup)."""
+    return UploadFaults(storage) if "upload:" in os.environ.get("DCKPT_FAULT", "") else storage
 
 
 def wrap_writer(writer, rank: int):

@@ -223,7 +223,8 @@ def stage(commit: LocalCommit, local_storage, path: str, comm: Comm,
             enc = Encoding(codec.compression_flag(compression), bm, None, deltas=False)
             _faults.fault("stage", comm.rank)
             with LocalPieces(local_storage, commit.step_dir, m0, comm.rank) as pieces:
-                vote = write_file(dst, root, data_name(commit.save_id, comm.rank), comm.rank,
+                vote = write_file(_faults.upload_storage(dst), root,
+                                  data_name(commit.save_id, comm.rank), comm.rank,
                                   pieces, enc)
         except Exception as e:
             vote = {"error": error_payload(e)}

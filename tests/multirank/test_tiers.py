@@ -202,10 +202,12 @@ def _restart(root: str, rundir: str) -> tuple:
 
 
 @pytest.mark.slow
-def test_sigkill_during_staging(ranks, tmp_path):
-    """The job is killed (SIGKILL, every process) while step 2 is being uploaded: the
-    durable tier still holds step 1, whole and verified, and no step 2; the restart
-    restores step 2 from the fast tier and the next save goes durable."""
+@pytest.mark.parametrize("incremental", [False, True], ids=["raw", "incremental"])
+def test_sigkill_during_staging(ranks, tmp_path, incremental):
+    """The job is killed (SIGKILL, every process) while step 2 is being uploaded (raw
+    byte copies, or the encoded staging of incremental durable copies): the durable tier
+    still holds step 1, whole and verified, and no step 2; the restart restores step 2
+    from the fast tier and the next save goes durable."""
     import time
 
     from .test_crash import Job, gc_after_lease
@@ -216,6 +218,7 @@ def test_sigkill_during_staging(ranks, tmp_path):
     # --steps 2: the job ends in close(), waiting on step 2's stuck upload, so no later
     # local save can race the kill and the restart must find step 2 exactly.
     job = Job(root, run, "--steps", "2", "--fault-step", "2", "--fault", "upload:*:sleep=60",
+              *(["--incremental"] if incremental else []),
               script=os.path.join(os.path.dirname(__file__), "jobs", "tier_job.py"))
     job.wait_for("local 2")
     d2 = os.path.join(root, "step-00000002")

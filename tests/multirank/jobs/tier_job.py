@@ -1,6 +1,7 @@
 """A torchrun job saving through a CheckpointManager with a fast tier, for crash tests.
 
     torchrun --nproc-per-node=2 tier_job.py ROOT RUNDIR --steps N [--fault-step S --fault SPEC]
+        [--incremental]
 
 Each rank's local_root is RUNDIR/node<rank> (node-local, never shared). The state of
 step s is a pure function of s. Rank 0 prints "local s" when step s is committed in the
@@ -31,6 +32,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--fault-step", type=int, default=-1)
     ap.add_argument("--fault", default="")
+    ap.add_argument("--incremental", action="store_true")
     a = ap.parse_args()
     dist.init_process_group("gloo")
     from torch.distributed.device_mesh import init_device_mesh
@@ -40,7 +42,8 @@ def main() -> None:
     with open(os.path.join(a.rundir, f"pid.{rank}"), "w") as f:
         f.write(str(os.getpid()))
     mgr = dckpt.CheckpointManager(a.root, every_steps=1, capture_rng=False,
-                                  local_root=os.path.join(a.rundir, f"node{rank}"))
+                                  local_root=os.path.join(a.rundir, f"node{rank}"),
+                                  incremental=a.incremental)
     for step in range(1, a.steps + 1):
         if step == a.fault_step:
             os.environ["DCKPT_FAULT"] = a.fault
