@@ -47,7 +47,6 @@ import argparse
 import ctypes
 import json
 import os
-import platform
 import re
 import shutil
 import statistics
@@ -62,7 +61,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))  # s3server
 from bench_save_load import (_max_over_ranks, add_state_args, drop_caches, locals_of,  # noqa: E402
-                             make_state, model_specs, timed)
+                             make_state, model_specs, save_results, timed)
 
 CASES = ("local", "peer", "durable", "durable_warm", "s3")
 FIELDS = ("VmRSS", "RssAnon", "RssShmem")
@@ -402,7 +401,6 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--shm", default="/dev/shm", help="parent of the fast tiers")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    import torch
     import torch.multiprocessing as tmp
 
     if args.world % args.nodes or args.nodes != 2:
@@ -434,12 +432,7 @@ def main(argv: list[str] | None = None) -> dict:
         shutil.rmtree(shm, ignore_errors=True)
     res["args"] = vars(args)
     res["summary"] = report(res)
-    res["env"] = {"python": platform.python_version(), "torch": torch.__version__,
-                  "machine": platform.platform(), "cpus": os.cpu_count(),
-                  "date": time.strftime("%Y-%m-%d")}
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(res, fh, indent=1)
+    save_results(res, args.json)
     return res
 
 

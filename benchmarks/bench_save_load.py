@@ -226,6 +226,21 @@ def worker(rank: int, world: int, init: str, a: dict, out: str) -> None:
     dist.destroy_process_group()
 
 
+def save_results(res: dict, path: str | None) -> None:
+    """Record this run's environment (Python, torch, machine, cores, date) in ``res`` and
+    write ``res`` as JSON to ``path`` (None: not written)."""
+    import platform
+
+    import torch
+
+    res["env"] = {"python": platform.python_version(), "torch": torch.__version__,
+                  "machine": platform.platform(), "cpus": os.cpu_count(),
+                  "date": time.strftime("%Y-%m-%d")}
+    if path:
+        with open(path, "w") as fh:
+            json.dump(res, fh, indent=1)
+
+
 def add_state_args(p: argparse.ArgumentParser) -> None:
     """The model-shape options every benchmark of this folder shares."""
     p.add_argument("--layers", type=int, default=6, help="transformer blocks")

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -41,7 +40,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_save_load import (_max_over_ranks, add_state_args, locals_of, make_state,  # noqa: E402
-                             model_specs, timed)
+                             model_specs, save_results, timed)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -240,7 +239,6 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--shm", default="/dev/shm", help="parent of the fast tier")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    import torch
     import torch.multiprocessing as tmp
 
     scratch = tempfile.mkdtemp(prefix="dckpt-bench-tiers-", dir=args.dir)
@@ -257,12 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
         shutil.rmtree(shm, ignore_errors=True)
     res["summary"] = report(res)
     res["args"] = vars(args)
-    res["env"] = {"python": platform.python_version(), "torch": torch.__version__,
-                  "machine": platform.platform(), "cpus": os.cpu_count(),
-                  "date": time.strftime("%Y-%m-%d")}
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(res, fh, indent=1)
+    save_results(res, args.json)
     return res
 
 
