@@ -304,9 +304,9 @@ class ChunkReader:
         # Pieces small enough to balance the workers' runs, and to bound the temporaries
         # (encoded chunks count too: cut into 1 MiB blocks one by one, a compressed
         # checkpoint on an object store paid a request per block).
-        total = sum(r.nbytes for r in whole) + sum(
-            (lambda ab: ab[1] - ab[0])(byte_span(e.chunks.sizes[i.chunk].tolist(), i.src,
-                                                 ITEMSIZE[e.dtype])) for _, e, i in encoded)
+        spans = [byte_span(e.chunks.sizes[i.chunk].tolist(), i.src, ITEMSIZE[e.dtype])
+                 for _, e, i in encoded]
+        total = sum(r.nbytes for r in whole) + sum(b - a for a, b in spans)
         # Whole MiBs, so that cuts of a large chunk fall on checksum-block boundaries
         # (blocks are powers of two up to 1 MiB) and pieces read no widening bytes.
         per_item = max(1, min(budget // workers, total // (4 * workers)) >> 20) << 20
@@ -318,10 +318,14 @@ class ChunkReader:
             tasks += [self._region(piece, i, r.st) for i in split_item(
                 item, entry.chunks.sizes[item.chunk].tolist(), ITEMSIZE[entry.dtype], per_item)]
         tasks.sort(key=lambda r: (r.item.file, r.st.start + r.lo))
-        for piece, entry, item in encoded:
+        for (piece, entry, item), (a, b) in zip(encoded, spans):
+            limit = max(per_item, entry.blocks[item.chunk].size)
+            if b - a <= limit:  # the common case: no cut, its span already known
+                tasks.append(Encoded(piece, entry, item, b - a))
+                continue
             sizes = entry.chunks.sizes[item.chunk].tolist()
             isz = ITEMSIZE[entry.dtype]
-            for i in split_item(item, sizes, isz, max(per_item, entry.blocks[item.chunk].size)):
+            for i in split_item(item, sizes, isz, limit):
                 a, b = byte_span(sizes, i.src, isz)
                 tasks.append(Encoded(piece, entry, i, b - a))
         # Each worker reads one run of consecutive regions through its own open files,
