@@ -145,16 +145,6 @@ def _check_layout(key: str, t: "DTensor", local: torch.Tensor, want: tuple) -> N
             f"layout {list(want)} of its placements {list(t.placements)}")
 
 
-def describe(key: str, t: torch.Tensor) -> LocalPiece:
-    """:func:`describe_all` for a tensor known to give one piece. Raises
-    UnsupportedValueError as it does, and when the local tensor holds several boxes."""
-    pieces = describe_all(key, t)
-    if len(pieces) != 1:
-        raise UnsupportedValueError(f"DTensor {key!r}: its local tensor holds {len(pieces)} "
-                                    "boxes of the global tensor (a strided placement)")
-    return pieces[0]
-
-
 def check_plain(key: str, t: torch.Tensor) -> None:
     """Refuse tensors that hold no plain strided data, naming the key."""
     if t.layout != torch.strided:
