@@ -37,7 +37,7 @@ def test_manager_refuses_replicas_without_local_root(tmp_path):
 
 def test_places_group_ranks_sharing_a_directory():
     nodes = {0: "a", 1: "a", 2: "b", 3: "b"}
-    got = replication.places(nodes, [{0, 1}, {0, 1}, None, None])
+    got = replication.places(nodes, [0, 0, 2, 3])  # each rank's lowest sharer
     assert got == {0: "a#0", 1: "a#0", 2: "b#2", 3: "b#3"}
     assert replication.node_of("host#7#12") == "host#7"
 

@@ -109,7 +109,7 @@ class FastTier:
         elif agreed.replicas > 0:
             low = min(self._sharers) if self._sharers else comm.rank
             lows = [int(b) for b in comm.all_gather_bytes(str(low).encode())]
-            place_of = {r: f"{agreed.nodes[r]}#{lows[r]}" for r in range(comm.size)}
+            place_of = replication.places(agreed.nodes, lows)
             self.peers = replication.Replicator(
                 self.storage, self.root, comm, OwnGroup.create(group, timeout), agreed,
                 place_of, owner, keep_last_local)

@@ -28,7 +28,7 @@ from ..protocol.restore import MAX_MANIFEST
 from . import peerpart, peerplan
 from .localnames import step_name, view_name
 from .peerplan import Choice, HoldReport, StepHolding
-from .replication import Replicator, node_of
+from .replication import Replicator, node_of, ranks_at
 
 log = logging.getLogger(__name__)
 _ATTEMPTS = 3  # holders tried per part before the step is given up
@@ -46,7 +46,7 @@ class Option:
 
 def _lowest(rep: Replicator) -> bool:
     me = rep.comm.rank
-    return min(r for r, p in rep.place_of.items() if p == rep.place_of[me]) == me
+    return rep.ranks_of[rep.place_of[me]][0] == me
 
 
 def options(rep: Replicator) -> list[Option]:
@@ -228,7 +228,7 @@ def _fetch_ranges(rep: Replicator, choice: Choice,
     shutil.rmtree(where, ignore_errors=True)
     held = peerpart.scan(rep.storage, rep.root, rep.owner)
     # The manifest: part 0's view, read by the lowest rank of its first holder.
-    src = min(r for r, p in rep.place_of.items() if p == choice.holders[0][0])
+    src = rep.ranks_of[choice.holders[0][0]][0]
     blob, err = b"", None
     if me == src:
         try:
@@ -290,16 +290,13 @@ def _serve_plan(rep: Replicator, choice: Choice, asks: list[dict]) -> dict[tuple
     a rank of one of its part's holders, the one with the fewest files to serve so far
     (ties: lowest rank), never the asking rank. Pure, the same on every rank (so a
     CheckpointError for a file no other rank holds is raised by all alike)."""
-    ranks_of: dict[str, list[int]] = {}
-    for r, p in sorted(rep.place_of.items()):
-        ranks_of.setdefault(p, []).append(r)
     load: dict[int, int] = {}
     jobs: dict[tuple, list[str]] = {}
     for q, ask in enumerate(asks):
         for name in sorted(ask):
             part = ask[name][0]
             # never the asking rank itself: its own node's copy was gone when it looked
-            options = [r for h in choice.holders[part] for r in ranks_of.get(h, []) if r != q]
+            options = [r for h in choice.holders[part] for r in rep.ranks_of.get(h, []) if r != q]
             if not options:
                 raise CheckpointError(f"step {choice.step}: rank {q} needs {name} (part "
                                       f"{part}), which no other rank holds")
@@ -323,9 +320,7 @@ def rereplicate(rep: Replicator, choice: Choice, homes: dict[int, str]) -> None:
     by_node = dataclasses.replace(choice, holders=node_holders)
     ring, _ = peerplan.ring(rep.nodes.values(), rep.replicas)
     copies = peerplan.rereplicate(by_node, ring, homes)
-    ranks_of: dict[str, list[int]] = {}
-    for r, n in sorted(rep.nodes.items()):
-        ranks_of.setdefault(n, []).append(r)
+    ranks_of = ranks_at(rep.nodes)  # {node: its ranks}
     jobs: dict[tuple, list[int]] = {}
     for dest, cs in sorted(copies.items()):
         for c in cs:
@@ -367,5 +362,5 @@ def _sender(rep: Replicator, choice: Choice, part: int, node: str,
         return part
     for h in choice.holders[part]:
         if node_of(h) == node:
-            return min(r for r, p in rep.place_of.items() if p == h)
+            return rep.ranks_of[h][0]
     raise CheckpointError(f"step {choice.step}: node {node} does not hold part {part}")

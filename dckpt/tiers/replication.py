@@ -53,14 +53,19 @@ def agree_settings(comm: Comm, replicas: Any, node: Any) -> peerplan.Agreed:
     return agreed
 
 
-def places(nodes: dict[int, str], sharers: list[set[int] | None]) -> dict[int, str]:
+def places(nodes: dict[int, str], lows: list[int]) -> dict[int, str]:
     """{rank: its place}: the directory a rank's fast tier lives in, named by its node
-    and the lowest rank sharing it (ranks of one node usually share ``local_root``;
-    ranks that do not, or cannot tell, are each a place of their own). Pure."""
-    out = {}
-    for r, n in nodes.items():
-        s = sharers[r]
-        out[r] = f"{n}#{min(s) if s else r}"
+    and ``lows[rank]``, the lowest rank sharing it (ranks of one node usually share
+    ``local_root``; ranks that do not, or cannot tell, give their own rank: each is a
+    place of its own). Pure."""
+    return {r: f"{n}#{lows[r]}" for r, n in nodes.items()}
+
+
+def ranks_at(where: dict[int, str]) -> dict[str, list[int]]:
+    """{place or node: its ranks, ascending} from {rank: place or node}. Pure."""
+    out: dict[str, list[int]] = {}
+    for r, p in sorted(where.items()):
+        out.setdefault(p, []).append(r)
     return out
 
 
@@ -79,6 +84,7 @@ class Replicator:
         self.storage, self.root, self.comm, self.group = storage, root, comm, group
         self.replicas, self.nodes, self.place_of = agreed.replicas, dict(agreed.nodes), place_of
         self.owner = owner
+        self.ranks_of = ranks_at(place_of)  # {place: its ranks, ascending}
         self.retention = RetentionPolicy(keep_last)
         self.queue = stager.StageQueue()  # the replications queued (coalesced)
         # The newest step replicated everywhere, as far as this rank knows. At start,
@@ -99,7 +105,7 @@ class Replicator:
             log.info("fast tier replication: %d replica(s) per step over %d node(s)",
                      min(self.replicas, len(succ) - 1), len(succ))
         me = comm.rank
-        if min(r for r, p in place_of.items() if p == place_of[me]) == me:
+        if self.ranks_of[place_of[me]][0] == me:  # the lowest rank of its place
             n = peerpart.sweep(root)  # nothing transfers yet: construction is collective
             if n:
                 log.info("rank %d: removed %d file(s) of transfers cut short in %s", me, n, root)
