@@ -27,7 +27,6 @@ references a missing file (the commit checks every referenced file again).
 """
 from __future__ import annotations
 
-import json
 import logging
 import mmap
 import time
@@ -44,14 +43,13 @@ from ..engine.encode import Encoding
 from ..errors import CheckpointError
 from ..layout import plan as gplan
 from ..layout.chunks import Box
-from ..protocol.collectives import Comm, error_payload, rank0_bytes
-from ..protocol.commit import CheckpointInfo, _raise_if_error, write_file
-from ..protocol.coordinator import (_Coordinator, _check_files, _unpack, check_base,
-                                    data_name)
+from ..protocol.collectives import Comm, error_payload
+from ..protocol.commit import CheckpointInfo, write_file
+from ..protocol.coordinator import _check_files, check_base, data_name
 from ..protocol.restore import read_manifest_bytes
 from ..state.tensors import LocalPiece
-from ..storage.fsspec_storage import make_storage
 from .local import LocalCommit
+from .stager import durable_copy, staged_info
 
 log = logging.getLogger(__name__)
 
@@ -195,65 +193,41 @@ def stage(commit: LocalCommit, local_storage, path: str, comm: Comm,
     manifest (never its data). Raises on every rank alike as :func:`stager.stage`.
     On failure nothing is committed and the uploads are removed."""
     t0 = time.perf_counter()
-    coord: _Coordinator | None = None
-    setup_err: Exception | None = None
-    dst, root = None, path
-    try:
-        dst, root = make_storage(path, storage_options)
-    except Exception as e:
-        setup_err = e
-    try:
-        def begin() -> bytes:  # rank 0
-            nonlocal coord
-            if setup_err is not None:
-                raise setup_err
-            coord = _Coordinator(dst, root, True, comm.size)
-            data = usable_base(dst, root, base, storage_options) if base else b""
-            coord.begin(commit.save_id)
-            return data
 
-        base_bytes = rank0_bytes(comm, begin, f"stage {commit.step_dir} to {path}")
+    def prepare(dst, root: str) -> bytes:  # rank 0, before the lease
+        return usable_base(dst, root, base, storage_options) if base else b""
+
+    with durable_copy(commit, path, comm, storage_options, prepare) as s:
+        base_bytes = s.first
         m0 = bm = None
         vote: dict[str, Any]
         try:
-            if setup_err is not None:
-                raise setup_err
+            s.check()
             m0 = mf.parse(commit.manifest, f"{path} (staged)")
             bm = mf.parse(base_bytes, f"{base} (base)") if base_bytes else None
             enc = Encoding(codec.compression_flag(compression), bm, None, deltas=False)
             _faults.fault("stage", comm.rank)
             with LocalPieces(local_storage, commit.step_dir, m0, comm.rank) as pieces:
-                vote = write_file(_faults.upload_storage(dst), root,
+                vote = write_file(_faults.upload_storage(s.dst), s.root,
                                   data_name(commit.save_id, comm.rank), comm.rank,
                                   pieces, enc)
         except Exception as e:
             vote = {"error": error_payload(e)}
             log.debug("rank %d: encoded upload failed", comm.rank, exc_info=True)
-        votes = comm.gather_bytes(json.dumps(vote).encode())
-        outcome = None
-        if coord is not None:
-            try:
-                coord.gp = plan_of(m0) if m0 is not None else None
-                if bm is not None:
-                    coord.base, coord.base_dir = bm, root_name(base)
-                meta = {"step": m0.meta["step"]} if m0 is not None and "step" in m0.meta else {}
-                # the local commit's time: one save in both tiers (see chooser.live_timeline)
-                outcome = coord.commit([json.loads(v) for v in votes], t0, meta,
-                                       m0.created if m0 is not None else None)
-            except Exception as e:  # rank 0 must still broadcast, or the others hang
-                from ..protocol.coordinator import _pack
 
-                outcome = _pack({"errors": {0: error_payload(e)}})
-        result, _ = _unpack(comm.broadcast_bytes(outcome))
-    finally:
-        if coord is not None:
-            coord.finish()  # not committed: remove the uploads; always: end the lease
-    _raise_if_error(result, f"stage of step {commit.step} to {path}")
-    shown = path.rstrip("/") if "://" in path else root
-    info = CheckpointInfo(path=shown, bytes_written=result["bytes"], num_files=result["files"],
-                          seconds=result["seconds"], world_size=comm.size, save_id=commit.save_id)
+        def decide(votes: list[dict]) -> bytes:
+            coord = s.coord
+            coord.gp = plan_of(m0) if m0 is not None else None
+            if bm is not None:
+                coord.base, coord.base_dir = bm, root_name(base)
+            meta = {"step": m0.meta["step"]} if m0 is not None and "step" in m0.meta else {}
+            # the local commit's time: one save in both tiers (see chooser.live_timeline)
+            return coord.commit(votes, t0, meta, m0.created if m0 is not None else None)
+
+        result = s.settle(comm, vote, decide)
+    info = staged_info(result, commit, path, s.root, comm)
     if comm.rank == 0:
-        log.info("staged step %d to %s (%s): %.1f MiB in %.2f s", commit.step, shown,
+        log.info("staged step %d to %s (%s): %.1f MiB in %.2f s", commit.step, info.path,
                  f"incremental on {root_name(base)}" if base_bytes else "full",
                  info.bytes_written / 2**20, info.seconds)
     return info

@@ -20,7 +20,9 @@ import json
 import logging
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
 from .. import _faults
 from ..format import manifest as mf
@@ -61,6 +63,79 @@ def copy_file(src_storage, src: str, dst_storage, dst: str, block: int = COPY_BL
     return n
 
 
+class Staging:
+    """One staging's durable side, as :func:`durable_copy` yields it: ``dst`` and
+    ``root`` (the durable storage; None and ``path`` when it could not be opened:
+    :meth:`check` raises why), ``coord`` (rank 0's coordinator, holding the lease; None
+    on the other ranks) and ``first`` (what ``prepare`` returned on rank 0, on every
+    rank)."""
+
+    def __init__(self, path: str) -> None:
+        self.dst: Any = None
+        self.root = path
+        self.coord: _Coordinator | None = None
+        self.setup_err: Exception | None = None
+        self.first = b""
+
+    def check(self) -> None:
+        """Raise why the durable storage could not be opened (inside a rank's vote)."""
+        if self.setup_err is not None:
+            raise self.setup_err
+
+    def settle(self, comm: Comm, vote: dict, decide: Callable[[list[dict]], bytes]) -> dict:
+        """Gather every rank's ``vote``; rank 0 turns them into the outcome with
+        ``decide`` (an exception there is rank 0's error: it must still broadcast, or
+        the others hang); returns the outcome on every rank. Collective: a gather and a
+        broadcast."""
+        votes = comm.gather_bytes(json.dumps(vote).encode())
+        outcome = None
+        if self.coord is not None:
+            try:
+                outcome = decide([json.loads(v) for v in votes])
+            except Exception as e:
+                outcome = _pack({"errors": {0: error_payload(e)}})
+        return _unpack(comm.broadcast_bytes(outcome))[0]
+
+
+@contextmanager
+def durable_copy(commit: LocalCommit, path: str, comm: Comm, storage_options: dict | None,
+                 prepare: Callable[[Any, str], bytes] | None = None) -> Iterator[Staging]:
+    """The durable side of staging ``commit`` to ``path``: opens the storage, and on
+    rank 0 takes the save's lease there (after ``prepare(dst, root)``, whose bytes every
+    rank receives as :attr:`Staging.first`); at exit rank 0 ends it (not committed: the
+    uploads are removed). Collective: one broadcast on entry. Raises on every rank
+    alike when rank 0 cannot begin; a rank that could not open the storage raises in
+    its vote (:meth:`Staging.check`)."""
+    s = Staging(path)
+    try:
+        s.dst, s.root = make_storage(path, storage_options)
+    except Exception as e:
+        s.setup_err = e
+    try:
+        def begin() -> bytes:  # rank 0
+            s.check()
+            s.coord = _Coordinator(s.dst, s.root, True, comm.size)
+            data = prepare(s.dst, s.root) if prepare is not None else b""
+            s.coord.begin(commit.save_id)
+            return data
+
+        s.first = rank0_bytes(comm, begin, f"stage {commit.step_dir} to {path}")
+        yield s
+    finally:
+        if s.coord is not None:
+            s.coord.finish()  # not committed: remove the uploads; always: end the lease
+
+
+def staged_info(result: dict, commit: LocalCommit, path: str, root: str,
+                comm: Comm) -> CheckpointInfo:
+    """The CheckpointInfo of a staging's outcome; raises its error on every rank alike."""
+    _raise_if_error(result, f"stage of step {commit.step} to {path}")
+    shown = path.rstrip("/") if "://" in path else root
+    return CheckpointInfo(path=shown, bytes_written=result["bytes"], num_files=result["files"],
+                          seconds=result["seconds"], world_size=comm.size,
+                          save_id=commit.save_id)
+
+
 def stage(commit: LocalCommit, local_storage, path: str, comm: Comm,
           storage_options: dict | None = None) -> CheckpointInfo:
     """Copy the local checkpoint ``commit`` to ``path`` (durable) and commit it there,
@@ -71,26 +146,11 @@ def stage(commit: LocalCommit, local_storage, path: str, comm: Comm,
     CommunicationError. On failure nothing is committed and the uploaded files are
     removed; the durable tier keeps what it had."""
     t0 = time.perf_counter()
-    coord = None
-    dst, root, setup_err = None, path, None
-    try:
-        dst, root = make_storage(path, storage_options)
-    except Exception as e:
-        setup_err = e
-    try:
-        def begin() -> bytes:  # rank 0
-            nonlocal coord
-            if setup_err is not None:
-                raise setup_err
-            coord = _Coordinator(dst, root, True, comm.size)
-            coord.begin(commit.save_id)
-            return b""
-
-        rank0_bytes(comm, begin, f"stage {commit.step_dir} to {path}")
+    with durable_copy(commit, path, comm, storage_options) as s:
         vote: dict
         try:
-            if setup_err is not None:
-                raise setup_err
+            s.check()
+            dst, root = s.dst, s.root
             sizes = {}
             for name in commit.files:
                 _faults.fault("stage", comm.rank)
@@ -102,25 +162,17 @@ def stage(commit: LocalCommit, local_storage, path: str, comm: Comm,
             vote = {"sizes": sizes}
         except Exception as e:
             vote = {"error": error_payload(e)}
-        votes = comm.gather_bytes(json.dumps(vote).encode())
-        outcome = None
-        if coord is not None:
-            vs = [json.loads(v) for v in votes]
+
+        def decide(vs: list[dict]) -> bytes:
             errors = {r: v["error"] for r, v in enumerate(vs) if v.get("error")}
             if errors:
-                outcome = _pack({"errors": errors})
-            else:
-                outcome = coord.commit_manifest(mf.parse(commit.manifest, f"{path} (staged)"), t0)
-        result, _ = _unpack(comm.broadcast_bytes(outcome))
-    finally:
-        if coord is not None:
-            coord.finish()  # not committed: remove the uploads; always: end the lease
-    _raise_if_error(result, f"stage of step {commit.step} to {path}")
-    shown = path.rstrip("/") if "://" in path else root
-    info = CheckpointInfo(path=shown, bytes_written=result["bytes"], num_files=result["files"],
-                          seconds=result["seconds"], world_size=comm.size, save_id=commit.save_id)
+                return _pack({"errors": errors})
+            return s.coord.commit_manifest(mf.parse(commit.manifest, f"{path} (staged)"), t0)
+
+        result = s.settle(comm, vote, decide)
+    info = staged_info(result, commit, path, s.root, comm)
     if comm.rank == 0:
-        log.info("staged step %d to %s: %.1f MiB in %.2f s", commit.step, shown,
+        log.info("staged step %d to %s: %.1f MiB in %.2f s", commit.step, info.path,
                  info.bytes_written / 2**20, info.seconds)
     return info
 
