@@ -271,6 +271,12 @@ def _fill_cast(pieces: list, reader: ChunkReader, workers: int, budget: int, wha
 _FLOAT_CODES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
 
 
+def _shown(key: str, ck: str) -> str:
+    """A target key for an error message, with its checkpoint key when renamed (built
+    only for an error: _match runs per tensor)."""
+    return repr(key) if ck == key else f"{key!r} (checkpoint key {ck!r})"
+
+
 def _match(m: mf.Manifest, tensors: dict, values: dict, cast: bool, names: dict[str, str],
            allow_missing: bool = False):
     """Pair every target tensor with the manifest entry of its checkpoint key
@@ -282,7 +288,6 @@ def _match(m: mf.Manifest, tensors: dict, values: dict, cast: bool, names: dict[
     for key, t in tensors.items():
         ck = names[key]
         entry = m.tensors.get(ck)
-        shown = repr(key) if ck == key else f"{key!r} (checkpoint key {ck!r})"
         if entry is None:
             (wrong if ck in m.values else missing).append(key)
             continue
@@ -291,14 +296,14 @@ def _match(m: mf.Manifest, tensors: dict, values: dict, cast: bool, names: dict[
         if any(p.local is not None and any(s == 0 and n > 1 for s, n in
                                            zip(p.local.stride(), p.local.shape)) for p in several):
             raise UnsupportedValueError(
-                f"tensor {shown} is an expanded view (several elements share one memory "
-                "location): load into a tensor that owns its elements, e.g. .clone()")
+                f"tensor {_shown(key, ck)} is an expanded view (several elements share one "
+                "memory location): load into a tensor that owns its elements, e.g. .clone()")
         castable = cast and piece.dtype in _FLOAT_CODES and entry.dtype in _FLOAT_CODES
         if (piece.dtype != entry.dtype and not castable) or piece.shape != entry.shape:
             hint = ("" if piece.shape != entry.shape or cast else
                     "; pass cast=True to convert floating-point tensors while loading")
             raise StateMismatchError(
-                f"tensor {shown}: the state_dict has dtype {piece.dtype} shape "
+                f"tensor {_shown(key, ck)}: the state_dict has dtype {piece.dtype} shape "
                 f"{list(piece.shape)}, the checkpoint has dtype {entry.dtype} shape "
                 f"{list(entry.shape)}{hint}")
         pieces += [(p, entry) for p in several]
