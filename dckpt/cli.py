@@ -223,15 +223,20 @@ def _as_typed(message: str, storage_path: str, shown: str) -> str:
 
 def _opts(args) -> dict | None:
     """The --storage-options JSON object. Raises CheckpointError when it is not one."""
-    if not args.storage_options:
+    return json_opts(args.storage_options, "--storage-options")
+
+
+def json_opts(text: str | None, flag: str) -> dict | None:
+    """The JSON object of storage options given as ``flag`` (None when not given).
+    Raises CheckpointError naming ``flag`` when it is not a JSON object."""
+    if not text:
         return None
     try:
-        opts = json.loads(args.storage_options)
+        opts = json.loads(text)
     except ValueError as e:
-        raise CheckpointError(f"--storage-options is not valid JSON: {e}") from None
+        raise CheckpointError(f"{flag} is not valid JSON: {e}") from None
     if not isinstance(opts, dict):
-        raise CheckpointError(f"--storage-options must be a JSON object, not "
-                              f"{type(opts).__name__}")
+        raise CheckpointError(f"{flag} must be a JSON object, not {type(opts).__name__}")
     return opts
 
 

@@ -3,7 +3,6 @@
 Nothing here imports torch until the command runs."""
 from __future__ import annotations
 
-import json
 import logging
 import math
 
@@ -66,15 +65,9 @@ def cmd_diff(args) -> int:
 
 
 def _side(text: str | None, which: str, default: dict | None) -> dict | None:
-    if text is None:
-        return default
-    try:
-        v = json.loads(text)
-    except ValueError as e:
-        raise CheckpointError(f"--storage-options-{which} is not valid JSON: {e}") from None
-    if not isinstance(v, dict):
-        raise CheckpointError(f"--storage-options-{which} must be a JSON object")
-    return v
+    from .cli import json_opts
+
+    return default if text is None else json_opts(text, f"--storage-options-{which}")
 
 
 def order(keys: list) -> list:
