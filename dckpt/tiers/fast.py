@@ -362,10 +362,16 @@ class FastTier:
                      needs: Callable) -> str:
         """Restore ``opt`` (one of :meth:`peer_options`) through ``loader`` as
         :meth:`load` does, fetching from peers what this rank lacks; returns
-        ``"local"`` or ``"peer"``. Collective; raises as :func:`peerrestore.restore`."""
+        ``"local"`` or ``"peer"``. Returns once the replicas the lost node held are
+        re-created too (they are copied in the replication thread, after the load: the
+        job survives another node loss from the moment this returns; their failure is
+        logged, never raised). Collective; raises as :func:`peerrestore.restore`."""
         n = self.read_workers()
-        return peerrestore.restore(self.peers, opt, self.step_dir,
+        used = peerrestore.restore(self.peers, opt, self.step_dir,
                                    lambda path, name: loader(path, name, n), needs)
+        for e in self.peers.wait():  # the re-replication (errors: already logged)
+            log.debug("re-replication after the restore: %s", e)
+        return used
 
     def load(self, step: int, loader: Callable[[str, str, int], None]) -> None:
         """Load ``step`` from the fast tier through ``loader(path, manifest_name,

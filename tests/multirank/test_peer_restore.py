@@ -62,6 +62,16 @@ def _restore(base: str, per_node: int) -> tuple:
     return got, mgr.restored_from
 
 
+def _restore_and_look(base: str, per_node: int, lost_root: str) -> tuple:
+    mgr = _manager(base, per_node)
+    st = _state(-1)
+    got = mgr.restore(st)
+    _check(st, got)
+    held = _peer_parts(lost_root, got)  # right after restore(), before close()
+    mgr.close()
+    return got, mgr.restored_from, held
+
+
 def _peer_parts(root: str, step: int) -> list[int]:
     d = os.path.join(root, "peers", f"step-{step:08d}")
     if not os.path.isdir(d):
@@ -78,10 +88,12 @@ def test_lose_each_node_in_turn_and_restore_from_peers(ranks, tmp_path):
     assert _peer_parts(str(tmp_path / "node0"), 10) == []
     for lost in ("node1", "node0"):
         shutil.rmtree(tmp_path / lost)  # the replacement node starts empty
-        out = pool.run(_restore, str(tmp_path), 2, timeout=DEADLINE)
-        assert out == [(20, "peer")] * 4, out
-        # the replacement holds its own parts again and the replicas it held for others
-        assert _peer_parts(str(tmp_path / lost), 20) == ([2, 3] if lost == "node0" else [0, 1])
+        out = pool.run(_restore_and_look, str(tmp_path), 2, str(tmp_path / lost),
+                       timeout=DEADLINE)
+        # the replacement holds its own parts again, and the replicas it held for others
+        # are back when restore() returns (before any close() or wait())
+        want = [2, 3] if lost == "node0" else [0, 1]
+        assert out == [(20, "peer", want)] * 4, out
     out = pool.run(_restore, str(tmp_path), 2, timeout=DEADLINE)
     assert out == [(20, "local")] * 4
 
