@@ -84,9 +84,9 @@ def restore(rep: Replicator, opt: Option, step_dir: Callable[[int], str],
             needs: Callable[[mf.Manifest], dict[int, set]]) -> str:
     """Restore ``opt``'s step: fetch what this rank lacks from holders, then
     ``load(path, manifest_name)`` (every rank), then queue the re-creation of the
-    replicas the lost node held (:func:`rereplicate`, in the replication thread: it
-    starts at once, training does not wait for it, ``wait()`` does). Returns ``"local"`` when no rank needed a peer's bytes, else
-    ``"peer"``. ``needs(manifest)``: {file index: {(key, chunk offsets)}} this rank's
+    replicas the lost node held (:func:`rereplicate`, in the replication thread; the
+    caller, :meth:`FastTier.peer_restore`, waits for it). Returns ``"local"`` when no
+    rank needed a peer's bytes, else ``"peer"``. ``needs(manifest)``: {file index: {(key, chunk offsets)}} this rank's
     load reads (another world size only). Collective; blocking transfers. Raises
     CheckpointError (on every rank alike) when some part cannot be had verified from
     any holder, or the load fails: the caller tries the next step."""
