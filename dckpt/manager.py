@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from .protocol.collectives import Comm, on_rank0
+from .protocol.settings import agree_settings
 from .protocol.commit import save as _save
 from .engine.async_save import SaveHandle
 from .engine.async_save import _fence_targets, _saver
@@ -20,10 +21,11 @@ from .policy import RetentionPolicy, SavePolicy, check_epoch, estimate_mtbf_hour
 from . import failures, history
 from .state import rng
 from .state.training import fence_targets
+from .tiers import identity
 from .tiers.fast import FastTier
 from .tiers.stage_encoded import Chain
 from .tiers.local import step_name
-from .manager_restore import RestoreMixin, holds_stateful, root_identity
+from .manager_restore import RestoreMixin, holds_stateful
 from .manager_retention import RetentionMixin
 from .storage.fsspec_storage import make_storage
 
@@ -114,12 +116,28 @@ class CheckpointManager(RetentionMixin, RestoreMixin):
                  incremental: bool = False, full_every: int = 10,
                  compression: str | None = None, every_epochs: int | None = None,
                  replicas: int = 0, node: Any = None) -> None:
-        if local_root is None and replicas != 0:
-            raise CheckpointError(f"replicas={replicas!r} needs local_root: the replicas are "
-                                  "copies of the fast tier's steps on other nodes")
-        if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1:
-            raise CheckpointError(f"full_every must be an int >= 1, not {full_every!r}")
-        compression_flag(compression)  # a bad value or a missing extra: fail now, not at the first save
+        self.comm = Comm(process_group)
+        # Checked on every rank together: a bad value on one rank, or ranks that
+        # disagree on a setting that shapes the files or the collectives, raise the
+        # same error everywhere, before any save (never a hang or a copy that never
+        # commits).
+        bad = None
+        try:
+            if local_root is None and replicas != 0:
+                raise CheckpointError(f"replicas={replicas!r} needs local_root: the replicas "
+                                      "are copies of the fast tier's steps on other nodes")
+            if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1:
+                raise CheckpointError(f"full_every must be an int >= 1, not {full_every!r}")
+            compression_flag(compression)  # a bad value or a missing extra: fail now
+        except CheckpointError as e:
+            bad = str(e)
+        agree_settings(self.comm, {
+            "root": root, "every_steps": every_steps, "every_seconds": every_seconds,
+            "every_epochs": every_epochs, "async_save": async_save,
+            "local_root given": local_root is not None, "keep_last_local": keep_last_local,
+            "durable_every_steps": durable_every_steps, "incremental": incremental,
+            "full_every": full_every, "compression": compression, "replicas": replicas,
+            "capture_rng": capture_rng}, bad, "CheckpointManager settings")
         self.incremental, self.full_every, self.compression = incremental, full_every, compression
         # The step this process last committed and how many saves since the last full
         # one: the base of the next incremental save (None: the next save is full).
@@ -137,7 +155,6 @@ class CheckpointManager(RetentionMixin, RestoreMixin):
         self.retention = RetentionPolicy(keep_last, keep_every)
         self.async_save, self.capture_rng = async_save, capture_rng
         self.group, self.storage_options = process_group, storage_options
-        self.comm = Comm(process_group)
         self.storage, self.root = make_storage(root, storage_options)
         self._root_arg = root
         self._last_step: int | None = None
@@ -154,13 +171,39 @@ class CheckpointManager(RetentionMixin, RestoreMixin):
             signal.signal(signal.SIGTERM, self._on_sigterm)  # main thread only, as Python requires
         self._requested = False
         self.restored_from: str | None = None  # "local" or "durable" after a restore
-        # The highest durable step that may lie above this manager's local commits
-        # (rank 0; unknown until the first restore or local commit: see _drop_abandoned).
+        # The highest durable step that may lie above, or at, this manager's next local
+        # commit from an earlier timeline (rank 0; unknown until the first restore or
+        # local commit: see _drop_abandoned).
         self._durable_ceiling: float = float("inf")
+        # The explicit timeline (tiers.chooser.timeline_of), the same on every rank: the
+        # save id the next commit continues (the restored one, then each commit) and
+        # the newest commit time seen by the last restore.
+        self._parent: str | None = None
+        self._after: float | None = None
 
         def setup() -> str | None:  # rank 0
-            self.storage.makedirs(self.root)
-            return None if local_root is None else root_identity(self.storage, self.root, root)
+            try:
+                self.storage.makedirs(self.root)
+                if local_root is None:
+                    return None
+                return identity.root_identity(self.storage, self.root, root)
+            except identity.RunIdError:
+                raise  # damaged: an error, never a new run nor the cache's word
+            except Exception as e:
+                if local_root is None:
+                    raise
+                # The durable root is unreachable: the fast tier must still restore and
+                # save (the reason it exists); its identity is cached beside it.
+                cached = identity.cached_identity(local_root, self.root, root)
+                if cached is None:
+                    raise CheckpointError(
+                        f"the durable root {root} cannot be reached ({type(e).__name__}: "
+                        f"{e}) and {local_root} holds no cached identity of it (no "
+                        "fast-tier step of this root to restore on this node)") from e
+                log.warning("the durable root %s cannot be reached (%s): going on with the "
+                            "fast tier %s (its identity cached there); durable copies "
+                            "resume when the root is back", root, e, local_root)
+                return cached
 
         owner = on_rank0(self.comm, setup, f"CheckpointManager: create {root}")
         # Rank 0 alone writes the save history (no I/O until the first record).
@@ -268,6 +311,10 @@ class CheckpointManager(RetentionMixin, RestoreMixin):
         if not due:
             return False
         self._finish_inflight(raise_error=False)
+        if self.tier is not None:  # the previous local commit is the next one's parent
+            self.tier.wait_local()
+            if self.tier.last_commit is not None:
+                self._parent = self.tier.last_commit.save_id
         full = self._full(state)
         if self.async_save:
             fences = fence_targets(state) + fences
@@ -280,7 +327,6 @@ class CheckpointManager(RetentionMixin, RestoreMixin):
         info = None
         try:
             if self.tier is not None:
-                self._durable_ceiling = max(self._durable_ceiling, step)
                 durable = self.tier.durable_due(step, force or requested)
                 # With a TrainingState on CPU, the tier's files are written straight
                 # from the live tensors while training goes on (one host copy); the
@@ -316,7 +362,7 @@ class CheckpointManager(RetentionMixin, RestoreMixin):
             if pending is not None:  # on disk before save() returns
                 pending.committed("durable", info.bytes_written, info.world_size,
                                   info.save_id, wait=True)
-            self._committed(step)
+            self._committed(step, info.save_id)
         self.save_seconds = blocked
         self._last_step, self._last_time = step, time.monotonic()
         return True
@@ -331,9 +377,11 @@ class CheckpointManager(RetentionMixin, RestoreMixin):
         self._since_full = self._since_full + 1 if base is not None else 0
         return {"base": base, "compression": self.compression}
 
-    def _committed(self, step: int) -> None:
-        """Every rank: ``step`` committed; it is the next incremental save's base."""
+    def _committed(self, step: int, save_id: str) -> None:
+        """Every rank: ``step`` committed as ``save_id``; it is the next incremental
+        save's base and the next commit's parent."""
         self._base = step
+        self._parent = save_id
         self._after_commit(step)
 
     def _tier_recorder(self, pending: history.PendingSave | None):
@@ -351,7 +399,7 @@ class CheckpointManager(RetentionMixin, RestoreMixin):
             # rank 0's local commit means every rank's (they agreed on it)
             if pending is not None:
                 pending.committed("local", commit.total_bytes, self.comm.size, commit.save_id)
-            self._drop_abandoned(commit.step)
+            self._drop_abandoned(commit.step, commit.save_id)
 
         return on_commit
 
@@ -367,8 +415,15 @@ class CheckpointManager(RetentionMixin, RestoreMixin):
         full: dict[str, Any] = {"state": state}
         if self.capture_rng:
             full["rng"] = {f"rank{self.comm.rank}": rng.capture()}
+        manager: dict[str, Any] = {}
         if self._epoch is not None:  # read back by restore (restored_epoch)
-            full["manager"] = {"epoch": self._epoch}
+            manager["epoch"] = self._epoch
+        if self._parent is not None:  # the explicit timeline: tiers.chooser.timeline_of
+            manager["parent"] = self._parent
+        if self._after is not None:
+            manager["after"] = self._after
+        if manager:
+            full["manager"] = manager
         return full
 
     def _prepare(self, state: Any, *, loaded: bool = True) -> None:
@@ -406,13 +461,13 @@ class CheckpointManager(RetentionMixin, RestoreMixin):
             step, h = self._inflight
             self._inflight = None
             try:
-                h.result()
+                info = h.result()
             except Exception as e:
                 self._base = None
                 log.error("checkpoint of step %d failed: %s", step, e)
                 self._error = e
             else:
-                self._committed(step)
+                self._committed(step, info.save_id)
         if raise_error and self._error is not None:
             err, self._error = self._error, None
             raise err

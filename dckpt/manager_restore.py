@@ -4,13 +4,11 @@ whose attributes it uses)."""
 from __future__ import annotations
 
 import logging
-import re
 import time
-import uuid
 from typing import Any
 
 from . import failures, history
-from .errors import CheckpointError, IntegrityError, NotCommittedError
+from .errors import CheckpointError, CommunicationError, IntegrityError, NotCommittedError
 from .format import manifest as mf
 from .protocol.collectives import on_rank0
 from .protocol.restore import load as _load
@@ -20,15 +18,12 @@ from .state import rng
 from .state.flatten import is_stateful
 from .storage.fsspec_storage import make_storage
 from .catalog import remove_checkpoints
-from .tiers.chooser import Candidate, live_timeline
+from .tiers.chooser import Candidate, live_timeline, timeline_of
 from .tiers.fast import fallback_worthy
+from .tiers.identity import RUN_ID_FILE, root_identity  # noqa: F401 (their old home)
 from .tiers.local import step_name
 
 log = logging.getLogger("dckpt.manager")  # one logger for the manager's messages
-
-
-RUN_ID_FILE = ".dckpt-run-id"  # in the durable root: which run the fast tier's steps belong to
-_RUN_ID = re.compile(r"[0-9a-f]{32}")
 
 
 def holds_stateful(state: Any) -> bool:
@@ -41,41 +36,6 @@ def holds_stateful(state: Any) -> bool:
     if type(state) in (list, tuple):
         return any(holds_stateful(v) for v in state)
     return False
-
-
-def root_identity(storage, root: str, url: str) -> str:
-    """Rank 0: the identity of the durable root (``url`` as given, ``root`` as
-    normalised by its storage), recorded in every fast-tier view: where it is (the
-    normalised root URL) and the run id stored in it, made on first use. A new run (another root, or this root emptied and started over) has
-    another identity, so it never restores the fast-tier steps an earlier run left in
-    a shared ``local_root``. A damaged run-id file is replaced (with a warning): the
-    fast tier's steps of the old id are then not restored, the durable ones are.
-    Small I/O in the root; raises OSError when the root cannot be read or written."""
-    local = "://" not in url or url.startswith("file://")
-    shown = root if local else f"{url.split('://', 1)[0]}://{root}"
-    path = storage.join(root, RUN_ID_FILE)
-    for _ in range(3):
-        try:
-            text = storage.read_file(path, 64).decode("ascii", "replace").strip()
-        except FileNotFoundError:
-            text = None
-        except (OSError, CheckpointError) as e:
-            text = f"unreadable: {e}"
-        if text is not None and _RUN_ID.fullmatch(text):
-            return f"{shown}#{text}"
-        if text is not None:
-            log.warning("%s does not hold a run id (%s): making a new one; the fast tier's "
-                        "steps saved for this root under the old one are not restored",
-                        path, text[:80])
-            try:
-                storage.remove(path)
-            except FileNotFoundError:
-                pass
-        try:
-            storage.put_atomic(path, uuid.uuid4().hex.encode(), exclusive=True)
-        except FileExistsError:
-            pass  # made meanwhile: read it
-    raise CheckpointError(f"could not establish the run id in {path}")
 
 
 def failure_causes(e: BaseException) -> str:
@@ -96,6 +56,7 @@ class RestoreMixin:
     # The current restore's allow_missing/rename, as every load and read plan of it
     # uses them (rebound by each restore, never mutated).
     _load_how: dict[str, Any] = {}
+    _loaded_save_id: str | None = None  # the save id of the manifest the last load read
 
     def restore(self, state: Any, step: int | None = None, *, allow_missing: bool = False,
                 rename: Rename = None) -> int | None:
@@ -135,15 +96,20 @@ class RestoreMixin:
         self._load_how = how
         self.restored_from = None
         self.restored_epoch = None
-        durable = on_rank0(self.comm, self._candidates, f"list checkpoints under {self._root_arg}")
-        cands = [Candidate(s, "durable", c) for s, c in durable]
+        cands, durable_down = self._durable_candidates()
         opts: dict[tuple, Any] = {}  # with replicas: the fast tier's options by (step, time)
         if self.tier is not None and self.tier.peers is not None:
             for o in self.tier.peer_options():
                 opts[(o.choice.step, o.choice.created)] = o
-                cands.append(Candidate(o.choice.step, "peer", o.choice.created))
+                cands.append(Candidate(o.choice.step, "peer", o.choice.created,
+                                       o.choice.save_id))
         elif self.tier is not None:
-            cands += [Candidate(s, "local", c) for s, c in self.tier.held_steps().items()]
+            cands += [Candidate(s, "local", h.created, h.save_id, h.parent)
+                      for s, h in self.tier.held_steps().items()]
+        # Commits made after this restore order after everything seen now, whatever
+        # this host's clock says (tiers.chooser.timeline_of).
+        newest = max((c.created for c in cands if c.created is not None), default=None)
+        self._after = None if newest is None else newest + 1e-3  # strictly after
         tried: list[str] = []
         if step is not None:
             def newest(c: Candidate) -> tuple:
@@ -156,6 +122,8 @@ class RestoreMixin:
                 used = self._try_fast(c, opts, state, tried)
                 if used:
                     return self._restored(step, used, state)
+            if durable_down is not None:
+                raise durable_down
             self._load(step, state)  # raises why when it cannot
             return self._restored(step, "durable", state)
         order, abandoned = live_timeline(cands)
@@ -178,6 +146,11 @@ class RestoreMixin:
                 tried.append(f"step {c.step}: {type(e).__name__}: {e}")
                 continue
             return self._restored(c.step, "durable", state)
+        if durable_down is not None:  # nothing could be restored without it
+            if tried:
+                raise CheckpointError(f"{durable_down} (and the fast tier's steps failed: "
+                                      + "; ".join(tried) + ")", durable_down.failures)
+            raise durable_down
         if tried:
             raise CheckpointError(
                 f"no checkpoint under {self._root_arg} could be restored ({len(tried)} "
@@ -186,6 +159,26 @@ class RestoreMixin:
         self._observe_failures(False)
         self._prepare(state, loaded=False)  # leaves the state exactly as it was
         return None
+
+    def _durable_candidates(self) -> tuple[list[Candidate], CheckpointError | None]:
+        """(the durable tier's committed steps as candidates, None), or with a fast tier
+        and the durable root unreachable ([], the error): the restore goes on with the
+        fast tier, the reason it exists (a durable outage must not block it), and
+        raises the error only if that finds nothing. Collective: rank 0 lists and
+        reads the manifests, every rank gets the list or the error."""
+        try:
+            durable = on_rank0(self.comm, self._candidates,
+                               f"list checkpoints under {self._root_arg}")
+        except CommunicationError:
+            raise
+        except CheckpointError as e:
+            if self.tier is None:
+                raise
+            self._warn_once("the durable root %s cannot be listed (%s): restoring from the "
+                            "fast tier only", self._root_arg, e)
+            return [], e
+        return [Candidate(s, "durable", t, sid, parent)
+                for s, t, sid, parent in durable], None
 
     def _try_fast(self, c: Candidate, opts: dict, state: Any, tried: list[str]) -> str | None:
         """Load ``c`` from the fast tier: the tier used (``"local"``, or ``"peer"`` when
@@ -236,7 +229,9 @@ class RestoreMixin:
         self._epoch = self.restored_epoch = self._loaded_epoch
         self._last_step, self._last_time = step, time.monotonic()
         self._base = None  # a chain starts with a full save in every process's life
+        self._parent = self._loaded_save_id  # the next commit continues this one
         if self.tier is not None:
+            self.tier.last_commit = None
             self.tier.last_durable = step
             if self.tier.chain is not None:
                 self.tier.chain.reset()  # and the staged copies' chain too
@@ -244,51 +239,71 @@ class RestoreMixin:
             log.info("restored step %d from the %s tier", step, tier)
         return step
 
-    def _candidates(self) -> list[tuple[int, float | None]]:
-        """Rank 0: every committed durable step, ascending, with its commit time (None:
-        its manifest could not be read; its load reports why). Reads every committed
-        manifest; adds the history records a crash prevented. Notes the highest step
-        for :meth:`_drop_abandoned`."""
+    def _candidates(self) -> list[tuple[int, float | None, str | None, str | None]]:
+        """Rank 0: every committed durable step, ascending, with its time on the
+        timeline, save id and parent (None: its manifest could not be read; its load
+        reports why). Reads every committed manifest; adds the history records a
+        crash prevented. Notes the highest step for :meth:`_drop_abandoned`."""
         committed = self._local_steps()[0]
-        created: dict[int, float] = {}
+        known: dict[int, tuple] = {}
         recovered: dict[str, history.SaveRecord] = {}
         for s in committed:
             try:
                 storage, root = make_storage(self.path(s), self.storage_options)
                 m = read_manifest(storage, root)[0]
-                created[s] = m.created
+                t, parent = timeline_of(m)
+                known[s] = (t, m.save_id, parent)
                 recovered[m.save_id] = history.recovered_record(s, m)
             except CheckpointError:
                 pass  # unreadable: tried in its turn, and its load reports why
         if self.history is not None and recovered:  # records a crash after a commit prevented
             self.history.reconcile(recovered)
         self._durable_ceiling = committed[-1] if committed else float("-inf")
-        return [(s, created.get(s)) for s in committed]
+        return [(s, *known.get(s, (None, None, None))) for s in committed]
 
-    def _drop_abandoned(self, step: int) -> None:
-        """Rank 0, after ``step`` committed in the fast tier: the committed durable
-        steps above it belong to an abandoned timeline (the job was rewound); remove
-        them, with a warning, as a durable commit does. Without this, a restart whose
-        fast tier is gone (a reboot, a lost node) would take such a step, newer than
-        anything on the live timeline in the durable tier. The steps of the live
-        timeline are never touched: their durable copies are older than ``step``.
-        Lists the root only when a durable step above ``step`` may exist (the first
-        local commit of this manager, or after a restore or a save of a higher step);
-        no collective; failures are logged, never raised."""
-        if self.comm.rank != 0 or step >= self._durable_ceiling:
+    def _drop_abandoned(self, step: int, save_id: str) -> None:
+        """Rank 0, after ``step`` committed in the fast tier as ``save_id``: the
+        committed durable steps above it, and a durable copy of ``step`` from another
+        save, belong to an abandoned timeline (the job was rewound); remove them, with
+        a warning, as a durable commit does. Without this, a restart whose fast tier is
+        gone (a reboot, a lost node) would take such a step, newer than anything on
+        the live timeline in the durable tier. The steps of the live timeline are
+        never touched: their durable copies are older than ``step``.
+        Lists the root only when a durable step at or above ``step`` may exist from an
+        earlier timeline (the first local commit of this manager, or after a restore);
+        a failure (the durable root down) is logged and the next local commit tries
+        again, at most once a minute. No collective; never raises."""
+        if self.comm.rank != 0 or step > self._durable_ceiling:
             return
-        self._durable_ceiling = step
+        if time.monotonic() < self._drop_retry_at:
+            return
         try:
-            doomed = [s for s in self._local_steps()[0] if s > step]
-            if not doomed:
-                return
-            log.warning("step %d committed in the fast tier: removing step(s) %s under %s "
-                        "of the abandoned timeline (saved before the job was rewound)",
-                        step, doomed, self._root_arg)
-            remove_checkpoints(self.storage, self.root, [step_name(s) for s in doomed])
+            committed = self._local_steps()[0]
+            doomed = [s for s in committed if s > step]
+            if step in committed and self._durable_save_id(step) != save_id:
+                doomed.insert(0, step)  # the rewound-away save of this very step
+            if doomed:
+                log.warning("step %d committed in the fast tier: removing step(s) %s under "
+                            "%s of the abandoned timeline (saved before the job was "
+                            "rewound)", step, doomed, self._root_arg)
+                remove_checkpoints(self.storage, self.root, [step_name(s) for s in doomed])
         except Exception as e:
-            log.warning("could not remove the abandoned step(s) above %d under %s: %s",
-                        step, self._root_arg, e)
+            self._drop_retry_at = time.monotonic() + 60.0
+            log.warning("could not remove the abandoned step(s) from %d on under %s (the "
+                        "next local commit tries again; a restore never takes them: "
+                        "docs/GUARANTEES.md, Timelines): %s", step, self._root_arg, e)
+            return
+        self._durable_ceiling = step - 1  # later commits of this timeline: nothing to do
+
+    _drop_retry_at = 0.0  # monotonic time before which _drop_abandoned does not retry
+
+    def _durable_save_id(self, step: int) -> str | None:
+        """Rank 0: the save id of the durable copy of ``step`` (None: unreadable)."""
+        try:
+            storage, root = make_storage(self.path(step), self.storage_options)
+            return read_manifest(storage, root)[0].save_id
+        except CheckpointError:
+            return None
 
     def _load(self, step: int, state: Any, path: str | None = None,
               manifest_name: str | None = None, read_workers: int = 4) -> None:
@@ -296,6 +311,7 @@ class RestoreMixin:
         rank = self.comm.rank
         found: dict[str, Any] = {}
         self._loaded_epoch = None
+        self._loaded_save_id = None
         target, extra = self._load_target(state, found)
         _load(target, path, process_group=self.group,
               storage_options=None if manifest_name else self.storage_options,
@@ -322,6 +338,7 @@ class RestoreMixin:
         target: dict[str, Any] = {"state": state}
 
         def extra(m: mf.Manifest) -> dict[str, Any]:
+            self._loaded_save_id = m.save_id  # the restored commit: the next one's parent
             e = m.values.get("manager.epoch")  # read here: no target needed for it
             valid = isinstance(e, int) and not isinstance(e, bool) and e >= 0
             self._loaded_epoch = e if valid else None

@@ -12,32 +12,63 @@ then saves of 60, 70, ...) leaves steps above 50 committed before 60 was, in eit
 Every checkpoint carries its commit time (the global manifest's ``created``, rank 0's
 clock at the local commit; a staged durable copy keeps it), so the steps of both tiers
 line up on one timeline.
+
+The timeline is explicit too, so that neither a deletion that did not happen nor a
+clock that differs between the hosts of two restarts can bring an abandoned step back.
+A manager's commit records (as the values ``manager.parent`` and ``manager.after``,
+see :func:`timeline_of`) the save id of the commit it continues (the one it restored,
+then each one it committed) and the newest commit time it had seen when it restored:
+its commits order after everything it saw, whatever its host's clock says. A restore
+then follows the newest commit's ancestry (:func:`live_timeline`).
 """
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
-from typing import Hashable, Mapping
+from typing import Any, Hashable, Mapping
 
 from ..protocol.collectives import Comm
 
 
+PARENT, AFTER = "manager.parent", "manager.after"  # the manifest values of the timeline
+
+
 @dataclass(frozen=True)
 class Held:
-    """A local step this rank holds: its save id and its commit time (Unix seconds)."""
+    """A local step this rank holds: its save id, its time on the timeline (Unix
+    seconds, see :func:`timeline_of`) and the save id of the commit it continues."""
 
     save_id: str
     created: float
+    parent: str | None = None
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """A committed step of one tier (``"local"`` or ``"durable"``) and its commit time
-    (None: unknown, e.g. an unreadable manifest; such a step is tried in its turn)."""
+    """A committed step of one tier (``"local"``, ``"peer"`` or ``"durable"``), its time
+    on the timeline (None: unknown, e.g. an unreadable manifest; such a step is tried in
+    its turn), its save id and the save id of the commit it continues (None: unknown)."""
 
     step: int
     tier: str
     created: float | None
+    save_id: str | None = None
+    parent: str | None = None
+
+
+def timeline_of(m: Any) -> tuple[float, str | None]:
+    """(time on the timeline, parent save id) of a manifest: its commit time, raised to
+    the ``manager.after`` it records (the newest commit the saving manager had seen:
+    a host whose clock is behind still orders its commits after those), and the
+    ``manager.parent`` it records (None: not saved by a manager that knew it). Pure;
+    values of the wrong type are ignored (the manifest's own ``created`` stands)."""
+    t = float(m.created)
+    after = m.values.get(AFTER)
+    if type(after) in (int, float) and math.isfinite(after):
+        t = max(t, float(after))
+    parent = m.values.get(PARENT)
+    return t, parent if isinstance(parent, str) and parent else None
 
 
 def common_steps(views: list[Mapping[int, Hashable]]) -> list[int]:
@@ -52,13 +83,15 @@ def common_steps(views: list[Mapping[int, Hashable]]) -> list[int]:
     return sorted(s for s in steps if len({v[s] for v in views}) == 1)
 
 
-def agree_local_steps(comm: Comm, mine: Mapping[int, Held]) -> dict[int, float]:
+def agree_local_steps(comm: Comm, mine: Mapping[int, Held]) -> dict[int, Held]:
     """Collective (one all-gather of each rank's small step table): the steps every
-    rank can restore from its own fast tier, ascending, with their commit times."""
+    rank can restore from its own fast tier, ascending, as rank 0 holds them (every
+    rank holds them from the same save)."""
     blobs = comm.all_gather_bytes(json.dumps(
-        {str(k): [v.save_id, v.created] for k, v in mine.items()}).encode())
+        {str(k): [v.save_id, v.created, v.parent] for k, v in mine.items()}).encode())
     views = [{int(k): tuple(v) for k, v in json.loads(b).items()} for b in blobs]
-    return {s: float(views[0][s][1]) for s in common_steps(views)}
+    return {s: Held(views[0][s][0], float(views[0][s][1]), views[0][s][2])
+            for s in common_steps(views)}
 
 
 def live_timeline(cands: list[Candidate]) -> tuple[list[Candidate], list[Candidate]]:
@@ -67,11 +100,56 @@ def live_timeline(cands: list[Candidate]) -> tuple[list[Candidate], list[Candida
 
     A candidate is abandoned when a candidate of a lower step, in either tier, was
     committed after it (the job was rewound past it, or started over), or a newer save
-    of the same step was (it was saved again on the new timeline). The rest are
+    of the same step was (it was saved again on the new timeline). Then the ancestry:
+    the newest commit (the tip) names the commit it continues, that one its own, and
+    so on while they are known (retention deletes old ones); every candidate committed
+    after the oldest ancestor reached that is not one of them (by save id, in any
+    tier) is on another branch, abandoned even when nothing of a lower step committed
+    after it survives. The rest are
     ordered by step, then commit time, newest first; one save held by both tiers is
     tried from the fast tier first (``"local"`` or ``"peer"``: the durable copy is its
     fallback). Candidates of
     unknown commit time are never abandoned and abandon nothing."""
+    live, abandoned = _commit_order(cands)
+    off = _off_ancestry(cands, live)
+    if off:
+        abandoned += [c for c in live if id(c) in off]
+        live = [c for c in live if id(c) not in off]
+
+    def rank(c: Candidate) -> tuple:
+        t = c.created if c.created is not None else float("-inf")
+        return (c.step, t, c.tier != "durable")
+
+    return sorted(live, key=rank, reverse=True), abandoned
+
+
+def _off_ancestry(cands: list[Candidate], live: list[Candidate]) -> set[int]:
+    """ids of the ``live`` candidates committed after the tip's oldest known ancestor
+    and not among its ancestors (see :func:`live_timeline`). Pure: O(n)."""
+    times: dict[str, float] = {}
+    parents: dict[str, str] = {}
+    for c in cands:
+        if c.save_id is None or c.created is None:
+            continue
+        times[c.save_id] = max(times.get(c.save_id, c.created), c.created)
+        if c.parent is not None:
+            parents[c.save_id] = c.parent
+    timed = [c for c in live if c.save_id is not None and c.created is not None]
+    if not timed:
+        return set()
+    tip = max(timed, key=lambda c: (c.created, c.step))
+    ancestors = {tip.save_id}
+    cur = tip.save_id
+    while parents.get(cur) in times and parents[cur] not in ancestors:
+        cur = parents[cur]
+        ancestors.add(cur)
+    floor = times[cur]
+    return {id(c) for c in timed if c.created > floor and c.save_id not in ancestors}
+
+
+def _commit_order(cands: list[Candidate]) -> tuple[list[Candidate], list[Candidate]]:
+    """(live, abandoned) by commit order alone (a lower step committed later, or a
+    newer save of the same step). Pure: O(n log n)."""
     order = sorted(cands, key=lambda c: c.step)
     abandoned: list[Candidate] = []
     live: list[Candidate] = []
@@ -91,9 +169,4 @@ def live_timeline(cands: list[Candidate]) -> tuple[list[Candidate], list[Candida
                 live.append(c)
         newest_below = max(newest_below, newest_here)
         i = j
-
-    def rank(c: Candidate) -> tuple:
-        t = c.created if c.created is not None else float("-inf")
-        return (c.step, t, c.tier != "durable")
-
-    return sorted(live, key=rank, reverse=True), abandoned
+    return live, abandoned

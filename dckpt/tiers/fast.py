@@ -15,12 +15,14 @@ import os
 import socket
 import threading
 import time
+import uuid
 import weakref
 from typing import Any, Callable
 
 import torch.distributed as dist
 
-from ..errors import CheckpointError, CommunicationError
+from ..errors import (CheckpointError, CommunicationError, StateMismatchError,
+                      UnsupportedValueError)
 from ..policy import RetentionPolicy
 from ..protocol.collectives import Comm, OwnGroup, agree
 from ..engine.async_save import SaveHandle, _Unstageable, at_thread_exit
@@ -28,7 +30,7 @@ from ..engine import devstream
 from ..engine.fence import Versions, releaser
 from ..engine.staging import StagingPool, live_view
 from ..storage.fsspec_storage import make_storage
-from . import chooser, local, peerrestore, replication, stage_encoded, stager
+from . import chooser, identity, local, peerrestore, replication, stage_encoded, stager
 
 log = logging.getLogger(__name__)
 # on_commit(tier, commit, info): "local" (info None) or "durable" (the staged CheckpointInfo)
@@ -82,11 +84,22 @@ class FastTier:
         self._stage_jobs: list[cf.Future] = []
         self._errors: list[BaseException] = []
         self._last_local: int | None = None  # the newest step committed locally
+        self.last_commit: local.LocalCommit | None = None  # this tier's newest commit
         err = None
+        # One job per local_root: every process holds the job's lease (identity.Lease)
+        job = comm.broadcast_bytes(uuid.uuid4().hex.encode() if comm.rank == 0 else None)
+        self._lease = identity.Lease(self.root, job.decode())
         try:
             self.storage.makedirs(self.root)
+            self._lease.acquire()
+            if owner is not None:  # for a restart while the durable root is down
+                identity.cache_identity(self.root, owner)
         except OSError as e:
             err = CheckpointError(f"cannot create local_root {self.root}: {e}")
+        except CheckpointError as e:
+            err = CheckpointError(f"{self.root}: {e}")
+        if err is not None:
+            self._lease.release()
         agree(comm, err, f"create local_root {local_root}")
         self._sharers = _sharers(comm, self.root)
         # Every rank's replication settings, checked together: a disagreement raises on
@@ -205,6 +218,7 @@ class FastTier:
             log.info("step %d committed in the fast tier %s in %.2f s", step, self.root,
                      commit.seconds)
         self._last_local = step
+        self.last_commit = commit
         _notify(on_commit, "local", commit, None)
         if durable:
             job = self.queue.add(step, forced)  # older copies not begun are skipped
@@ -338,6 +352,7 @@ class FastTier:
                 self.peers.close()
             if self._local_job is None:  # none in flight (wait() joined it) reads them
                 self.pool.release()
+            self._lease.release()
 
     # ------------------------------------------------------------------ restoring
     def common_steps(self) -> list[int]:
@@ -345,8 +360,8 @@ class FastTier:
         Collective (one all-gather); reads only this rank's own directory."""
         return list(self.held_steps())
 
-    def held_steps(self) -> dict[int, float]:
-        """:meth:`common_steps` with their commit times: {step: created}, ascending.
+    def held_steps(self) -> dict[int, "chooser.Held"]:
+        """:meth:`common_steps` with their save ids, times and parents, ascending.
         Steps saved for another durable root (``owner``) are left out."""
         mine = local.own_steps(self.storage, self.root, self.comm.rank, self.comm.size,
                                self.owner)
@@ -426,7 +441,12 @@ def _notify(on_commit: OnCommit | None, tier: str, commit: local.LocalCommit, in
 
 
 def fallback_worthy(e: BaseException) -> bool:
-    """Whether a failed fast-tier restore should fall back to the durable tier: any
-    checkpoint error except a broken group (a dead rank breaks the durable load too)."""
-    return isinstance(e, CheckpointError) and not isinstance(e, CommunicationError)
+    """Whether a failed fast-tier restore should fall back to an older step or the
+    durable tier: damage only (a file missing, corrupt or unreadable on some node, a
+    failed transfer from a peer). Not a state that does not match the checkpoint
+    (missing or unexpected keys, shapes, dtypes, a value that cannot be loaded): that
+    is the caller's error on every tier, and an older step would load silently in its
+    place. Not a broken group either (a dead rank breaks the durable load too)."""
+    return isinstance(e, CheckpointError) and not isinstance(
+        e, (CommunicationError, StateMismatchError, UnsupportedValueError))
 

@@ -43,7 +43,7 @@ from ..protocol.coordinator import (_pack, _unpack, data_name, dckpt_version, va
                                     vote_files)
 from ..protocol.restore import MAX_MANIFEST
 from ..verify import check_tensor
-from .chooser import Held
+from .chooser import Held, timeline_of
 from .localnames import STEP_DIR, step_name, view_name  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
@@ -268,7 +268,7 @@ def own_steps(storage, local_root: str, rank: int, world: int,
         except (OSError, CheckpointError) as err:
             log.info("rank %d: local checkpoint %s is not usable: %s", rank, d, err)
             continue
-        out[int(m.group(1))] = Held(view.save_id, view.created)
+        out[int(m.group(1))] = Held(view.save_id, *timeline_of(view))
     return out
 
 

@@ -22,7 +22,8 @@ def _state(step: int) -> dict:
 
 def _tree(root: str) -> dict[str, list[str]]:
     """{step dir: sorted file names} under a local_root."""
-    return {d: sorted(os.listdir(os.path.join(root, d))) for d in sorted(os.listdir(root))}
+    return {d: sorted(os.listdir(os.path.join(root, d))) for d in sorted(os.listdir(root))
+            if d.startswith("step-")}
 
 
 def _save(base: str, local: str, steps: list[int], kw: dict) -> tuple:
@@ -156,7 +157,7 @@ def _slow_store(base: str, delay: float, steps: int, forced: int) -> tuple:
         most = 0
         for s in range(1, steps + 1):
             assert mgr.save(s, _state(s), force=s == forced)
-            most = max(most, len(os.listdir(local)))
+            most = max(most, len([n for n in os.listdir(local) if n.startswith("step-")]))
         mgr.close()
         durable = mgr.steps()
     finally:

@@ -1,0 +1,185 @@
+"""Whose fast-tier steps these are: the durable root's run identity, its cache beside
+each ``local_root``, and the lease that keeps a second job off a ``local_root``.
+
+* The run id lives in ``root/.dckpt-run-id`` (made on first use); every fast-tier view
+  records ``<root URL>#<run id>`` as its ``owner``, so a new run never restores the
+  steps an earlier run left in a shared ``local_root``. Only a file that is really
+  absent makes a new run: an unreadable or damaged one is an error naming the file,
+  and nothing is deleted (a transient EIO must not turn the job into a new run whose
+  first commit deletes the fast tier).
+Their files live in ``local_root/.dckpt/`` (:data:`META_DIR`), beside the steps.
+
+* Each rank caches the identity in its ``local_root`` (``.dckpt/owner-<hash of the
+  root URL>``), so a job restarting while the durable store is down still knows which
+  fast-tier steps are its own (rank 0 reads its node's cache).
+* :class:`Lease`: every process of a job holds a shared ``flock`` on
+  ``local_root/.dckpt/job-<job id>.lock`` for the tier's life; a job that finds
+  another job's file locked refuses to start (two jobs on one ``local_root`` would
+  delete each other's steps). A killed job's lock is released by the kernel.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import re
+import uuid
+
+from ..errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+RUN_ID_FILE = ".dckpt-run-id"  # in the durable root
+_RUN_ID = re.compile(r"[0-9a-f]{32}")
+_OWNER_CAP = 4096
+META_DIR = ".dckpt"  # in local_root: the cached identity and the job leases
+_MUTEX = "jobs.lock"
+_JOB_LOCK = re.compile(r"^job-([0-9a-f]{32})\.lock$")
+
+
+class RunIdError(CheckpointError):
+    """The durable root's run-id file exists but cannot be read, or does not hold a
+    run id. Nothing was changed; fix or remove the file (removing it starts a new run:
+    the fast tier's steps of the old one are then not restored)."""
+
+
+def shown_root(root: str, url: str) -> str:
+    """The durable root as recorded in an owner: ``root`` (normalised) for a local
+    path, ``scheme://root`` for a URL. Pure."""
+    local = "://" not in url or url.startswith("file://")
+    return root if local else f"{url.split('://', 1)[0]}://{root}"
+
+
+def root_identity(storage, root: str, url: str) -> str:
+    """Rank 0: the identity of the durable root, ``<root URL>#<run id>``, the run id
+    read from ``root/.dckpt-run-id`` or, when that file is absent, made and written
+    there (exclusively: two starters agree on one). Small I/O in the root. Raises
+    RunIdError when the file exists but cannot be read (EIO, a timeout) or holds
+    anything but a run id; OSError when the root cannot be reached or written."""
+    path = storage.join(root, RUN_ID_FILE)
+    for _ in range(3):
+        try:
+            text = storage.read_file(path, 64).decode("ascii", "replace").strip()
+        except FileNotFoundError:
+            text = None
+        except (OSError, CheckpointError) as e:
+            raise RunIdError(f"the run-id file {path} exists but cannot be read ({e}); "
+                             "nothing was changed: retry when the storage recovers")
+        if text is not None:
+            if _RUN_ID.fullmatch(text):
+                return f"{shown_root(root, url)}#{text}"
+            raise RunIdError(f"{path} does not hold a run id ({text[:80]!r}); nothing was "
+                             "changed: restore the file, or remove it to start a new run "
+                             "(the fast tier's steps saved under the old id are then "
+                             "not restored)")
+        try:
+            storage.put_atomic(path, uuid.uuid4().hex.encode(), exclusive=True)
+        except FileExistsError:
+            pass  # made meanwhile: read it
+    raise CheckpointError(f"could not establish the run id in {path}")
+
+
+def _cache_name(owner_root: str) -> str:
+    return os.path.join(META_DIR, "owner-" + hashlib.sha256(owner_root.encode()).hexdigest()[:16])
+
+
+def _local(path: str) -> str:
+    return path[len("file://"):] if path.startswith("file://") else path
+
+
+def cache_identity(local_root: str, owner: str) -> None:
+    """Record ``owner`` in this node's ``local_root`` (atomic replace; ranks sharing the
+    directory write the same bytes). Small local I/O; failures are logged, never
+    raised (the cache only matters while the durable root is down)."""
+    path = os.path.join(_local(local_root), _cache_name(owner.rsplit("#", 1)[0]))
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "rb") as f:
+            if f.read(_OWNER_CAP).decode("utf-8", "replace") == owner:
+                return
+    except OSError:
+        pass
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(owner.encode())
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("could not cache the run identity in %s: %s", local_root, e)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+
+
+def cached_identity(local_root: str, root: str, url: str) -> str | None:
+    """The identity of the durable root ``root`` cached in ``local_root`` (None: none,
+    or not one of this root). Small local read; never raises."""
+    shown = shown_root(root, url)
+    path = os.path.join(_local(local_root), _cache_name(shown))
+    try:
+        with open(path, "rb") as f:
+            text = f.read(_OWNER_CAP).decode("utf-8", "replace")
+    except OSError:
+        return None
+    head, _, run = text.rpartition("#")
+    return text if head == shown and _RUN_ID.fullmatch(run) else None
+
+
+# The lock files this process holds (path -> count): a second manager made in the same
+# process (a restart simulated in one process, a notebook re-run) is not another job.
+_HELD: dict[str, int] = {}
+
+
+class Lease:
+    """This process's hold on ``local_root`` for job ``job_id`` (see the module
+    docstring). :meth:`acquire` raises CheckpointError naming the other job's lock
+    file when a live process of another job holds one; :meth:`release` drops the
+    lock (idempotent). Local I/O on a few small files; no collective."""
+
+    def __init__(self, local_root: str, job_id: str) -> None:
+        self.root, self.job_id = os.path.join(_local(local_root), META_DIR), job_id
+        self.path = os.path.join(self.root, f"job-{job_id}.lock")
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        os.makedirs(self.root, exist_ok=True)
+        mutex = os.open(os.path.join(self.root, _MUTEX), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(mutex, fcntl.LOCK_EX)  # one starter at a time checks and registers
+            for name in os.listdir(self.root):
+                m = _JOB_LOCK.match(name)
+                path = os.path.join(self.root, name)
+                if m and m.group(1) != self.job_id and not _HELD.get(path):
+                    self._check_other(path)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_SH)  # ranks of this job on this node share it
+            self._fd = fd
+            _HELD[self.path] = _HELD.get(self.path, 0) + 1
+        finally:
+            os.close(mutex)
+
+    @staticmethod
+    def _check_other(path: str) -> None:
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise CheckpointError(
+                    f"another job is using this local_root: its processes hold {path}. Two "
+                    "jobs on one local_root would delete each other's steps; give each "
+                    "job its own local_root") from None
+            os.unlink(path)  # a job that ended or was killed: its lock is stale
+        finally:
+            os.close(fd)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            _HELD[self.path] -= 1
+            os.close(fd)
