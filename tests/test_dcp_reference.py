@@ -186,8 +186,12 @@ def test_deprecated_names(tmp_path):
     assert dckpt_dcp.CheckpointException is CheckpointException
 
 
-def test_partial_load_in_a_list_is_a_clear_error(tmp_path):
-    dckpt_dcp.save({"h": [torch.ones(1)]}, checkpoint_id=str(tmp_path))
-    with pytest.raises(CheckpointException, match=r"'h\.1'.*list"):
-        dckpt_dcp.load({"h": [torch.zeros(1), torch.zeros(1)]}, checkpoint_id=str(tmp_path),
-                       planner=DefaultLoadPlanner(allow_partial_load=True))
+@BOTH
+def test_partial_load_in_a_list_keeps_what_the_checkpoint_lacks(tmp_path, dcp):
+    """Was a documented difference (the shim refused, naming 'h.1'); issue 34 keeps such
+    entries as DCP does."""
+    dcp.save({"h": [torch.ones(1)]}, checkpoint_id=str(tmp_path))
+    sd = {"h": [torch.zeros(1), torch.full((1,), 2.0), 5]}
+    dcp.load(sd, checkpoint_id=str(tmp_path), planner=DefaultLoadPlanner(allow_partial_load=True))
+    assert torch.equal(sd["h"][0], torch.ones(1)) and torch.equal(sd["h"][1], torch.full((1,), 2.0))
+    assert sd["h"][2] == 5

@@ -21,7 +21,9 @@ docs/DCP_COMPAT.md):
   converted (as DCP's copy does); a meta tensor is replaced by a loaded one. In place
   means: nested dicts and lists stay the same objects (a dict or list held elsewhere
   sees the loaded values), tensors and DTensors keep their identity and storage,
-  other leaves are replaced inside their own container, tuples are rebuilt. No
+  other leaves are replaced inside their own container, tuples are rebuilt. A list or
+  tuple holding no tensor and no dict is one value, as in DCP: it loads as the saved
+  one whatever its length (:mod:`dckpt.compat.dcp_values`). No
   container of ``state_dict`` changes before every rank has read and verified its
   part (tensor bytes may: see :func:`dckpt.load`).
 - Stateful values (``state_dict()``/``load_state_dict()``: modules, optimizers,
@@ -68,6 +70,7 @@ from ..protocol.restore import read_manifest_bytes
 from ..storage.fsspec_storage import make_storage
 from .dcp_errors import CheckpointException, StorageDetectionError, as_dcp
 from .dcp_state import BYTES_KEY, as_bytes, fill_back, prepare_load, resolve
+from .dcp_values import EMPTY_KEY, Saved, empty_keys, into, record
 
 log = logging.getLogger(__name__)
 
@@ -205,8 +208,11 @@ def _to_save(state_dict: dict, checkpoint_id: Any, storage_writer: Any, planner:
     try:
         r = resolve(state_dict, what)
         out = r.target
+        empties = empty_keys(out)  # they leave no leaf: a load needs them to load "[]"
         if r.kinds:
             out[BYTES_KEY] = json.dumps(r.kinds, sort_keys=True)
+        if empties:
+            out[EMPTY_KEY] = json.dumps(empties)
     except Exception as e:
         err = e
     agree(Comm(group), err, f"{what} to {path}")
@@ -257,24 +263,29 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None 
     except Exception as e:
         err = e
     m = mf.parse(rank0_bytes(comm, lambda: _manifest_bytes(path), f"load from {path}"), path)
-    saved_kinds = json.loads(m.values.get(BYTES_KEY) or "{}")
     prep = None
     if err is None:
         try:
-            prep = prepare_load(r.target, m, saved_kinds, partial)
+            saved_kinds = record(m, BYTES_KEY, dict)
+            saved = Saved(m, record(m, EMPTY_KEY, list))
+            prep = prepare_load(r.target, m, saved_kinds, partial, saved, r.stateful)
         except Exception as e:
             err = e
     agree(comm, err, f"load from {path}")
     try:
         _load(r.target, path, process_group=group, strict=False, cast=True)
     finally:
-        for container, k, v in prep.removed:  # a Stateful's state_dict gets them back
+        for container, k, v in prep.held:  # a Stateful's state_dict gets them back
             container[k] = v
     for t, tmp in prep.converted.values():
         with torch.no_grad():
             t.copy_(tmp)  # DCP's copy: any dtype to any dtype
 
     def get(key: str, old: Any) -> Any:
+        if key in prep.kept:
+            return old  # allow_partial_load: the checkpoint lacks it
+        if key in prep.whole:
+            return into(old, prep.whole[key])  # a plain value: replaced whole, as DCP does
         if key in prep.bytes_:
             return as_bytes(prep.bytes_[key], saved_kinds[key])
         if key in prep.replaced:
@@ -283,7 +294,7 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None 
             return old  # filled in place (or kept by allow_partial_load)
         return m.values[key] if key in m.values else old  # absent: a kept partial entry
 
-    fill_back(state_dict, r.stateful, get)
+    fill_back(state_dict, r.stateful, get, whole=prep.whole.keys() | prep.kept)
 
 
 def _manifest_bytes(path: str) -> bytes:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import io
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Collection
 
 import torch
 
@@ -21,6 +21,7 @@ from ..errors import CheckpointError, StateMismatchError, UnsupportedValueError
 from ..format import manifest as mf
 from ..format.dtypes import to_torch
 from ..state.flatten import fill, is_stateful
+from .dcp_values import MISSING, Saved, is_plain
 
 log = logging.getLogger(__name__)
 BYTES_KEY = "__dckpt_compat_bytes__"  # JSON value: {flat key: "bytes" | "bytesio"}
@@ -100,71 +101,103 @@ class Prepared:
     dckpt's load: ``replaced`` (key -> the new object the caller's container gets:
     loaded bytes, tensors that were on the meta device), ``converted`` (key -> (the
     caller's tensor, a temporary in the saved dtype) copied after the load),
-    ``removed`` ((container, key, value) kept out of the load by allow_partial_load)."""
+    ``whole`` (key -> the saved value that replaces a plain value whole, lists of
+    plain values included: :mod:`~dckpt.compat.dcp_values`), ``kept`` (keys
+    allow_partial_load leaves as they are), ``held`` ((container, key, value) swapped
+    for ``()`` so that dckpt's load does not touch them: put back after it)."""
 
     bytes_: dict[str, torch.Tensor] = field(default_factory=dict)
     replaced: dict[str, Any] = field(default_factory=dict)
     converted: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    removed: list = field(default_factory=list)
+    whole: dict[str, Any] = field(default_factory=dict)
+    kept: set[str] = field(default_factory=set)
+    held: list = field(default_factory=list)
 
 
 def prepare_load(target: dict, m: mf.Manifest, saved_kinds: dict[str, str],
-                 partial: bool) -> Prepared:
+                 partial: bool, saved: Saved | None = None,
+                 stateful: Collection[str] = ()) -> Prepared:
     """Match ``target`` against the manifest with DCP's rules, before any read, and
     adjust it in place: a bytes value gets a uint8 tensor of the saved size; a meta
     tensor a real one (plain tensors on CPU, DTensors with the same mesh and
     placements), as DCP initialises meta tensors; a tensor saved in another dtype that
     dckpt's cast does not convert (int <-> float, bool...) a temporary of the saved
     dtype, copied back with ``copy_`` after the load (DCP's copy converts any dtype);
-    under ``partial`` an entry the checkpoint lacks is taken out (and put back by the
-    caller). Raises StateMismatchError with DCP's wording: "Missing key in checkpoint
-    state_dict: k." (the first few keys), "Size mismatch between saved
-    torch.Size([...]) and current: torch.Size([...]) for k". O(leaves); no I/O."""
+    a plain value (a scalar, or a list/tuple holding no tensor and no dict) is
+    replaced whole by what the checkpoint holds at its key (``saved``), whatever its
+    length, as DCP does; under ``partial`` an entry the checkpoint lacks is kept as
+    it is (in a dict or a list). ``stateful``: the keys of Stateful objects (a list
+    holding one is not a plain value: its ``load_state_dict`` must run). An empty
+    list the checkpoint holds nothing for stays empty (a checkpoint written before
+    the shim recorded empty lists cannot tell "[]" from "absent"). Raises
+    StateMismatchError with DCP's wording: "Missing key in checkpoint state_dict:
+    k." (the first few keys), "Size mismatch between saved torch.Size([...]) and
+    current: torch.Size([...]) for k". O(leaves + V log V) for V saved values; no
+    I/O."""
     out = Prepared()
+    saved = saved or Saved(m, [])
     missing: list[str] = []
     # Every proper dotted prefix of a saved key, built once: O(total key length). A
     # scan of all keys per container was O(containers x keys), seconds for an
     # optimizer's per-parameter state dicts.
     parents: set[str] = set()
-    for name in (*m.tensors, *m.values):
+    for name in (*m.tensors, *m.values, *saved.empties):  # an empty list leaves no leaf
         i = name.find(".")
         while i >= 0:
             parents.add(name[:i])
             i = name.find(".", i + 1)
+    inner = {k.rsplit(".", n)[0] for k in stateful for n in range(1, k.count(".") + 1)}
 
     def has_under(key: str) -> bool:
         return key in parents
 
+    def hold(obj: Any, k: Any, v: Any) -> None:
+        out.held.append((obj, k, v))
+        obj[k] = ()  # holds no key: dckpt's load neither reads nor checks it
+
+    def keep(obj: Any, k: Any, v: Any, sub: str) -> None:
+        log.info("allow_partial_load: %r is not in the checkpoint; left as it is", sub)
+        out.kept.add(sub)
+        hold(obj, k, v)
+
+    def plain(obj: Any, k: Any, v: Any, sub: str) -> None:
+        got = saved.value(sub, v)
+        if got is not MISSING:
+            out.whole[sub] = got
+            hold(obj, k, v)
+        elif not v:
+            pass  # an empty list the checkpoint has nothing for: stays empty
+        elif partial:
+            keep(obj, k, v, sub)
+        else:
+            missing.append(sub)
+
     def walk(obj: Any, key: str) -> None:
-        drop = []
         for k, v in _items(obj):
             sub = _join(key, k)
             if sub in saved_kinds and sub in m.tensors:
                 obj[k] = out.bytes_[sub] = torch.empty(m.tensors[sub].shape, dtype=torch.uint8)
+            elif is_plain(v) and sub not in inner:
+                plain(obj, k, v, sub)
             elif sub in m.tensors or sub in m.values:
                 if isinstance(v, torch.Tensor) and sub in m.tensors:
                     tensor(obj, k, v, sub, m.tensors[sub])
                 elif isinstance(v, (dict, list)) and v:
                     walk(v, sub)  # a container where a leaf was saved: dckpt's load says so
+            elif (not isinstance(v, (torch.Tensor, dict, list, tuple))
+                  and (got := saved.value(sub, v)) is not MISSING):
+                out.whole[sub] = got  # a scalar where a list was saved
+                hold(obj, k, v)
             elif isinstance(v, (dict, list)) and v and has_under(sub):
                 walk(v, sub)
             elif isinstance(v, tuple) and has_under(sub):
                 continue  # tuples are rebuilt by dckpt's load, which checks their leaves
-            elif isinstance(v, (dict, list)) and not v:
-                continue  # an empty container holds no key (a fresh optimizer's state)
-            elif partial and isinstance(obj, dict):
-                log.info("allow_partial_load: %r is not in the checkpoint; left as it is", sub)
-                out.removed.append((obj, k, v))
-                drop.append(k)
+            elif isinstance(v, dict) and not v:
+                continue  # an empty dict holds no key (a fresh optimizer's state)
             elif partial:
-                raise UnsupportedValueError(
-                    f"allow_partial_load: {sub!r} is not in the checkpoint and sits in a "
-                    "list; dckpt.compat.dcp can leave out dict entries only (a list keeps "
-                    "its length): make it a dict entry or drop it before loading")
+                keep(obj, k, v, sub)
             else:
                 missing.append(sub)
-        for k in drop:
-            del obj[k]
 
     def tensor(obj: Any, k: Any, t: torch.Tensor, key: str, entry: mf.TensorEntry) -> None:
         if tuple(t.shape) != tuple(entry.shape):
@@ -236,12 +269,14 @@ def _like(t: torch.Tensor, dtype: torch.dtype, key: str) -> torch.Tensor:
     return torch.empty_like(t, dtype=dtype)
 
 
-def fill_back(state_dict: dict, stateful: dict[str, tuple[Any, Any]], get) -> None:
+def fill_back(state_dict: dict, stateful: dict[str, tuple[Any, Any]], get,
+              whole: Collection[str] = ()) -> None:
     """Fill the caller's ``state_dict`` in place, DCP's way: dicts and lists keep their
-    identity, every leaf becomes ``get(key, old)``, tuples are rebuilt; a Stateful
+    identity, every leaf becomes ``get(key, old)``, and so does every key of
+    ``whole`` (a plain list replaced as one value), tuples are rebuilt; a Stateful
     object gets ``load_state_dict`` of its loaded state_dict (inner ones first) and
     stays in its slot; every other top-level value is assigned back
     (``state_dict[key] = value``, as DCP does). Keys are visited sorted at every
     level, so Stateful objects are loaded in the same order on every rank. This is
     :func:`dckpt.state.flatten.fill` (the walk :func:`dckpt.load` fills with), sorted."""
-    fill(state_dict, get, stateful, sort=True)
+    fill(state_dict, get, stateful, sort=True, whole=whole)

@@ -13,7 +13,7 @@ would give the same key are refused.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Container
 
 import torch
 
@@ -145,7 +145,8 @@ def flatten(state: Any) -> Flat:
 
 
 def fill(state: Any, get: Callable[[str, Any], Any],
-         stateful: dict[str, tuple[Any, Any]] | None = None, *, sort: bool = False) -> Any:
+         stateful: dict[str, tuple[Any, Any]] | None = None, *, sort: bool = False,
+         whole: Container[str] = ()) -> Any:
     """Rebuild ``state`` with every leaf replaced by ``get(key, old_leaf)``. Dicts and
     lists are updated in place (and returned); tuples are rebuilt, keeping their type.
     ``get`` copies tensors in place and returns them, so tensor identity is kept. A
@@ -153,7 +154,9 @@ def fill(state: Any, get: Callable[[str, Any], Any],
     filled the same way (inner objects first). ``sort``: visit dict keys sorted
     (``key=str``) instead of in insertion order, so Stateful objects are loaded in the
     same order on every rank whatever each rank's insertion order (their
-    ``load_state_dict`` may run collectives)."""
+    ``load_state_dict`` may run collectives). ``whole``: keys whose value, a
+    container included, is a leaf: ``get`` replaces it as one value (DCP loads a list
+    of plain values that way: :mod:`dckpt.compat.dcp`)."""
     stateful = stateful or {}
 
     def walk(obj: Any, key: str) -> Any:
@@ -163,6 +166,8 @@ def fill(state: Any, get: Callable[[str, Any], Any],
             sd = walk(stateful[key][1], key)
             obj.load_state_dict(sd)
             return obj
+        if key in whole:
+            return get(key, obj)
         if isinstance(obj, dict):
             for k in sorted(obj, key=str) if sort else list(obj):
                 sub, v = _join(key, str(k)), obj[k]

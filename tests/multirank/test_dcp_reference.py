@@ -17,12 +17,15 @@ over. Upstream files (pytorch/pytorch, test/distributed/checkpoint/) and what ch
   - test_partial_load: a model-only load of a model+optimizer checkpoint. Not adapted:
     its _load_state_dict_from_keys half (a DCP-private helper).
   - test_overwrite, at 2 ranks: every rank raises CheckpointException.
-- e2e/test_fine_tuning.py: pretrain, then fine-tune a model holding the pretrained one
-  as a frozen submodule, restarting once. Adapted: FSDP1/CUDA -> FSDP2/CPU, DIM 500 ->
-  16; each round builds a fresh model (a real restart) and checks the values it loads
-  (upstream checks none); the first round's load of the not-yet-written fine-tuning
-  checkpoint raises CheckpointException (upstream catches KeyError while reading the
-  pretrain directory, so its except branch never runs). Plus the flow of issue 26:
+- e2e/test_fine_tuning.py: test_fine_tuning is upstream's flow step for step (one model
+  and one Adam over all 16 parameters for both rounds; the try block reads the
+  pretrain directory, so the optimizer's param_groups[0]["params"] of 16 names is
+  replaced by the saved 10, issue 34), run through DCP itself and through the shim on
+  the same ranks, compared bitwise. Adapted: FSDP1/CUDA -> FSDP2/CPU (FSDP1 needs an
+  accelerator), DIM 500 -> 16, seeded batches. test_fine_tuning_restart: each round
+  builds a fresh model (a real restart), loads the fine-tuning checkpoint and checks
+  the values (upstream checks none); the first round's load of the not-yet-written
+  checkpoint raises CheckpointException. Plus the flow of issue 26:
   the pretrained checkpoint loaded into a model with extra parameters with
   DefaultLoadPlanner(allow_partial_load=True) (test_planner.py's test_strict at 2 ranks).
 - test_tp_checkpoint.py: test_tp_checkpoint (the deprecated save_state_dict /
@@ -335,8 +338,117 @@ def _fine_tuning(pre_dir: str, ft_dir: str):
     return True
 
 
-def test_fine_tuning(ranks, tmp_path):
+def test_fine_tuning_restart(ranks, tmp_path):
     assert ranks(2).run(_fine_tuning, str(tmp_path / "pre"), str(tmp_path / "ft")) == [True] * 2
+
+
+class UpstreamPreTrained(PreTrained):
+    """test_fine_tuning.py's PreTrainedModel: three layers, a Sequential and a
+    ModuleList (10 parameters), DIM 500 -> 16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer3 = nn.Linear(DIM, DIM)
+        self.sequential = nn.Sequential(nn.Linear(DIM, DIM), nn.ReLU())
+        self.module_list = nn.ModuleList([nn.Linear(DIM, DIM), nn.ReLU()])
+
+    def forward(self, x):
+        x = torch.relu(self.layer3(super().forward(x)))
+        return self.module_list[1](self.module_list[0](self.sequential(x)))
+
+
+class UpstreamFineTuning(nn.Module):
+    """test_fine_tuning.py's FineTuningModel: the pretrained model frozen, three new
+    layers (16 parameters, 6 trainable)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pretrain = UpstreamPreTrained()
+        for p in self.pretrain.parameters():
+            p.requires_grad = False
+        self.layer1, self.layer2 = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+        self.layer3 = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        x = torch.relu(self.layer1(torch.relu(self.pretrain(x))))
+        return torch.relu(self.layer3(torch.relu(self.layer2(x))))
+
+
+def _upstream_fine_tuning(which: str, pre_dir: str, ft_dir: str):
+    """Upstream's pretrain() and finetune() step for step, through ``which`` ("dcp":
+    torch's own, "dckpt": the shim). As upstream: one model and one Adam over all 16
+    parameters for both rounds, and the try block reads the *pretrain* directory,
+    whose optimizer param_groups[0]["params"] lists 10 names where the fine-tuning
+    state_dict lists 16: DCP replaces that list whole (then set_state_dict maps the 10
+    names), so neither round raises and the except branch never runs. Returns what
+    each round saw and the final full state."""
+    import warnings
+
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_state_dict, set_model_state_dict,
+                                                         set_state_dict)
+
+    if which == "dcp":
+        import torch.distributed.checkpoint as dist_cp
+    else:
+        from dckpt.compat import dcp as dist_cp
+    warnings.filterwarnings("ignore", category=FutureWarning)  # the deprecated *_state_dict
+
+    def train(model, optim, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)  # upstream: unseeded torch.rand
+        for _ in range(3):
+            model(torch.rand(32, DIM, generator=gen)).sum().backward()
+            optim.step()
+            optim.zero_grad()
+
+    model = _shard(UpstreamPreTrained())
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    train(model, optim, 0)
+    msd, osd = get_state_dict(model, optimizers=optim)
+    dist_cp.save_state_dict(state_dict={"model": msd, "optim": osd},
+                            storage_writer=dist_cp.FileSystemWriter(pre_dir))
+
+    torch.manual_seed(3)
+    model = _shard(UpstreamFineTuning())
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    seen = []
+    for i in range(2):  # "simulate that the fine tuning restart after 3 iterations"
+        pre = get_model_state_dict(model, submodules={model.pretrain},
+                                   options=StateDictOptions(keep_submodule_prefixes=False))
+        dist_cp.load_state_dict({"model": pre}, storage_reader=dist_cp.FileSystemReader(pre_dir))
+        set_model_state_dict(model, model_state_dict={model.pretrain: pre},
+                             options=StateDictOptions(strict=False))
+        try:
+            msd, osd = get_state_dict(model, optimizers=optim,
+                                      options=StateDictOptions(ignore_frozen_params=True))
+            before = len(osd["param_groups"][0]["params"])
+            dist_cp.load_state_dict({"model": msd, "optim": osd},
+                                    storage_reader=dist_cp.FileSystemReader(pre_dir))
+            seen.append((before, len(osd["param_groups"][0]["params"])))
+            set_state_dict(model, optimizers=optim, model_state_dict=msd,
+                           optim_state_dict=osd, options=StateDictOptions(strict=False))
+        except KeyError:
+            assert i == 0  # upstream's branch: only the first round may get here
+            seen.append("KeyError")
+        train(model, optim, 10 + i)
+        msd, osd = get_state_dict(model, optimizers=optim,
+                                  options=StateDictOptions(ignore_frozen_params=True))
+        dist_cp.save_state_dict(state_dict={"model": msd, "optim": osd},
+                                storage_writer=dist_cp.FileSystemWriter(ft_dir))
+    return seen, _full(model, optim)
+
+
+def test_fine_tuning(ranks, tmp_path):
+    """Upstream's test_fine_tuning through the shim, and through DCP on the same ranks:
+    the shim does what DCP does (the optimizer's param list replaced: 16 -> 10 names)
+    and ends in bitwise the same model and optimizer state."""
+    pool = ranks(2)
+    runs = {which: pool.run(_upstream_fine_tuning, which, str(tmp_path / which / "pre"),
+                            str(tmp_path / which / "ft"))
+            for which in ("dcp", "dckpt")}
+    for which, per_rank in runs.items():
+        assert [seen for seen, _ in per_rank] == [[(16, 10), (16, 10)]] * 2, which
+    _same(runs["dcp"][0][1], runs["dckpt"][0][1])
 
 
 def _extra_parameters(path: str) -> str:
