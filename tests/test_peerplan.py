@@ -336,3 +336,29 @@ def test_replication_plan_sends_each_part_to_each_successor_node_evenly():
     plan = replication_plan({0: "a", 1: "a", 2: "b"}, 3)
     assert sorted(plan) == [(0, 2), (1, 2), (2, 0)]
     assert replication_plan({0: "a", 1: "a"}, 1) == []
+
+
+def test_newest_replicated_needs_every_part_on_enough_nodes():
+    """Issue 34 (1.5): a step is replicated when every part is on ``copies`` distinct
+    nodes; the newest own step with a replica missing is not (a receiver failed)."""
+    from dckpt.tiers.peerplan import newest_replicated
+
+    def node(h: str) -> str:
+        return h.split("#")[0]
+
+    whole = {"a#0": {0: True, 1: True, 2: True, 3: True},
+             "b#2": {0: True, 1: True, 2: True, 3: True}}
+    short = {"a#0": {0: True, 1: True, 3: True},  # part 2's replica never arrived
+             "b#2": {0: True, 1: True, 2: True, 3: True}}
+    reports = [HoldReport(0, p, tuple(StepHolding(s, f"s{s}", float(s), 4, tuple(d[p].items()))
+                                     for s, d in ((10, whole), (20, short))))
+               for p in ("a#0", "b#2")]
+    steps = complete_steps(reports, {"a#0", "b#2"})
+    assert [c.step for c in steps] == [20, 10]  # both restorable with both nodes up
+    assert newest_replicated(steps, node, 2) == 10
+    assert newest_replicated(steps, node, 1) == 20  # one node: nothing to replicate to
+    assert newest_replicated(steps[:1], node, 2) is None
+    # two places of one node are one node: they do not make two copies
+    one = [HoldReport(0, p, (StepHolding(10, "s", 1.0, 2, ((0, True), (1, True))),))
+           for p in ("a#0", "a#1")]
+    assert newest_replicated(complete_steps(one, {"a#0", "a#1"}), node, 2) is None

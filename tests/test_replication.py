@@ -137,3 +137,39 @@ def test_stream_check_agrees_with_verify_shard_on_any_split_and_any_flip(tmp_pat
             assert want == "IntegrityError"
     with pytest.raises(Exception, match="shorter than its header"):
         StreamCheck(path, len(good)).finish()
+
+
+def _replicator(root, keep: int, replicated):
+    from dckpt.policy import RetentionPolicy
+    from dckpt.storage.local import LocalStorage
+
+    rep = replication.Replicator.__new__(replication.Replicator)
+    rep.root, rep.storage, rep.retention = str(root), LocalStorage(), RetentionPolicy(keep)
+    rep.replicated = replicated
+    return rep
+
+
+def test_old_replicas_go_whether_or_not_the_newest_copy_succeeded(tmp_path):
+    """Issue 34 (1.6, 1.7): peers/ keeps keep_last_local steps up to the newest
+    replicated one plus the step just tried, counting steps with no replica here."""
+    for s in (10, 20, 30, 40):
+        (tmp_path / "peers" / f"step-{s:08d}" / ".incoming").mkdir(parents=True)
+        (tmp_path / f"step-{s:08d}").mkdir()
+    rep = _replicator(tmp_path, 1, 10)
+    rep._drop_old_replicas(40)  # 20, 30, 40 failed: 10 is still the newest replicated
+    assert peerpart.peer_steps(str(tmp_path)) == [10, 40]
+    rep.replicated = 50  # replicated, but no node sends here any more (a shrink)
+    (tmp_path / "step-00000050").mkdir()
+    rep._drop_old_replicas(50)
+    assert peerpart.peer_steps(str(tmp_path)) == []
+
+
+def test_reclaim_removes_every_replica_once_by_the_lowest_sharer(tmp_path):
+    for s in (10, 20):
+        (tmp_path / "peers" / f"step-{s:08d}").mkdir(parents=True)
+        (tmp_path / "peers" / f"step-{s:08d}" / "manifest-00002.json").write_text("{}")
+    assert replication.reclaim(str(tmp_path), {0, 1}, 1) == 0  # not the lowest sharer
+    assert peerpart.peer_steps(str(tmp_path)) == [10, 20]
+    assert replication.reclaim(str(tmp_path), {0, 1}, 0) == 2
+    assert not (tmp_path / "peers").exists()
+    assert replication.reclaim(str(tmp_path), None, 3) == 0  # nothing left: a no-op

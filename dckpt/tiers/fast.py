@@ -126,6 +126,8 @@ class FastTier:
             self.peers = replication.Replicator(
                 self.storage, self.root, comm, OwnGroup.create(group, timeout), agreed,
                 place_of, owner, keep_last_local)
+        if self.peers is None:  # no replicas kept in this job: free those left here
+            replication.reclaim(self.root, self._sharers, comm.rank)
 
     # ------------------------------------------------------------------ saving
     def step_dir(self, step: int) -> str:

@@ -16,7 +16,7 @@ another node sent; it counts only once verified against its CRCs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from ..errors import CheckpointError
 from .chooser import Candidate, live_timeline
@@ -307,3 +307,16 @@ def schedule(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
         busy[k] |= {a, b}
         placed.append((k, i, a))
     return [pairs[i] for _, i, _ in sorted(placed)]
+
+
+def newest_replicated(choices: Sequence[Choice], node_of: Callable[[str], str],
+                      copies: int) -> int | None:
+    """The step of the first of ``choices`` (newest first, as :func:`complete_steps`
+    gives them) every part of which is held on at least ``copies`` distinct nodes
+    (``node_of`` maps a holder to its node): the newest step that survives the loss of
+    any ``copies - 1`` nodes, i.e. the one replicated everywhere. None when no step is.
+    Pure: O(total holders)."""
+    for c in choices:
+        if all(len({node_of(h) for h in hs}) >= copies for hs in c.holders):
+            return c.step
+    return None

@@ -27,7 +27,7 @@ from ..protocol.collectives import Comm, agree
 from ..protocol.restore import MAX_MANIFEST
 from . import peerpart, peerplan
 from .localnames import step_name, view_name
-from .peerplan import Choice, HoldReport, StepHolding
+from .peerplan import Choice
 from .replication import Replicator, node_of, ranks_at
 
 log = logging.getLogger(__name__)
@@ -44,33 +44,13 @@ class Option:
     local: bool
 
 
-def _lowest(rep: Replicator) -> bool:
-    me = rep.comm.rank
-    return rep.ranks_of[rep.place_of[me]][0] == me
-
-
 def options(rep: Replicator) -> list[Option]:
     """Every step the surviving places hold whole, newest first (abandoned timelines
     left out). Collective: one all-gather of each place's small holdings table (its
-    lowest rank scans the directory; the views only). Never raises but
-    CommunicationError."""
+    lowest rank scans the directory; the views only), or none right after the tier's
+    construction (:meth:`Replicator.holdings`). Never raises but CommunicationError."""
     comm = Comm(rep.group)
-    held: dict[tuple, dict[str, list[int]]] = {}
-    if _lowest(rep):
-        for x in peerpart.scan(rep.storage, rep.root, rep.owner):
-            key = (x.step, x.view.save_id, x.view.created, x.view.world_size)
-            kind = "peer" if peerpart.PEERS in x.where.split("/") else "own"
-            held.setdefault(key, {"own": [], "peer": []})[kind].append(x.part)
-    mine = [[list(k), v["own"], v["peer"]] for k, v in held.items()]
-    docs = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(mine).encode())]
-    reports, own = [], set()
-    for r, doc in enumerate(docs):
-        steps = []
-        for (step, sid, created, world), mine_own, peer in doc:
-            steps.append(StepHolding(step, sid, created, world,
-                                     tuple((p, True) for p in sorted(set(mine_own + peer)))))
-            own |= {(step, sid, rep.place_of[r], p) for p in mine_own}
-        reports.append(HoldReport(r, rep.place_of[r], tuple(steps)))
+    reports, own = rep.holdings(comm)
     out = []
     for c in peerplan.complete_steps(reports, set(rep.place_of.values())):
         local = c.world == comm.size and all(
@@ -345,6 +325,7 @@ def rereplicate(rep: Replicator, choice: Choice, homes: dict[int, str]) -> None:
                 err = err or e
     try:
         agree(comm, err, f"re-replication of step {choice.step}")
+        rep.replicated = choice.step  # held on its home and successors: kept as such
         if comm.rank == 0 and copies:
             log.info("step %d: %d replica(s) re-created after the restore", choice.step,
                      sum(len(v) for v in copies.values()))

@@ -75,8 +75,10 @@ def node_of(place: str) -> str:
 
 class Replicator:
     """The replication of one fast tier. Construct on every rank together after the
-    settings were agreed (``agreed.replicas > 0``); ``group`` is the tier's gloo group
-    for transfers (an OwnGroup), used by this class's thread and, between saves, by the
+    settings were agreed (``agreed.replicas > 0``): collective over ``comm``, one
+    all-gather of what each place holds (its lowest rank reads its views), which also
+    tells the newest step replicated everywhere. ``group`` is the tier's gloo group for
+    transfers (an OwnGroup), used by this class's thread and, between saves, by the
     restore."""
 
     def __init__(self, storage, root: str, comm: Comm, group: Any, agreed: peerplan.Agreed,
@@ -87,11 +89,10 @@ class Replicator:
         self.ranks_of = ranks_at(place_of)  # {place: its ranks, ascending}
         self.retention = RetentionPolicy(keep_last)
         self.queue = stager.StageQueue()  # the replications queued (coalesced)
-        # The newest step replicated everywhere, as far as this rank knows. At start,
-        # the newest own step here stands in for it: its replicas on the other nodes
-        # may be the newest whole copy of this node's part, so it is kept until a newer
-        # step is replicated (a restart must not drop what a node loss would need).
-        self.replicated: int | None = max(_own_steps(storage, root), default=None)
+        # The newest step replicated everywhere: its own files and replicas are kept
+        # until a newer step is (a node loss needs them). Set at the end of __init__.
+        self.replicated: int | None = None
+        self._start: tuple | None = None  # the holdings gathered at construction
         self._jobs: list[cf.Future] = []
         self._exec = cf.ThreadPoolExecutor(1, thread_name_prefix="dckpt-peer")
         self._warned_space = False
@@ -109,6 +110,47 @@ class Replicator:
             n = peerpart.sweep(root)  # nothing transfers yet: construction is collective
             if n:
                 log.info("rank %d: removed %d file(s) of transfers cut short in %s", me, n, root)
+        # Which step is replicated is learnt from what the nodes hold, not from the own
+        # step directories: the newest own step may never have been replicated (a
+        # receiver failed), and taking it for replicated would let the cleanup drop the
+        # own files of the step the peers' replicas really back up.
+        self._start = self.holdings(comm)
+        copies = min(self.replicas, len(succ) - 1) + 1
+        self.replicated = peerplan.newest_replicated(
+            peerplan.complete_steps(self._start[0], set(place_of.values())), node_of, copies)
+        if self.replicated is not None and me == 0:
+            log.info("fast tier: step %d is the newest replicated on %d node(s)",
+                     self.replicated, copies)
+
+    def holdings(self, comm: Comm) -> tuple[list[peerplan.HoldReport], set[tuple]]:
+        """(every rank's report of the parts its place holds, own and replicas; the
+        (step, save id, place, part) held as own files). Collective over ``comm``: one
+        all-gather of each place's small table (its lowest rank scans the directory,
+        reading the views). The first call after construction with no save since
+        returns what construction gathered (nothing changed since), without I/O or a
+        collective: every rank takes that path alike. Never raises but
+        CommunicationError."""
+        if self._start is not None:
+            out, self._start = self._start, None
+            return out
+        held: dict[tuple, dict[str, list[int]]] = {}
+        if self.ranks_of[self.place_of[comm.rank]][0] == comm.rank:
+            for x in peerpart.scan(self.storage, self.root, self.owner):
+                key = (x.step, x.view.save_id, x.view.created, x.view.world_size)
+                kind = "peer" if peerpart.PEERS in x.where.split("/") else "own"
+                held.setdefault(key, {"own": [], "peer": []})[kind].append(x.part)
+        mine = [[list(k), v["own"], v["peer"]] for k, v in held.items()]
+        docs = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(mine).encode())]
+        reports, own = [], set()
+        for r, doc in enumerate(docs):
+            steps = []
+            for (step, sid, created, world), mine_own, peer in doc:
+                steps.append(peerplan.StepHolding(
+                    step, sid, created, world,
+                    tuple((p, True) for p in sorted(set(mine_own + peer)))))
+                own |= {(step, sid, self.place_of[r], p) for p in mine_own}
+            reports.append(peerplan.HoldReport(r, self.place_of[r], tuple(steps)))
+        return reports, own
 
     # ------------------------------------------------------------------ replicating
     def submit(self, commit: LocalCommit, on_done: Callable[[int], None]) -> None:
@@ -116,6 +158,7 @@ class Replicator:
         commit, in save order). ``on_done(step)`` runs in the replication thread once
         the step is replicated everywhere (the fast tier's cleanup). Not blocking."""
         self._check_space(commit)
+        self._start = None  # the directory changes from here: holdings() scans again
         job = self.queue.add(commit.step, False)  # older copies not begun are skipped
         self._jobs.append(self._exec.submit(self._run, commit, job, on_done))
 
@@ -157,7 +200,13 @@ class Replicator:
                 log.debug("replication of step %d skipped for a newer step", commit.step)
                 return
             t0 = time.perf_counter()
-            nbytes = self.copy_out(commit.step, commit.save_id, comm)
+            try:
+                nbytes = self.copy_out(commit.step, commit.save_id, comm)
+            except Exception:
+                # Old replicas go whether or not this copy succeeded: a receiver that
+                # keeps failing must not make peers/ grow by a step per save.
+                self._drop_old_replicas(commit.step)
+                raise
             self.replicated = commit.step
             self._drop_old_replicas(commit.step)
             if comm.rank == 0:
@@ -213,13 +262,22 @@ class Replicator:
         return peerpart.Missing(step, self.comm.rank, where, None)
 
     def _drop_old_replicas(self, step: int) -> None:
-        """After ``step`` was replicated everywhere: drop the replicas ``keep_last_local``
-        does not keep (never ``step``'s) and those of steps above it (an abandoned
-        timeline). Never raises."""
+        """After the replication of ``step``, succeeded or failed (every rank, past the
+        transfers: none runs into ``peers/`` now): keep the replicas of the
+        ``keep_last_local`` newest steps up to the newest replicated one (counting the
+        steps this node holds no replica of, so replicas left by a node that is no
+        longer a sender here, after a shrink, go too) and of ``step``; drop the rest
+        (earlier failed copies, steps of an abandoned timeline). So ``peers/`` holds at
+        most ``keep_last_local`` + 1 steps. Local I/O (two listings, removals); never
+        raises."""
         held = peerpart.peer_steps(self.root)
-        doomed = [s for s in held if s > step]
-        doomed += self.retention.to_delete([s for s in held if s <= step], {step})
-        peerpart.drop_peer_steps(self.root, doomed)
+        top = self.replicated
+        known = sorted(set(held) | set(_own_steps(self.storage, self.root)) | {step})
+        upto = [s for s in known if top is not None and s <= top]
+        keep = {step} | (set(upto) - set(self.retention.to_delete(upto, {top})))
+        if self.retention.keep_last is None:  # keep everything up to this step
+            keep |= {s for s in held if s <= step}
+        peerpart.drop_peer_steps(self.root, [s for s in held if s not in keep])
 
     def _check_space(self, commit: LocalCommit) -> None:
         """Warn once when ``local_root`` cannot hold another step like ``commit`` with
@@ -257,3 +315,23 @@ def _own_steps(storage, root: str) -> list[int]:
                                           for e in storage.listdir(root) if e.is_dir) if m]
     except OSError:
         return []
+
+
+def reclaim(root: str, sharers: set[int] | None, rank: int) -> int:
+    """Remove ``root/peers/`` (every replica held there) when this job keeps none
+    (``replicas=0``, or one process): nothing reads or renews them, and in ``/dev/shm``
+    they would hold memory for the rest of the job. Run by the lowest rank of
+    ``sharers`` (every rank when that is unknown), at the tier's construction,
+    before any save. Returns the number of steps removed. Local I/O; never raises."""
+    if sharers and min(sharers) != rank:
+        return 0
+    steps = peerpart.peer_steps(root)
+    peerpart.drop_peer_steps(root, steps)
+    try:
+        os.rmdir(os.path.join(root, peerpart.PEERS))
+    except OSError:
+        pass  # absent, or not empty (a file that is no step's): left as it is
+    if steps:
+        log.info("rank %d: removed the replicas of step(s) %s from %s: this job keeps none",
+                 rank, steps, root)
+    return len(steps)
