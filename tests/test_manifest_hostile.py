@@ -386,6 +386,39 @@ def test_many_dims_non_grid_parse_fast(ndim):
     assert time.perf_counter() - t0 < 1.0
 
 
+def _list_form_doc(n: int) -> dict:
+    """A manifest of one tensor in n chunks in list form ("offsets"/"sizes", no grid):
+    the top half of a (n, n/2) tensor in n/2 full-width rows, the bottom half in n/2
+    full-height columns. Each dim's projections overlap for n**2/4 pairs of chunks."""
+    h = n // 2
+    nfiles = n // 1000 + 1
+    doc = v2_doc()
+    doc["files"] = [[f"data-00000000000000aa-{r:05d}.safetensors", 1024, 120, 7, r]
+                    for r in range(nfiles)]
+    doc["world_size"] = nfiles
+    doc["tensors"] = {"w": {"dtype": "F32", "shape": [2 * h, h], "chunks": {
+        "offsets": [[i, 0] for i in range(h)] + [[h, j] for j in range(h)],
+        "sizes": [[1, h]] * h + [[h, 1]] * h,
+        "file": [i % nfiles for i in range(2 * h)]}}}
+    return doc
+
+
+def test_a_large_chunk_list_parses_in_n_log_n():
+    """Issue 34 (2.4): a 4.2 MB manifest of 200,000 chunks in list form kept dckpt.open,
+    inspect, ls and diff busy for minutes (40,000 chunks: 22.7 s): its tiling check was
+    quadratic. Now about a second here; the bound is generous."""
+    doc = _list_form_doc(200_000)
+    raw = seal(doc)
+    assert len(raw) > 4_000_000
+    t0 = time.perf_counter()
+    m = mf.parse(raw)
+    assert len(m.tensors["w"].chunks) == 200_000
+    # two columns on one: an overlap and a gap, the same element count
+    doc["tensors"]["w"]["chunks"]["offsets"][100_005][1] = 6
+    bad(seal(doc), "'w'", "overlap")
+    assert time.perf_counter() - t0 < 30.0
+
+
 def test_more_than_64_dims_are_refused():
     t0 = time.perf_counter()
     bad(seal(_non_grid_doc(65)), "'t'", "65 dims", "64")

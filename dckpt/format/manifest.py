@@ -368,7 +368,8 @@ def _parse_doc(data: bytes, at: list[str]) -> Manifest:
 
 def parse(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
     """Parse and validate manifest bytes (version 2, or version 1 as older dckpt wrote
-    it). Pure, O(size) (a non-grid chunk list costs at most O(ndim * chunks**2)).
+    it). Pure, O(size) (a non-grid chunk list costs O(2**k * chunks log chunks)
+    for chunks that cut k dims, and is capped beyond: see dckpt.layout.tiling).
 
     Raises:
         ManifestError: naming ``where`` and the offending field, for any input that is

@@ -1,9 +1,11 @@
 """Pure check that a set of boxes tiles a tensor exactly once.
 
 Linear in the number of boxes for the layouts DTensor produces (the boxes are the cells
-of a grid: one breakpoint list per dim). Any other layout gets a disjointness test whose
-cost is polynomial in the number of boxes and dims: a coverage count over the cells of
-the boxes' breakpoints when that is small, else a pruned pairwise test.
+of a grid: one breakpoint list per dim). Any other layout gets an exact-cover test by
+signed corner counts, O(2**k * n log n) for boxes that cut k dims (k is 1 to 3 for any
+real layout); where 2**k * n is over a cap, a pairwise test pruned by a sort, itself
+capped: a manifest cannot make the check run for minutes (issue 34: 200,000 chunks in
+list form took minutes, the pairwise test being quadratic for them).
 """
 from __future__ import annotations
 
@@ -15,10 +17,12 @@ import numpy as np
 # Tensors have at most this many dims (numpy's own limit is 64); a manifest or plan with
 # more is refused, so no cost below can grow with an attacker's choice of ndim.
 MAX_NDIM = 64
-# The coverage count allocates one int64 per cell of the breakpoint grid and does one
-# update per box corner (n * 2**ndim): both are capped, else the pairwise test runs.
-_MAX_COVERAGE_CELLS = 1 << 22
-_MAX_CORNER_UPDATES = 1 << 16
+# The corner count makes one int64 key per corner of each box over the cut dims:
+# (n + 1) * 2**k of them (32 MiB at the cap). Beyond it the pairwise test runs.
+_MAX_CORNERS = 1 << 22
+# The pairwise test gives up (an error, not a verdict on the layout) past this many
+# candidate pairs: about a second of vectorised work.
+_MAX_PAIRS = 1 << 24
 # Candidate pairs tested per vectorised step of the pairwise test (bounds its memory).
 _PAIR_BLOCK = 1 << 16
 
@@ -36,9 +40,10 @@ class Tiling:
 
 def analyse(shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray) -> Tiling:
     """Check that the boxes ``offsets``/``sizes`` ((n, ndim) int64) cover every element
-    of ``shape`` exactly once. Pure; O(ndim * n log n) for grid layouts, at most
-    O(ndim * n**2) for any other. Refuses (as an error in the result, never raising) more
-    than ``MAX_NDIM`` dims."""
+    of ``shape`` exactly once. Pure; O(ndim * n log n) for grid layouts, O(2**k * n log
+    n) for any other whose boxes cut k dims, and bounded where that is over a cap (see
+    :func:`_disjoint`). Refuses (as an error in the result, never raising) more than
+    ``MAX_NDIM`` dims, and a layout too irregular to check within the caps."""
     ndim = len(shape)
     if ndim > MAX_NDIM:
         return Tiling(f"the tensor has {ndim} dims; at most {MAX_NDIM} are supported")
@@ -88,7 +93,7 @@ def analyse(shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray) -> T
         if (order >= 0).all():
             return Tiling(None, tuple(tuple(b.tolist()) for b in bps), order)
         return Tiling("two chunks overlap")
-    return Tiling(None if _disjoint(lo, hi, dims) else "two chunks overlap")
+    return Tiling(_disjoint(lo, hi, dims))
 
 
 def _split_one_dim(shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray) -> Tiling | None:
@@ -152,41 +157,76 @@ def _c_order_grid(shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray
     return Tiling(None, tuple(grid), np.arange(n, dtype=np.int64))
 
 
-def _disjoint(lo: list[np.ndarray], hi: list[np.ndarray], dims: tuple[int, ...]) -> bool:
-    """True when no two boxes (given as cell-index ranges, one array per dim) share a
-    cell. O(n * 2**ndim + cells) when both are small, else O(ndim * (n log n + pairs))."""
-    n, ndim = len(lo[0]), len(dims)
+def _disjoint(lo: list[np.ndarray], hi: list[np.ndarray], dims: tuple[int, ...]) -> str | None:
+    """None when no two boxes (given as cell-index ranges, one array per dim, over a grid
+    of ``dims`` cells) share a cell, else the error. The caller has checked that the
+    boxes lie inside and that their volumes add up to the tensor's: then they tile it
+    iff they are disjoint iff their signed corner counts are the tensor's own.
+
+    Only the dims some box cuts count (a dim every box spans whole changes nothing).
+    O(2**k * n log n) for n boxes cutting k dims while that is under _MAX_CORNERS; else
+    the pairwise test, O(k * n log n + pairs), with pairs capped at _MAX_PAIRS (past it
+    the layout is refused as too irregular to check: no real layout comes near)."""
+    n = len(lo[0])
     if n < 2:
-        return True
-    cells = math.prod(d + 1 for d in dims)  # Python ints: no overflow at 64 dims
-    if cells <= _MAX_COVERAGE_CELLS and n << ndim <= _MAX_CORNER_UPDATES:
-        return _disjoint_by_count(lo, hi, dims)
-    return _disjoint_pairwise(np.stack(lo, 1), np.stack(hi, 1))
+        return None
+    cut = [d for d in range(len(dims)) if (lo[d] != 0).any() or (hi[d] != dims[d]).any()]
+    if not cut:
+        return "two chunks overlap"  # every box is the whole tensor
+    los = np.stack([lo[d] for d in cut], 1)
+    his = np.stack([hi[d] for d in cut], 1)
+    if (n + 1) << len(cut) <= _MAX_CORNERS:
+        ok = _disjoint_corners(los, his, [dims[d] for d in cut])
+        return None if ok else "two chunks overlap"
+    ok = _disjoint_pairwise(los, his)
+    if ok is None:
+        return (f"{n} chunks cut {len(cut)} dims in no grid, with too many overlapping "
+                "candidate pairs to check")
+    return None if ok else "two chunks overlap"
 
 
-def _disjoint_by_count(lo: list[np.ndarray], hi: list[np.ndarray], dims: tuple[int, ...]) -> bool:
-    """Difference array: +-1 at the 2**ndim corners of each box, then a prefix sum along
-    every axis gives the number of boxes covering each cell."""
-    ndim, n = len(dims), len(lo[0])
-    ext = [d + 1 for d in dims]
-    corners = np.arange(1 << ndim)
-    pick_hi = (corners[:, None] >> np.arange(ndim)) & 1  # (corners, ndim): 1 = take hi
-    flat = np.zeros((len(corners), n), np.int64)
-    for d in range(ndim):
-        flat = flat * ext[d] + np.where(pick_hi[:, d, None] == 1, hi[d], lo[d])
-    sign = np.where(pick_hi.sum(axis=1) % 2 == 1, -1, 1)
-    diff = np.bincount(flat.ravel(), np.repeat(sign, n), minlength=math.prod(ext))
-    diff = diff.astype(np.int64).reshape(ext)  # float weights hold these small ints exactly
-    for d in range(ndim):
-        diff = np.cumsum(diff, axis=d)
-    return bool((diff[tuple(slice(0, d) for d in dims)] <= 1).all())
+def _disjoint_corners(lo: np.ndarray, hi: np.ndarray, dims: list[int]) -> bool:
+    """Exact cover by signed corner counts, with no grid allocated: each box adds
+    (-1)**(its corner's count of hi coordinates) at each of its 2**k corners, the whole
+    tensor's box subtracts the same, and the net must be 0 at every point. The net is
+    the k-fold finite difference of (coverage count - 1) over the cell grid, and prefix
+    sums invert it: zero everywhere iff every cell is covered exactly once (the dense
+    coverage count this replaces did those prefix sums over every cell). Sparse: the
+    points are sorted as int64 keys, re-ranked whenever the mixed radix would pass
+    2**62, so no product of extents can overflow. (n, k) cell ranges; O(2**k * n *
+    (k + log n)) time, O(2**k * n) memory."""
+    n, k = lo.shape
+    lo = np.vstack([lo, np.zeros((1, k), np.int64)])  # the whole tensor, subtracted
+    hi = np.vstack([hi, np.asarray(dims, np.int64).reshape(1, k)])
+    corners = np.arange(1 << k, dtype=np.int64)
+    key = np.zeros((1 << k, n + 1), np.int64)
+    span = 1
+    for d in range(k):
+        ext = dims[d] + 1
+        if span * ext >= 1 << 62:  # re-rank: the keys' order and equality stay
+            _, inv = np.unique(key, return_inverse=True)
+            key = inv.reshape(key.shape).astype(np.int64)
+            span = int(key.max()) + 1
+        take_hi = ((corners >> d) & 1).astype(bool)[:, None]
+        key = key * ext + np.where(take_hi, hi[:, d], lo[:, d])
+        span *= ext
+    parity = np.zeros(1 << k, np.int64)
+    for d in range(k):
+        parity ^= (corners >> d) & 1
+    sign = (1 - 2 * parity)[:, None] * np.concatenate((np.ones(n, np.int64), [-1]))
+    key, sign = key.ravel(), sign.ravel()
+    order = np.argsort(key, kind="stable")
+    key, sign = key[order], sign[order]
+    starts = np.flatnonzero(np.concatenate(([True], key[1:] != key[:-1])))
+    return not np.add.reduceat(sign, starts).any()
 
 
-def _disjoint_pairwise(lo: np.ndarray, hi: np.ndarray) -> bool:
+def _disjoint_pairwise(lo: np.ndarray, hi: np.ndarray) -> bool | None:
     """Pairwise test of (n, ndim) cell ranges, pruned by a sort on one dim: after sorting
     by start on dim d, box k can only meet the boxes after it that start before it ends
-    there. The dim that leaves the fewest candidate pairs is used; O(n**2) pairs at worst
-    (a set of boxes that all overlap on every dim), tested _PAIR_BLOCK at a time."""
+    there. The dim that leaves the fewest candidate pairs is used, tested _PAIR_BLOCK at
+    a time; O(ndim * n log n) to count them, then O(pairs). None (no verdict) when over
+    _MAX_PAIRS pairs remain: O(n**2) at worst (boxes that all overlap on every dim)."""
     n, ndim = lo.shape
     best = None
     for d in range(ndim):
@@ -199,6 +239,8 @@ def _disjoint_pairwise(lo: np.ndarray, hi: np.ndarray) -> bool:
         if total == 0:
             return True
     total, order, count = best
+    if total > _MAX_PAIRS:
+        return None
     lo, hi = lo[order], hi[order]
     first = np.cumsum(count) - count  # flat index of box k's first candidate pair
     for p0 in range(0, total, _PAIR_BLOCK):
