@@ -1,18 +1,18 @@
-"""Finding checkpoints under a root, describing them, and removing leftovers (gc).
+"""Finding checkpoints under a root, describing them and measuring them; gc lives in
+:mod:`dckpt.catalog_gc` (re-exported here).
 
 A root may hold durable checkpoints (``manifest.json``) and fast-tier steps (a
 ``local_root``'s ``step-<N>/`` with one ``manifest-<rank>.json`` view per rank of this
-node, see :mod:`dckpt.catalog_local`): both are listed and measured."""
+node, and ``peers/step-<N>/`` with the parts other nodes replicated here, see
+:mod:`dckpt.catalog_local`): both are listed and measured."""
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass
 
-from .protocol import intent as _intent
-from .protocol.intent import INTENT_FILE, live_save_ids
-from .catalog_local import STEP_DIR, is_local_step, read_local_step
-from .errors import CheckpointError
+from .catalog_local import PEERS, STEP_DIR, is_local_step, read_local_step
+from .errors import CheckpointError, NotCommittedError
 from .format import manifest as mf
 from .storage.fsspec_storage import FsspecStorage, Upload, make_storage
 
@@ -21,6 +21,7 @@ from .storage.fsspec_storage import FsspecStorage, Upload, make_storage
 # re-exported (the manager imports remove_checkpoints from here).
 _REFCOUNT = ("ALL_FILES", "manifest_dirs", "references", "references_beside",
              "remove_checkpoints")
+_GC = ("Leftover", "find_leftovers", "collect_garbage", "fast_tier")
 
 
 def __getattr__(name: str):
@@ -28,7 +29,12 @@ def __getattr__(name: str):
         from . import refcount
 
         return getattr(refcount, name)
+    if name in _GC:
+        from . import catalog_gc
+
+        return getattr(catalog_gc, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 log = logging.getLogger(__name__)
 _now = time.time  # gc's clock (tests move it instead of aging files they cannot touch)
@@ -150,6 +156,35 @@ def expect_checkpoint(storage, base: str, given: str) -> str | None:
     raise CheckpointError(f"{given} is a root holding {what} ({n}): name one of them")
 
 
+LOCAL_STEP_HINT = ("is a fast-tier step (rank views manifest-<rank>.json, no "
+                   "manifest.json): {what} a durable checkpoint; use its durable copy, or "
+                   "restore this step with CheckpointManager (dckpt inspect and dckpt "
+                   "verify read it as it is)")
+
+
+def not_a_checkpoint(storage, base: str, given: str, err: Exception,
+                     what: str = "dckpt.open and dckpt diff read") -> CheckpointError:
+    """The error to raise when reading ``base`` (typed as ``given``) as one committed
+    checkpoint failed with ``err`` (NotCommittedError: no manifest.json; or
+    NotADirectoryError: ``base`` or a parent is a file): a NotCommittedError saying
+    what is there, as :func:`expect_checkpoint` words it (a file, a root naming its
+    checkpoints, a fast-tier step), else ``err`` itself (a save that did not finish,
+    nothing there) or "no such path". Never raises. I/O: what expect_checkpoint does,
+    on this error path only."""
+    try:
+        if expect_checkpoint(storage, base, given) == "local":
+            return NotCommittedError(f"{given} " + LOCAL_STEP_HINT.format(what=what))
+    except CheckpointError as e:
+        if isinstance(err, NotCommittedError) and str(e).startswith("no such path"):
+            return err  # nothing there: the words dckpt.load uses
+        return NotCommittedError(str(e))
+    except OSError:
+        pass  # the listing failed: the original error says as much as we know
+    if isinstance(err, CheckpointError):
+        return err
+    return NotCommittedError(f"{given} holds no committed checkpoint ({err})")
+
+
 def list_checkpoints(root: str, storage_options: dict | None = None) -> list[CheckpointSummary]:
     """Committed checkpoints at ``root`` and in its direct subdirectories, sorted by
     path (``root`` as given, so an fsspec URL keeps its scheme), and fast-tier steps
@@ -179,176 +214,6 @@ def _list_checkpoints(root: str, storage_options: dict | None) -> list[Checkpoin
     return out
 
 
-@dataclass(frozen=True)
-class Leftover:
-    """A file ``dckpt gc`` would remove: ``path`` as the user wrote the root."""
-
-    path: str
-    bytes: int
-    age_s: float
-    where: str = ""  # the storage path (``path`` is as the user wrote the root)
-    upload_id: str = ""  # set for an incomplete multipart upload (S3), not a file
-
-
-def _leftover_kind(name: str) -> tuple[str, str | None] | None:
-    """(kind, save id or None) for dckpt's own file names, None for anything else."""
-    from .protocol.coordinator import DATA_FILE, TEMP_MANIFEST
-
-    m = DATA_FILE.match(name)
-    if m:
-        return "data", m.group(1)
-    m = INTENT_FILE.match(name)
-    if m:
-        return "intent", m.group(1)
-    if TEMP_MANIFEST.match(name):
-        return "temp", None  # its save is unknown: only a dir with no live save loses it
-    return None
-
-
-def _dir_leftovers(storage, d: str, shown: str, entries, min_age_s: float,
-                   now: float, no_time: list[str], referenced: frozenset = frozenset()) -> list[Leftover]:
-    """The leftovers among ``entries`` (the listing of ``d``, taken before this reads its
-    manifest). Skips the directory when its manifest exists but cannot be read."""
-    from .protocol.coordinator import DATA_FILE
-    from .refcount import ALL_FILES
-
-    # Read the manifest only after listing: a save removes its intent only once its
-    # manifest is committed, so a listing without a save's intent is followed by a
-    # manifest that lists that save's files (never neither).
-    m, s = _read(storage, d)
-    if s is not None and not s.committed:
-        log.warning("skipping %s: unreadable manifest (%s)", shown, s.problem)
-        return []
-    # Its own files, and those a sibling's incremental checkpoint references.
-    keep = ({f.name for f in m.files if not f.dir} if m is not None else set()) | referenced
-    if ALL_FILES in referenced:
-        keep |= {e.name for e in entries if DATA_FILE.match(e.name)}
-    live = live_save_ids(entries, now)
-    out = []
-    for e in entries:
-        kind = _leftover_kind(e.name)
-        # A link is never a leftover: removing it is not ours to do, and what it points
-        # at may be outside the root.
-        if kind is None or e.is_dir or e.is_link or e.name in keep:
-            continue
-        if live and (kind[0] == "temp" or kind[1] in live):
-            continue  # a save in progress, whatever min_age_s says
-        if e.mtime is None:
-            no_time.append(_shown_join(shown, e.name))
-            continue
-        age = now - e.mtime
-        if age >= min_age_s:
-            out.append(Leftover(_shown_join(shown, e.name), e.size, age, storage.join(d, e.name)))
-    return out
-
-
-def find_leftovers(root: str, min_age_s: float = 3600.0,
-                   storage_options: dict | None = None) -> list[Leftover]:
-    """Files that no committed manifest references, left by failed or interrupted
-    saves, at ``root`` and in its direct subdirectories (never through a link): only
-    dckpt's own names (``data-<id>-<rank>.safetensors``, temp manifests, save intents
-    whose lease ran out), older than ``min_age_s``, and never a file of a save whose
-    intent is live. ``root`` may be a root of checkpoints or one checkpoint directory:
-    a file is referenced when any manifest that can point at it names it, i.e. that of
-    its own directory or of any sibling of that directory (incremental saves reference
-    their siblings, and a checkpoint overwritten with a base may reference its own old
-    files), so the files at ``root`` itself are checked against every manifest beside
-    ``root`` in its parent too, links to directories included. A file whose backend
-    reports no modification time is never a leftover (logged). On S3, also the
-    incomplete multipart uploads of dckpt's names there (a killed save's half-sent
-    file: invisible, but billed), under the same rules and started longer ago than the
-    save lease (``upload_id`` set). I/O: one listing and one manifest read per
-    directory, one listing of the uploads (S3); when ``root`` itself holds data files,
-    one listing of its parent and one manifest read per directory there. Raises
-    CheckpointError when ``root`` does not exist or is not a directory, or naming the
-    object when the storage fails."""
-    try:
-        return _find_leftovers(root, min_age_s, storage_options)
-    except OSError as e:
-        raise CheckpointError(f"looking for leftovers under {root} failed: {e}") from e
-
-
-def _find_leftovers(root: str, min_age_s: float, storage_options: dict | None) -> list[Leftover]:
-    from .refcount import manifest_dirs, references, references_beside
-
-    storage, base, shown = _open_root(root, storage_options, uploads_only=True)
-    top = storage.listdir(base)
-    now = _now()
-    out: list[Leftover] = []
-    no_time: list[str] = []
-    listed = {base: top}
-    out += _dir_leftovers(storage, base, shown, top, min_age_s, now, no_time,
-                          references_beside(storage, base, top))
-    subdirs = []
-    for e in sorted(top, key=lambda e: e.name):
-        if e.is_dir and not e.is_link:
-            d = storage.join(base, e.name)
-            try:
-                listed[d] = storage.listdir(d)
-            except FileNotFoundError:
-                continue  # removed since the listing of the root
-            subdirs.append((e.name, d))
-    # Every manifest that can reference into a subdirectory: its siblings' and its own
-    # (an overwrite with a base can reference its own old files), links included.
-    listed_dirs = {d for _, d in subdirs}
-    refs = references(storage, [d for _, d in subdirs] + [
-        d for d in manifest_dirs(storage, base, [e for e in top if e.is_link])
-        if d not in listed_dirs])
-    for name, d in subdirs:
-        out += _dir_leftovers(storage, d, _shown_join(shown, name), listed[d],
-                              min_age_s, now, no_time, frozenset(refs.get(name, ())))
-    out += _upload_leftovers(storage, base, shown, listed, min_age_s, now, no_time)
-    if no_time:
-        log.warning("kept %d file(s) whose storage reports no modification time (their age "
-                    "is unknown, so they may belong to a save in progress), e.g. %s",
-                    len(no_time), no_time[0])
-    return out
-
-
-def _upload_leftovers(storage, base: str, shown: str, listed: dict, min_age_s: float,
-                      now: float, no_time: list[str]) -> list[Leftover]:
-    """The incomplete multipart uploads under ``base`` that gc may abort: the key is one
-    of dckpt's names at ``base`` or in a direct subdirectory, no live save lease in that
-    directory claims it, and it started more than max(``min_age_s``, the lease) ago.
-
-    The uploads are listed after the directories (``listed``): an upload of a save
-    whose lease was not in those listings began after them (a save takes its lease
-    before it writes anything), so it is younger than the lease and stays, even when
-    gc's clock and the store's differ by up to a lease."""
-    uploads = _uploads_or_none(storage, base, shown)
-    if not uploads:
-        return []
-    out = []
-    floor = max(min_age_s, _intent.LEASE_S)
-    live_by_dir: dict[str, set[str]] = {}
-    prefix = base.rstrip("/") + "/"
-    for up in uploads:
-        if not up.path.startswith(prefix):
-            continue
-        rel = up.path[len(prefix):].split("/")
-        if len(rel) > 2 or not all(rel):
-            continue  # deeper than gc looks, or not a plain key
-        name = rel[-1]
-        d = base if len(rel) == 1 else storage.join(base, rel[0])
-        kind = _leftover_kind(name) or (("temp", None) if name == mf.MANIFEST_NAME else None)
-        if kind is None or kind[0] == "intent":
-            continue  # not dckpt's, or never uploaded in parts
-        if d not in live_by_dir:
-            live_by_dir[d] = live_save_ids(listed.get(d, []), now)
-        live = live_by_dir[d]
-        if live and (kind[1] is None or kind[1] in live):
-            continue  # a save in progress, whatever min_age_s says
-        where = shown if len(rel) == 1 else _shown_join(shown, rel[0])
-        path = _shown_join(where, name)
-        if up.initiated is None:
-            no_time.append(path)
-            continue
-        age = now - up.initiated
-        if age >= floor:
-            out.append(Leftover(path, up.size, age, up.path, up.upload_id))
-    return out
-
-
 def _uploads_or_none(storage, base: str, shown: str) -> list[Upload]:
     """The incomplete uploads under ``base`` (only object stores have any), or none when
     they cannot be listed (a role without s3:ListBucketMultipartUploads): leaving them
@@ -363,49 +228,61 @@ def _uploads_or_none(storage, base: str, shown: str) -> list[Upload]:
         return []
 
 
-def collect_garbage(root: str, *, dry_run: bool = False, min_age_s: float = 3600.0,
-                    storage_options: dict | None = None) -> list[Leftover]:
-    """Remove (or with ``dry_run`` only list) :func:`find_leftovers`: files are deleted,
-    incomplete uploads aborted. Returns them. One that cannot be removed is logged and
-    skipped. Raises as find_leftovers."""
-    storage, _ = make_storage(root, storage_options)  # no I/O: the same kind of storage
-    found = find_leftovers(root, min_age_s, storage_options)
-    if not dry_run:
-        for lo in found:
-            try:
-                if lo.upload_id:
-                    storage.abort_upload(Upload(lo.where, lo.upload_id, None, lo.bytes))
-                else:
-                    storage.remove(lo.where)
-            except OSError as e:
-                log.warning("could not remove %s: %s", lo.path, e)
-    return found
-
-
 @dataclass(frozen=True)
 class Usage:
-    """One checkpoint's bytes: its own files, and the files of siblings it references."""
+    """One checkpoint's bytes: its own files, and the files of siblings it references.
+    ``replica``: a step of a fast tier's ``peers/`` (parts other nodes replicated
+    here), not a checkpoint of this node."""
 
     path: str
     own: int
     referenced: int
+    replica: bool = False
+
+
+def _measured(storage, base: str, shown: str) -> list[tuple[str, str, bool, list]]:
+    """(directory, shown path, replica?, its listing) for ``base``, its direct
+    subdirectories, and the ``step-<N>`` directories of a ``peers/`` among those: a
+    fast tier keeps its replicas two levels down (``base`` may be that ``peers/``
+    too). One listing per directory; links are not followed."""
+    def below(d: str, sh: str, entries, replica: bool) -> list:
+        return [(storage.join(d, e.name), _shown_join(sh, e.name), replica,
+                 sorted(storage.listdir(storage.join(d, e.name)), key=lambda x: x.name))
+                for e in entries if e.is_dir and not e.is_link
+                and (not replica or STEP_DIR.match(e.name))]
+
+    def is_peers(d: str) -> bool:
+        return d.rstrip("/").rpartition("/")[2] == PEERS
+
+    top = sorted(storage.listdir(base), key=lambda e: e.name)
+    out = [(base, shown, False, top)] + below(base, shown, top, is_peers(base))
+    for d, sh, replica, entries in list(out[1:]):
+        if is_peers(d) and not replica:
+            out += below(d, sh, entries, True)
+    return out
 
 
 def disk_usage(root: str, storage_options: dict | None = None) -> tuple[list[Usage], int]:
     """(per committed checkpoint under ``root``: bytes owned and bytes referenced in
     siblings; total bytes of every file under ``root`` and its direct subdirectories,
-    each counted once). One listing and one manifest read per directory; a fast-tier
-    step counts the files of the ranks whose view is here as its own (it references
-    nothing). Raises CheckpointError as :func:`list_checkpoints`."""
+    each counted once). A fast-tier step counts the files of the ranks whose view is
+    here as its own (it references nothing); in a ``local_root`` (or its ``peers/``)
+    each replicated ``peers/step-<N>`` is measured too (a ``replica`` row), and the
+    total counts its files and the views in transit under it (``.incoming``). One
+    listing and one manifest read per directory (a view read per rank view). Raises
+    CheckpointError as :func:`list_checkpoints`."""
     try:
         storage, base, shown = _open_root(root, storage_options)
         total, out = 0, []
-        dirs = [(base, shown)] + [(storage.join(base, e.name), _shown_join(shown, e.name))
-                                  for e in sorted(storage.listdir(base), key=lambda e: e.name)
-                                  if e.is_dir and not e.is_link]
-        for d, sh in dirs:
-            names = {e.name: e.size for e in storage.listdir(d) if not e.is_dir}
+        for d, sh, replica, entries in _measured(storage, base, shown):
+            names = {e.name: e.size for e in entries if not e.is_dir}
             total += sum(names.values())
+            if replica:  # views in transit (.incoming): one level further down
+                total += sum(x.size for e in entries if e.is_dir and not e.is_link
+                             for x in storage.listdir(storage.join(d, e.name)) if not x.is_dir)
+                if is_local_step(names):
+                    out.append(Usage(sh, read_local_step(storage, d, sh, names).bytes, 0, True))
+                continue
             m, _ = _read(storage, d)
             if m is not None:
                 out.append(Usage(sh, m.total_bytes, m.referenced_bytes))

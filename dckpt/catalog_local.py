@@ -24,6 +24,11 @@ from .protocol.manifest_read import MAX_MANIFEST as _MAX_VIEW
 from .tiers.localnames import STEP_DIR, VIEW_FILE  # noqa: F401 (catalog uses STEP_DIR)
 from .tiers.localnames import view_name as mf_name
 
+# local_root/peers/step-<N>/: the parts other nodes replicated here. The tier's own
+# constant (dckpt.tiers.peerpart.PEERS) sits in a module that imports torch; a test
+# keeps the two equal.
+PEERS = "peers"
+
 
 def view_ranks(names) -> list[int]:
     """The ranks whose view is among ``names`` (a directory's file names), ascending."""
@@ -31,16 +36,30 @@ def view_ranks(names) -> list[int]:
 
 
 def ranks_text(ranks) -> str:
-    """``0-3``, ``0,2,5-7``: a short list of ranks. Pure."""
-    out, rs = [], sorted(ranks)
-    i = 0
-    while i < len(rs):
-        j = i
-        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
-            j += 1
-        out.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
-        i = j + 1
-    return ",".join(out) or "none"
+    """``0-3``, ``0,2,5-7``: a short list of ranks, given as ranks or as (first, last)
+    ranges (what :func:`missing_ranks` returns). Pure, O(len(ranks) log len(ranks))."""
+    spans = sorted((r, r) if isinstance(r, int) else tuple(r) for r in ranks)
+    merged: list[list[int]] = []
+    for lo, hi in spans:
+        if merged and lo <= merged[-1][1] + 1:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in merged) or "none"
+
+
+def missing_ranks(held, world: int) -> list[tuple[int, int]]:
+    """The ranks of ``range(world)`` not in ``held``, as (first, last) ranges. Pure,
+    O(len(held) log len(held)): bounded by what a directory holds, never by ``world``,
+    which a view declares (10**12 in a 230-byte file)."""
+    out, nxt = [], 0
+    for r in sorted(r for r in set(held) if 0 <= r < world):
+        if r > nxt:
+            out.append((nxt, r - 1))
+        nxt = r + 1
+    if nxt < world:
+        out.append((nxt, world - 1))
+    return out
 
 
 @dataclass
@@ -68,8 +87,10 @@ class LocalStep:
         return self.views[min(self.views)] if self.views else None
 
     @property
-    def missing(self) -> list[int]:
-        return sorted(set(range(self.world_size)) - set(self.views))
+    def missing(self) -> list[tuple[int, int]]:
+        """The ranks of the declared world with no view here, as (first, last) ranges
+        (see :func:`missing_ranks`: never a list as long as the world)."""
+        return missing_ranks(self.views, self.world_size)
 
     @property
     def complete(self) -> bool:

@@ -52,7 +52,7 @@ def cmd_inspect(args) -> int:
     storage, root = make_storage(args.path, _opts(args))
     try:
         m, raw = read_manifest(storage, root)
-    except NotCommittedError:
+    except (NotCommittedError, NotADirectoryError):  # a file: "is a file, not a ..."
         from .catalog import expect_checkpoint
 
         if expect_checkpoint(storage, root, args.path) != "local":  # raises for a wrong path
@@ -77,8 +77,10 @@ def cmd_du(args) -> int:
             for u in found]
     if rows:
         print(_table(rows, ["checkpoint", "owns", "references", "loads"]))
-    print(f"{len(found)} checkpoint(s); {size_text(total)} on disk under {args.root} (every "
-          "file once: referenced bytes are shared)")
+    n = sum(1 for u in found if u.replica)  # a local_root's peers/step-<N>
+    peers = f" and {n} replicated step(s) in peers/" if n else ""
+    print(f"{len(found) - n} checkpoint(s){peers}; {size_text(total)} on disk under "
+          f"{args.root} (every file once: referenced bytes are shared)")
     return 0
 
 
@@ -267,7 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
                                   "(incremental), and the total on disk",
                        description="Bytes each checkpoint under ROOT owns and references in "
                        "its siblings (incremental saves), and the total on disk (each file "
-                       "once). A fast-tier step owns its ranks' files on this node. "
+                       "once). A fast-tier step owns its ranks' files on this node; the "
+                       "replicas in its peers/step-<N>/ are listed and counted too. "
                        + FAST_TIER)
     s.add_argument("root")
     s.set_defaults(fn=cmd_du)
@@ -282,7 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("gc", help="remove leftovers of failed saves under ROOT (on S3 also "
                                   "abort their incomplete multipart uploads)")
     s.add_argument("root", help="a root of checkpoints or one checkpoint directory: files "
-                                "that any manifest beside it still references are kept")
+                                "that any manifest beside it still references are kept. A "
+                                "fast tier's local_root is refused: its manager cleans it")
     s.add_argument("--dry-run", action="store_true", help="list, remove nothing")
     s.add_argument("--min-age", type=float, default=3600.0, metavar="SECONDS",
                    help="only files older than this (default 3600); the files of a save "

@@ -52,10 +52,10 @@ def verify_checkpoint(path: str, storage_options: dict | None = None) -> VerifyR
     report = VerifyReport(root)
     try:
         m, _ = read_manifest(storage, root)
-    except NotCommittedError as e:
+    except (NotCommittedError, NotADirectoryError) as e:  # a file raises the latter
         from .catalog import expect_checkpoint
 
-        if expect_checkpoint(storage, root, path) == "local":
+        if expect_checkpoint(storage, root, path) == "local":  # raises for a wrong path
             return verify_local_step(storage, root, root)
         report.problems.append(str(e))
         return report

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -20,7 +21,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from .errors import CheckpointError, IntegrityError, preview
+from .errors import CheckpointError, IntegrityError, ManifestError, NotCommittedError, preview
 from .format import manifest as mf
 from .format.dtypes import to_torch
 from .layout.chunks import Box
@@ -78,6 +79,21 @@ class ValueInfo:
         return type(self.value).__name__
 
 
+_INT_KEY = re.compile(r"-?[0-9]+")  # what str(int) writes: ASCII digits only
+
+
+def _int_key(part: str, key: str, where: str) -> int:
+    """The int that the dotted-key part ``part`` of ``key`` was saved as (the manifest's
+    meta.int_keys says it was an int). Pure. Raises ManifestError naming the key for a
+    part str(int) cannot have written: ``str.isdigit`` accepts "²" (int() refuses it)
+    and int() accepts "٣" (Arabic-Indic 3), so neither test alone is safe."""
+    if not _INT_KEY.fullmatch(part):
+        raise ManifestError(f"checkpoint {where}: key {key!r} is recorded as an int key "
+                            f"(meta.int_keys), but {part!r} is not an integer: the "
+                            "manifest is damaged or forged")
+    return int(part)
+
+
 def describe_sharding(entry: mf.TensorEntry) -> str:
     """A short human description of how ``entry``'s chunks cut the tensor. Pure,
     O(chunks)."""
@@ -111,10 +127,18 @@ def open(path: str | os.PathLike, storage_options: dict | None = None, *,  # noq
     process group needed (it works inside or outside a distributed job, on any rank).
     ``read_budget`` bounds the reader's extra memory per call (bytes, default 256 MiB),
     ``read_workers`` its reading threads. Raises NotCommittedError (no manifest there)
-    and ManifestError (not a valid manifest), as ``dckpt.load`` does."""
+    and ManifestError (not a valid manifest), as ``dckpt.load`` does; where ``path``
+    holds no manifest the NotCommittedError says what it is instead (a file, a root of
+    checkpoints naming them, a fast-tier step: a listing, and one per subdirectory, on
+    that error path only)."""
     where = os.fspath(path)
     storage, root = make_storage(where, storage_options)
-    manifest, _ = read_manifest(storage, root)
+    try:
+        manifest, _ = read_manifest(storage, root)
+    except (NotCommittedError, NotADirectoryError) as e:  # a file raises the latter
+        from .catalog import not_a_checkpoint
+
+        raise not_a_checkpoint(storage, root, where, e) from None
     return Checkpoint(storage, root, manifest, path=where, read_budget=read_budget,
                       read_workers=read_workers)
 
@@ -243,8 +267,9 @@ class Checkpoint:
         tuples come back as dicts keyed ``"0"``, ``"1"``...: the manifest does not
         record them. Blocking I/O: reads every tensor of the sub-tree; memory: all of
         them. Raises MissingKeyError when nothing is under ``prefix``, CheckpointError
-        when a leaf's key is also a sub-tree's (``"a"`` and ``"a.b"``), IntegrityError
-        as ``ck[key]``."""
+        when a leaf's key is also a sub-tree's (``"a"`` and ``"a.b"``), ManifestError
+        naming the key when the manifest records as an int key a part that is not one
+        (``"a.²"``), IntegrityError as ``ck[key]``."""
         self._check_open()
         if prefix is not None and prefix.endswith("."):
             prefix = prefix[:-1]
@@ -261,7 +286,7 @@ class Checkpoint:
             node, path = out, prefix or ""
             for i, part in enumerate(parts):
                 path = f"{path}.{part}" if path else part
-                k = int(part) if path in ints and part.lstrip("-").isdigit() else part
+                k = _int_key(part, key, self.path) if path in ints else part
                 if i == len(parts) - 1:
                     if k in node:
                         raise CheckpointError(f"checkpoint {self.path}: key {key!r} is both a "

@@ -11,6 +11,8 @@ from __future__ import annotations
 import operator
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from .errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -22,7 +24,8 @@ if TYPE_CHECKING:
 class SliceError(CheckpointError, IndexError):
     """An index ``get_slice`` cannot serve: a step other than 1, an int out of range,
     more indices than dims, a second Ellipsis, or an index that is not an int, slice or
-    Ellipsis (tensors, lists, None). Also an ``IndexError``, as numpy and torch raise."""
+    Ellipsis (tensors of any size or dtype, arrays, numpy bools, lists, None). Also an
+    ``IndexError``, as numpy and torch raise."""
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
@@ -71,6 +74,14 @@ def region(index: Any, shape: tuple[int, ...], key: str = "?"
         if isinstance(it, bool) or it is None:
             raise SliceError(f"tensor {key!r}: index {it!r} at dim {d} is not supported "
                              "(get_slice takes ints, slices with step 1 and one Ellipsis)")
+        if _array_like(it):
+            # A one-element or 0-d tensor (bool ones too) has __index__, so
+            # operator.index would take it as an int: torch.tensor([3]) would select
+            # row 3 without the dim torch keeps, torch.tensor(True) row 1.
+            raise SliceError(
+                f"tensor {key!r}: index of type {type(it).__name__} at dim {d} is not "
+                "supported (get_slice takes ints, slices with step 1 and one Ellipsis; no "
+                "tensors, arrays, lists or None): use int(i) for one element")
         try:
             i = operator.index(it)
         except TypeError:
@@ -84,6 +95,14 @@ def region(index: Any, shape: tuple[int, ...], key: str = "?"
         offsets.append(i + n if i < 0 else i)
         sizes.append(1)
     return tuple(offsets), tuple(sizes), tuple(kept)
+
+
+def _array_like(x: Any) -> bool:
+    """Whether ``x`` is a tensor, an array or a numpy scalar other than an integer (a
+    numpy bool): things that index by value, not as a plain int. Pure."""
+    if isinstance(x, (int, np.integer)):
+        return False
+    return hasattr(x, "shape") or isinstance(x, np.generic)
 
 
 def _show(index: Any) -> str:

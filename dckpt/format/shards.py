@@ -21,6 +21,9 @@ from .checksum import crc32
 from .dtypes import ITEMSIZE
 
 BLOCK = 256 << 10  # bytes per checksum: a partial read widens a region by < 2 blocks
+# The largest block a header may declare: a partial read or a verify reads whole blocks,
+# so a huge block (1 GiB) turns every slice into a read of the whole tensor. 64x BLOCK.
+MAX_BLOCK = 16 << 20
 MAX_HEADER = 100 << 20  # as safetensors: refuse absurd headers before allocating
 _U64 = struct.Struct("<Q")
 
@@ -214,7 +217,10 @@ def load_json(raw: bytes, what: str = "the header") -> dict:
 
 def parse_header(head: bytes, file: str, size: int) -> tuple[dict[str, StoredTensor], int]:
     """Parse a shard header (``head`` = the first 8+hlen bytes, already checksummed).
-    Returns ({name: StoredTensor}, block). Raises IntegrityError naming ``file``."""
+    Returns ({name: StoredTensor}, block). Pure, O(header). Raises IntegrityError naming
+    ``file`` (and the tensor where one is at fault) for a malformed header, and for a
+    block size over MAX_BLOCK or not a multiple of a tensor's item size (even where
+    every checksum matches: reads of such blocks cannot be served)."""
     try:
         (hlen,) = _U64.unpack_from(head, 0)
         doc = load_json(head[8:8 + hlen])
@@ -224,10 +230,18 @@ def parse_header(head: bytes, file: str, size: int) -> tuple[dict[str, StoredTen
         block = int(meta.get("dckpt.block", "0"))
         if block <= 0:
             raise ValueError("no dckpt.block in metadata")
+        if block > MAX_BLOCK:
+            raise ValueError(f"block size {block} is over {MAX_BLOCK} bytes (dckpt writes "
+                             f"{BLOCK}): every read would widen to such blocks")
         out = {}
         data_start = 8 + hlen
         for name, t in doc.items():
             dtype, shape, start, nbytes = check_entry(name, t, data_start, size)
+            if block % ITEMSIZE[dtype]:
+                # a block boundary inside an item: a partial read, which starts and ends
+                # on block boundaries, would cut items in two and return garbage
+                raise ValueError(f"tensor {name!r}: block size {block} is not a multiple "
+                                 f"of its item size {ITEMSIZE[dtype]} ({dtype})")
             hexs = meta.get("crc32:" + name, "")
             crcs = np.array([int(hexs[i:i + 8], 16) for i in range(0, len(hexs), 8)], np.uint32)
             if len(crcs) != max(1, -(-nbytes // block)):
