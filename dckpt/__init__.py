@@ -1,6 +1,7 @@
 """dckpt: distributed, sharded, atomic and verified checkpoints for PyTorch.
 
-Public API: :func:`save`, :func:`load`, :func:`async_save` (:class:`SaveHandle`),
+Public API: :func:`save`, :func:`load`, :func:`async_save` (:class:`SaveHandle`,
+:func:`prepare_async_save`),
 :class:`CheckpointInfo`, :class:`TrainingState`, :func:`export` (to Hugging Face
 safetensors), :func:`import_checkpoint` (from DCP, safetensors, torch.save),
 :func:`open` (a read-only :class:`Checkpoint` view, no process group), :func:`diff`
@@ -16,7 +17,8 @@ from typing import TYPE_CHECKING
 # inspect, du and history read JSON only and must not pay for importing torch.
 _LAZY = {"save": ".protocol.commit", "CheckpointInfo": ".protocol.commit",
          "load": ".protocol.restore", "SaveHandle": ".engine.async_save",
-         "async_save": ".engine.async_save", "CheckpointManager": ".manager",
+         "async_save": ".engine.async_save", "prepare_async_save": ".engine.async_save",
+         "CheckpointManager": ".manager",
          "TrainingState": ".state.training", "ExportInfo": ".interop", "export": ".interop",
          "import_checkpoint": ".interop", "open": ".view", "Checkpoint": ".view",
          "diff": ".compare", "DiffResult": ".compare", "KeyDiff": ".compare"}
@@ -24,7 +26,7 @@ _LAZY = {"save": ".protocol.commit", "CheckpointInfo": ".protocol.commit",
 if TYPE_CHECKING:
     from .protocol.commit import CheckpointInfo, save
     from .protocol.restore import load
-    from .engine.async_save import SaveHandle, async_save
+    from .engine.async_save import SaveHandle, async_save, prepare_async_save
     from .manager import CheckpointManager
     from .state.training import TrainingState
     from .interop import ExportInfo, export, import_checkpoint
@@ -59,7 +61,7 @@ from .errors import (  # noqa: E402
 )
 
 __all__ = [
-    "save", "load", "async_save", "SaveHandle", "CheckpointInfo", "TrainingState",
+    "save", "load", "async_save", "prepare_async_save", "SaveHandle", "CheckpointInfo", "TrainingState",
     "CheckpointManager",
     # not "open": `from dckpt import *` must not shadow the builtin open()
     "export", "ExportInfo", "import_checkpoint", "Checkpoint", "diff", "DiffResult", "KeyDiff",

@@ -10,7 +10,8 @@ from .protocol.collectives import Comm, on_rank0
 from .protocol.settings import agree_settings
 from .protocol.commit import save as _save
 from .engine.async_save import SaveHandle
-from .engine.async_save import _fence_targets, _saver
+from .engine.async_save import _fence_targets
+from .engine.async_save import prepare_async_save as _prepare_async
 from .engine.async_save import release_buffers as _release_buffers
 from .engine.async_save import async_save as _async_save
 from .engine import devstream
@@ -449,8 +450,10 @@ class CheckpointManager(RetentionMixin, RestoreMixin):
                     # small pinned bounce pair, pinned now): no buffers to hold
                     devstream.prepare(devices)
                     return
-            pool = self.tier.pool if self.tier is not None else _saver(self.group).pool
-            nbytes = pool.prepare(full)
+            if self.tier is not None:
+                nbytes = self.tier.pool.prepare(full)
+            else:  # the saver, its group and the buffers: what the first call would make
+                nbytes = _prepare_async(full, process_group=self.group)
             log.debug("staging buffers ready: %.1f MiB", nbytes / 2**20)
         except Exception as e:
             log.warning("could not prepare staging buffers (the first save allocates "

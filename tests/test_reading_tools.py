@@ -256,3 +256,18 @@ def test_diff_says_what_a_root_or_a_fast_tier_step_is(tmp_path, capsys):
     (half / "data-0123456789abcdef-00000.safetensors").write_bytes(b"x" * 10)
     assert main(["diff", str(half), one]) == 2
     assert "the save that wrote it did not finish" in capsys.readouterr().err
+
+
+def test_a_forged_int_key_in_a_load_into_an_empty_dict_is_a_checkpoint_error(tmp_path):
+    """Issue 34 (2.7, the load side): dckpt.load growing an empty dict (a fresh
+    optimizer's state) from a key recorded as an int that is not one raised ValueError
+    ("a.²") or silently made 3 of "a.٣"."""
+    ck = str(tmp_path / "c")
+    dckpt.save({"a": {1: torch.ones(2)}}, ck)
+    for forged in ("²", "٣"):
+        def forge(d, forged=forged):
+            d["tensors"][f"a.{forged}"] = d["tensors"].pop(next(iter(d["tensors"])))
+            d["meta"]["int_keys"] = [f"a.{forged}"]
+        _resealed(os.path.join(ck, "manifest.json"), forge)
+        with pytest.raises(dckpt.ManifestError, match=rf"'a\.{forged}'.*not an integer"):
+            dckpt.load({"a": {}}, ck)

@@ -274,8 +274,14 @@ def test_a_second_job_on_a_local_root_is_refused_while_the_first_lives(tmp_path)
                          stdout=subprocess.PIPE, text=True)
     try:
         assert a.stdout.readline().strip() == "ready"
-        with pytest.raises(dckpt.CheckpointError, match="another job is using this local_root"):
-            _manager(tmp_path / "b", shm)
+        os.environ["DCKPT_LEASE_WAIT_S"] = "0.5"
+        try:
+            with pytest.raises(dckpt.CheckpointError,
+                               match=rf"another job is using this local_root: its processes "
+                                     rf"\(pid {a.pid}\)"):
+                _manager(tmp_path / "b", shm)
+        finally:
+            del os.environ["DCKPT_LEASE_WAIT_S"]
         assert os.path.isdir(shm / "step-00000001")
     finally:
         a.send_signal(signal.SIGKILL)

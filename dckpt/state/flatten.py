@@ -12,6 +12,8 @@ would give the same key are refused.
 """
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, field
 from typing import Any, Callable, Container
 
@@ -188,6 +190,9 @@ def fill(state: Any, get: Callable[[str, Any], Any],
     return walk(state, "")
 
 
+_INT_PART = re.compile(r"-?[0-9]+")
+
+
 def grow(state: Any, tensors: dict, values: dict, int_keys: Any,
          rename: Callable[[str], str] | None = None) -> None:
     """Rebuild, from a checkpoint, the dicts of ``state`` that are empty but held int
@@ -227,7 +232,12 @@ def grow(state: Any, tensors: dict, values: dict, int_keys: Any,
             parts = key[len(head):].split(".")
             for i, part in enumerate(parts):
                 path = _join(path, part)
-                k = int(part) if path in ints and part.lstrip("-").isdigit() else part
+                k = part
+                if path in ints:  # what str(int) writes: ASCII digits ("²".isdigit() too)
+                    if not _INT_PART.fullmatch(part):
+                        raise ManifestError(f"checkpoint key {key!r}: {path!r} is recorded "
+                                            "as an int key but is not an integer")
+                    k = int(part)
                 if i == len(parts) - 1:
                     if k not in node:
                         t = tensors.get(key)

@@ -24,6 +24,7 @@ import hashlib
 import logging
 import os
 import re
+import time
 import uuid
 
 from ..errors import CheckpointError
@@ -132,6 +133,20 @@ def cached_identity(local_root: str, root: str, url: str) -> str | None:
 _HELD: dict[str, int] = {}
 
 
+def _holders(fd: int) -> str:
+    """" (pid 12, 34)": the processes holding a lock on ``fd``'s file, from
+    /proc/locks (Linux; "" elsewhere or when unknown). Small local read."""
+    try:
+        st = os.fstat(fd)
+        ident = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        with open("/proc/locks") as f:
+            pids = sorted({int(x[4]) for x in (line.split() for line in f)
+                           if len(x) > 5 and x[5] == ident and x[1] == "FLOCK"})
+    except (OSError, ValueError):
+        return ""
+    return f" (pid {', '.join(map(str, pids))})" if pids else ""
+
+
 class Lease:
     """This process's hold on ``local_root`` for job ``job_id`` (see the module
     docstring). :meth:`acquire` raises CheckpointError naming the other job's lock
@@ -143,8 +158,26 @@ class Lease:
         self.path = os.path.join(self.root, f"job-{job_id}.lock")
         self._fd: int | None = None
 
-    def acquire(self) -> None:
+    def acquire(self, grace: float | None = None) -> None:
+        """Hold this job's lease, after checking that no live process of another job
+        holds one. A holder may be the previous incarnation of this job still exiting
+        (a SIGKILLed process releases its locks only once the kernel has torn it down,
+        which can take seconds on a loaded host): the check is retried for ``grace``
+        seconds (``DCKPT_LEASE_WAIT_S``, default 10) before the error."""
+        if grace is None:
+            grace = float(os.environ.get("DCKPT_LEASE_WAIT_S", "10"))
         os.makedirs(self.root, exist_ok=True)
+        end = time.monotonic() + grace
+        while True:
+            try:
+                self._register()
+                return
+            except CheckpointError:
+                if time.monotonic() >= end:
+                    raise
+            time.sleep(0.25)
+
+    def _register(self) -> None:
         mutex = os.open(os.path.join(self.root, _MUTEX), os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(mutex, fcntl.LOCK_EX)  # one starter at a time checks and registers
@@ -171,9 +204,9 @@ class Lease:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 raise CheckpointError(
-                    f"another job is using this local_root: its processes hold {path}. Two "
-                    "jobs on one local_root would delete each other's steps; give each "
-                    "job its own local_root") from None
+                    f"another job is using this local_root: its processes{_holders(fd)} "
+                    f"hold {path}. Two jobs on one local_root would delete each other's "
+                    "steps; give each job its own local_root") from None
             os.unlink(path)  # a job that ended or was killed: its lock is stale
         finally:
             os.close(fd)

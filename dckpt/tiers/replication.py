@@ -25,7 +25,7 @@ from typing import Any, Callable
 from ..errors import CheckpointError
 from ..policy import RetentionPolicy
 from ..protocol.collectives import Comm, agree
-from . import peerpart, peerplan, stager
+from . import chooser, peerpart, peerplan, stager
 from .local import LocalCommit
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ class Replicator:
         held: dict[tuple, dict[str, list[int]]] = {}
         if self.ranks_of[self.place_of[comm.rank]][0] == comm.rank:
             for x in peerpart.scan(self.storage, self.root, self.owner):
-                key = (x.step, x.view.save_id, x.view.created, x.view.world_size)
+                key = (x.step, x.view.save_id, chooser.timeline_of(x.view)[0], x.view.world_size)
                 kind = "peer" if peerpart.PEERS in x.where.split("/") else "own"
                 held.setdefault(key, {"own": [], "peer": []})[kind].append(x.part)
         mine = [[list(k), v["own"], v["peer"]] for k, v in held.items()]
