@@ -20,6 +20,7 @@ from dckpt import CheckpointError, NotCommittedError
 from dckpt.cli import main
 from dckpt.format import shards
 from dckpt.view_slice import SliceError, region
+from tests.test_gc_fast_tier import _local_root
 from tests.test_manifest_hostile import seal
 
 
@@ -35,13 +36,7 @@ def _resealed(path: str, edit) -> None:
 
 def _fast_tier(tmp_path) -> tuple[str, str]:
     """(local_root, its one step): step 11 saved locally by one process."""
-    shm = str(tmp_path / "shm")
-    mgr = dckpt.CheckpointManager(str(tmp_path / "run"), local_root=shm, every_steps=1,
-                                  durable_every_steps=10, capture_rng=False)
-    for s in (10, 11):
-        assert mgr.save(s, {"w": torch.full((16,), float(s)), "step": s})
-    mgr.close()
-    return shm, os.path.join(shm, "step-00000011")
+    return _local_root(tmp_path)
 
 
 # ------------------------------------------------------------------ 2.3

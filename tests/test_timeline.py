@@ -21,26 +21,11 @@ import torch
 import dckpt
 from dckpt.tiers import chooser
 from dckpt.tiers.chooser import Candidate
+from tests.test_tier_restore import _manager, _restore
 
 
 def _state(step: int, value: float | None = None) -> dict:
     return {"w": torch.full((16,), float(step if value is None else value)), "step": step}
-
-
-def _manager(root, local_root, **kw) -> dckpt.CheckpointManager:
-    kw.setdefault("capture_rng", False)
-    kw.setdefault("every_steps", 10)
-    return dckpt.CheckpointManager(str(root), local_root=str(local_root), **kw)
-
-
-def _restore(root, local_root, **kw) -> tuple:
-    mgr = _manager(root, local_root, **kw)
-    st = _state(-1)
-    try:
-        step = mgr.restore(st)
-        return step, mgr.restored_from, st["step"], float(st["w"][0])
-    finally:
-        mgr.close()
 
 
 # ---------------------------------------------------------------- 1.1 the timeline
