@@ -268,40 +268,85 @@ class RestoreMixin:
         a warning, as a durable commit does. Without this, a restart whose fast tier is
         gone (a reboot, a lost node) would take such a step, newer than anything on
         the live timeline in the durable tier. The steps of the live timeline are
-        never touched: their durable copies are older than ``step``.
+        never touched: their durable copies are older than ``step``, and after a
+        restore only durable steps committed before it (on the timeline, see
+        :meth:`_abandoned_before_restore`) go: one this manager never saw (the durable
+        root was down at its restore) is kept.
         Lists the root only when a durable step at or above ``step`` may exist from an
         earlier timeline (the first local commit of this manager, or after a restore);
-        a failure (the durable root down) is logged and the next local commit tries
-        again, at most once a minute. No collective; never raises."""
-        if self.comm.rank != 0 or step > self._durable_ceiling:
+        a failure (the durable root down) is logged and a later local commit tries
+        again from the first step that failed, at most once a minute. No collective;
+        never raises."""
+        if self.comm.rank != 0:
             return
+        if self._drop_from is None and step > self._durable_ceiling:
+            return
+        start = step if self._drop_from is None else min(step, self._drop_from[0])
+        own = save_id if self._drop_from is None or step <= self._drop_from[0] \
+            else self._drop_from[1]
         if time.monotonic() < self._drop_retry_at:
+            self._drop_from = (start, own)
             return
         try:
-            committed = self._local_steps()[0]
-            doomed = [s for s in committed if s > step]
-            if step in committed and self._durable_save_id(step) != save_id:
-                doomed.insert(0, step)  # the rewound-away save of this very step
+            doomed = self._abandoned_before_restore(start, own)
             if doomed:
                 log.warning("step %d committed in the fast tier: removing step(s) %s under "
                             "%s of the abandoned timeline (saved before the job was "
-                            "rewound)", step, doomed, self._root_arg)
+                            "rewound)", start, doomed, self._root_arg)
                 remove_checkpoints(self.storage, self.root, [step_name(s) for s in doomed])
         except Exception as e:
             self._drop_retry_at = time.monotonic() + 60.0
-            log.warning("could not remove the abandoned step(s) from %d on under %s (the "
-                        "next local commit tries again; a restore never takes them: "
-                        "docs/GUARANTEES.md, Timelines): %s", step, self._root_arg, e)
+            self._drop_from = (start, own)
+            log.warning("could not remove the abandoned step(s) from %d on under %s (a later "
+                        "local commit tries again; a restore never takes them: "
+                        "docs/GUARANTEES.md, Timelines): %s", start, self._root_arg, e)
             return
+        self._drop_from = None
         self._durable_ceiling = step - 1  # later commits of this timeline: nothing to do
 
     _drop_retry_at = 0.0  # monotonic time before which _drop_abandoned does not retry
+    # (first step, its save id) of a removal that failed: retried from there
+    _drop_from: tuple[int, str] | None = None
 
-    def _durable_save_id(self, step: int) -> str | None:
-        """Rank 0: the save id of the durable copy of ``step`` (None: unreadable)."""
+    def _abandoned_before_restore(self, step: int, save_id: str | None) -> list[int]:
+        """Rank 0: the committed durable steps above ``step``, and ``step`` itself when
+        its save is not ``save_id``, that were committed before this manager's restore
+        (on the timeline: before ``_after``; after no restore, all of them). A step
+        committed later (by a run this manager never saw: the durable root was down at
+        its restore) or whose manifest cannot be read is kept. Lists the root, reads
+        the manifests of those steps. Raises what the listing raises."""
+        steps = [s for s in self._local_steps()[0] if s >= step]
+        if step in steps:
+            m = self._durable_manifest(step)
+            if m is not None and m.save_id == save_id:
+                steps.remove(step)  # this very commit's durable copy
+        return self._before_restore(steps)
+
+    def _before_restore(self, steps: list[int]) -> list[int]:
+        """Rank 0: those of the durable ``steps`` committed before this manager's last
+        restore (all of them when it restored nothing: a run that started over).
+        One committed after it, which the restore did not see (the durable root was
+        unreachable then), is kept, with a warning; so is one whose manifest cannot
+        be read. Reads those steps' manifests (only when it restored)."""
+        if self._after is None or not steps:
+            return list(steps)
+        out = []
+        for s in steps:
+            m = self._durable_manifest(s)
+            if m is not None and timeline_of(m)[0] < self._after:
+                out.append(s)
+            else:
+                log.warning("durable step %d under %s was not seen by this job's restore (the "
+                            "durable root was unreachable then?): kept, not removed as an "
+                            "abandoned step; restore(state, step=%d) restores it", s,
+                            self._root_arg, s)
+        return out
+
+    def _durable_manifest(self, step: int) -> mf.Manifest | None:
+        """Rank 0: the manifest of the durable copy of ``step`` (None: unreadable)."""
         try:
             storage, root = make_storage(self.path(step), self.storage_options)
-            return read_manifest(storage, root)[0].save_id
+            return read_manifest(storage, root)[0]
         except CheckpointError:
             return None
 

@@ -38,7 +38,7 @@ class RetentionMixin:
             return
         try:
             committed, partial = self._local_steps()
-            abandoned = [s for s in committed if s > step]
+            abandoned = self._before_restore([s for s in committed if s > step])
             if abandoned:
                 log.warning("step %d committed under %s: removing step(s) %s of the "
                             "abandoned timeline (saved before the job was rewound)",

@@ -1,6 +1,6 @@
 """Adversarial review of issue 34, section 1 (the explicit timeline, the run identity,
-a durable outage, the local_root lease, settings agreement). Each xfail(strict) test
-proves a defect found in review; the plain tests pin behaviour found sound."""
+a durable outage, the local_root lease, settings agreement): each test proves a defect
+found in review (it failed before its fix) or pins behaviour found sound."""
 from __future__ import annotations
 
 import os
@@ -86,9 +86,6 @@ def test_durable_outage_mid_run_and_at_restart_is_survived(tmp_path, downmem):
     downmem.down = False
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34 review: a failed removal of the abandoned "
-                   "timeline is retried from the later commit's step, so the abandoned "
-                   "durable steps between the rewind point and it survive")
 def test_retried_removal_after_an_outage_still_removes_the_whole_abandoned_timeline(
         tmp_path, downmem):
     """10, 20, 30 durable; restore(step=10); the store is down at the next local
@@ -118,9 +115,6 @@ def test_retried_removal_after_an_outage_still_removes_the_whole_abandoned_timel
 
 
 # ------------------------------------------------------------- the local_root lease
-@pytest.mark.xfail(strict=True, reason="issue 34 review: two managers of one process for "
-                   "two different roots share a local_root undetected (the lease exempts "
-                   "every lock this process holds) and delete each other's steps")
 def test_two_live_managers_of_one_process_for_two_roots_on_one_local_root(tmp_path):
     """Two models trained in one process, each with its manager and its own root, the
     same local_root: the second must be refused as a second job (GUARANTEES.md:
@@ -140,9 +134,6 @@ def test_two_live_managers_of_one_process_for_two_roots_on_one_local_root(tmp_pa
     a.close()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34 review: the lease fd is inherited by "
-                   "forked children (a fork-started worker pool), which keep the flock "
-                   "after close(): the next manager of the same job is refused")
 def test_a_forked_child_does_not_keep_the_lease_after_close(tmp_path):
     """A manager, then a fork-started helper process (a DataLoader/multiprocessing
     worker) that outlives it; close(); a new manager on the same local_root (a
@@ -173,9 +164,6 @@ def test_a_forked_child_does_not_keep_the_lease_after_close(tmp_path):
         os.waitpid(pid, 0)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34 review: a restore during a durable "
-                   "outage takes a stale fast-tier step, and once the root is back the "
-                   "next local commit deletes the newer durable steps it never saw")
 def test_a_stale_fast_tier_restored_during_an_outage_does_not_delete_newer_durable_steps(
         tmp_path, downmem):
     """Node A's fast tier holds step 10; the job moves to node B and goes on to 50

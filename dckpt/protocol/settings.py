@@ -22,8 +22,13 @@ def _canon(v: Any) -> Any:
     """A JSON-able form of a setting's value that compares as the value does."""
     if v is None or isinstance(v, (bool, int, str)):
         return v
-    if isinstance(v, float):
-        return repr(v)
+    if isinstance(v, float):  # 10.0 and 10 are the same setting; the JSON keeps floats
+        return int(v) if v.is_integer() else v
+    if hasattr(v, "item") and callable(v.item):  # a numpy or torch scalar
+        try:
+            return _canon(v.item())
+        except (TypeError, ValueError):
+            pass
     return f"{type(v).__name__}:{v!r}"
 
 

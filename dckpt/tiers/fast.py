@@ -88,7 +88,7 @@ class FastTier:
         err = None
         # One job per local_root: every process holds the job's lease (identity.Lease)
         job = comm.broadcast_bytes(uuid.uuid4().hex.encode() if comm.rank == 0 else None)
-        self._lease = identity.Lease(self.root, job.decode())
+        self._lease = identity.Lease(self.root, job.decode(), owner)
         try:
             self.storage.makedirs(self.root)
             self._lease.acquire()

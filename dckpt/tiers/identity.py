@@ -128,9 +128,29 @@ def cached_identity(local_root: str, root: str, url: str) -> str | None:
     return text if head == shown and _RUN_ID.fullmatch(run) else None
 
 
-# The lock files this process holds (path -> count): a second manager made in the same
-# process (a restart simulated in one process, a notebook re-run) is not another job.
-_HELD: dict[str, int] = {}
+# The lock files this process holds: path -> [count, owner]. A second manager made in
+# the same process for the same durable root (a restart simulated in one process, a
+# notebook re-run) is not another job; one for another root is.
+_HELD: dict[str, list] = {}
+# The lease descriptors open in this process: closed in a forked child (os.fork copies
+# descriptors, and with them the lock: a child that outlives the manager, a DataLoader
+# worker say, would hold the local_root after close()). Closing, not unlocking: the
+# lock stays the parent's.
+_FDS: set[int] = set()
+
+
+def _close_in_child() -> None:
+    for fd in list(_FDS):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _FDS.clear()
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_in_child)
 
 
 def _holders(fd: int) -> str:
@@ -153,8 +173,9 @@ class Lease:
     file when a live process of another job holds one; :meth:`release` drops the
     lock (idempotent). Local I/O on a few small files; no collective."""
 
-    def __init__(self, local_root: str, job_id: str) -> None:
+    def __init__(self, local_root: str, job_id: str, owner: str | None = None) -> None:
         self.root, self.job_id = os.path.join(_local(local_root), META_DIR), job_id
+        self.owner = owner or ""
         self.path = os.path.join(self.root, f"job-{job_id}.lock")
         self._fd: int | None = None
 
@@ -184,12 +205,24 @@ class Lease:
             for name in os.listdir(self.root):
                 m = _JOB_LOCK.match(name)
                 path = os.path.join(self.root, name)
-                if m and m.group(1) != self.job_id and not _HELD.get(path):
-                    self._check_other(path)
+                if not m or m.group(1) == self.job_id:
+                    continue
+                mine = _HELD.get(path)
+                if mine and mine[0] > 0:
+                    if mine[1] != self.owner:  # this process, but for another root
+                        raise CheckpointError(
+                            f"another job is using this local_root: a manager of this "
+                            f"process for another durable root ({mine[1] or 'none'}) "
+                            f"holds {path}; close it first, or give each its own "
+                            "local_root")
+                    continue
+                self._check_other(path)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             fcntl.flock(fd, fcntl.LOCK_SH)  # ranks of this job on this node share it
             self._fd = fd
-            _HELD[self.path] = _HELD.get(self.path, 0) + 1
+            _FDS.add(fd)
+            held = _HELD.setdefault(self.path, [0, self.owner])
+            held[0] += 1
         finally:
             os.close(mutex)
 
@@ -214,5 +247,9 @@ class Lease:
     def release(self) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None
-            _HELD[self.path] -= 1
+            if fd not in _FDS:
+                return  # a forked child: the descriptor was closed at the fork
+            if self.path in _HELD:
+                _HELD[self.path][0] -= 1
+            _FDS.discard(fd)
             os.close(fd)

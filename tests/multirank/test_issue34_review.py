@@ -1,5 +1,5 @@
 """Adversarial review of issue 34, section 1, multi-rank: settings agreement. Each
-xfail(strict) test proves a defect found in review."""
+test proves a defect found in review (it failed before its fix)."""
 from __future__ import annotations
 
 import os
@@ -23,9 +23,6 @@ def _make(base: str, kw_by_rank: dict) -> str:
     return "no error"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34 review: settings agreement compares "
-                   "floats by repr, so every_seconds=10 on one rank and 10.0 on another "
-                   "(equal values, the same schedule) is refused as a disagreement")
 def test_equal_int_and_float_settings_agree(ranks, tmp_path):
     out = ranks(2).run(_make, str(tmp_path), {0: {"every_seconds": 10},
                                               1: {"every_seconds": 10.0}}, timeout=DEADLINE)
