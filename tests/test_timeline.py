@@ -274,3 +274,20 @@ def test_a_second_job_on_a_local_root_is_refused_while_the_first_lives(tmp_path)
     mgr = _manager(tmp_path / "b", shm)  # A is gone: its lease is stale
     mgr.save(10, _state(10))
     mgr.close()
+
+
+def test_a_plain_load_of_a_manager_checkpoint_ignores_the_timeline_values(tmp_path):
+    """The timeline's bookkeeping (manager.parent, manager.after) is not state: a plain
+    strict dckpt.load of a manager's checkpoint into {"state": ...} does not report it
+    as keys the state_dict lacks (it did: the first CI run of this change failed
+    test_crash's incremental generations)."""
+    root, shm = tmp_path / "run", tmp_path / "shm"
+    mgr = _manager(root, shm, durable_every_steps=1)
+    mgr.save(10, _state(10))
+    mgr.save(20, _state(20))
+    mgr.close()
+    st = _state(-1)
+    dckpt.load({"state": st}, str(root / "step-00000020"))
+    assert st["step"] == 20
+    with dckpt.open(str(root / "step-00000020")) as ck:
+        assert isinstance(ck.to_state_dict()["manager"]["parent"], str)

@@ -35,6 +35,11 @@ FORMAT = "dckpt"
 VERSION = 3  # written when a manifest references sibling files or has block tables
 READABLE_VERSIONS = (1, 2, 3)
 MANIFEST_NAME = "manifest.json"
+# Values a CheckpointManager records about the timeline (the save id a commit continues,
+# the newest commit time its manager had seen): bookkeeping, not state. A load never
+# reports them as keys the state_dict lacks.
+PARENT_VALUE, AFTER_VALUE = "manager.parent", "manager.after"
+TIMELINE_VALUES = (PARENT_VALUE, AFTER_VALUE)
 MAX_MANIFEST_BYTES = 1 << 30
 MAX_NDIM = tiling.MAX_NDIM
 # A file holds at most this many chunks of one tensor (a strided DTensor's local tensor

@@ -142,7 +142,7 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
         raise_gathered(errors, f"load from {path}", err)
     flat, pieces, names = matched.flat, matched.pieces, matched.names
     unexpected = sorted(k for k in set.intersection(*(set(v["unexpected"]) for v in views))
-                        if not k.startswith(ignore_prefixes))
+                        if not k.startswith(ignore_prefixes) and k not in mf.TIMELINE_VALUES)
     if unexpected:
         raise StateMismatchError(
             f"checkpoint {root} has {len(unexpected)} key(s) the state_dict lacks: "

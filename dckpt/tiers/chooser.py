@@ -28,10 +28,11 @@ import math
 from dataclasses import dataclass
 from typing import Any, Hashable, Mapping
 
+from ..format import manifest as mf
 from ..protocol.collectives import Comm
 
 
-PARENT, AFTER = "manager.parent", "manager.after"  # the manifest values of the timeline
+PARENT, AFTER = mf.PARENT_VALUE, mf.AFTER_VALUE  # the manifest values of the timeline
 
 
 @dataclass(frozen=True)
