@@ -67,7 +67,7 @@ def worker(rank: int, world: int, init: str, a: dict, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import dckpt
-    from dckpt.engine import async_save as engine
+    from dckpt.protocol import async_save as engine
     from dckpt.engine.staging import StagingPool
 
     torch.set_num_threads(1)
@@ -81,7 +81,7 @@ def worker(rank: int, world: int, init: str, a: dict, out: str) -> None:
     _timing(StagingPool, "run", phases, "copy")
     prepared = float("nan")
     if a["mode"] == "prepared":
-        from dckpt.engine.async_save import prepare_async_save
+        from dckpt.protocol.async_save import prepare_async_save
 
         dist.barrier()
         t0 = time.perf_counter()

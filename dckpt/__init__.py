@@ -9,29 +9,29 @@ safetensors), :func:`import_checkpoint` (from DCP, safetensors, torch.save),
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from .format.version import __version__  # noqa: F401 (the package version)
 
 from typing import TYPE_CHECKING
 
 # The API is imported at first use (PEP 562), not with the package: the CLI's ls,
 # inspect, du and history read JSON only and must not pay for importing torch.
 _LAZY = {"save": ".protocol.commit", "CheckpointInfo": ".protocol.commit",
-         "load": ".protocol.restore", "SaveHandle": ".engine.async_save",
-         "async_save": ".engine.async_save", "prepare_async_save": ".engine.async_save",
-         "CheckpointManager": ".manager",
+         "load": ".protocol.restore", "SaveHandle": ".protocol.async_save",
+         "async_save": ".protocol.async_save", "prepare_async_save": ".protocol.async_save",
+         "CheckpointManager": ".manager.core",
          "TrainingState": ".state.training", "ExportInfo": ".interop", "export": ".interop",
-         "import_checkpoint": ".interop", "open": ".view", "Checkpoint": ".view",
-         "diff": ".compare", "DiffResult": ".compare", "KeyDiff": ".compare"}
+         "import_checkpoint": ".interop", "open": ".view.open", "Checkpoint": ".view.open",
+         "diff": ".view.diff", "DiffResult": ".view.diff", "KeyDiff": ".view.diff"}
 
 if TYPE_CHECKING:
     from .protocol.commit import CheckpointInfo, save
     from .protocol.restore import load
-    from .engine.async_save import SaveHandle, async_save, prepare_async_save
-    from .manager import CheckpointManager
+    from .protocol.async_save import SaveHandle, async_save, prepare_async_save
+    from .manager.core import CheckpointManager
     from .state.training import TrainingState
     from .interop import ExportInfo, export, import_checkpoint
-    from .view import Checkpoint, open
-    from .compare import DiffResult, KeyDiff, diff
+    from .view.open import Checkpoint, open
+    from .view.diff import DiffResult, KeyDiff, diff
 
 
 def __getattr__(name: str):

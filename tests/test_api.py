@@ -172,7 +172,7 @@ def test_integrity(tmp_path, damage, match):
     with pytest.raises(IntegrityError, match=match) as e:
         dckpt.load(t, path)
     assert name in str(e.value)
-    from dckpt.verify import verify_checkpoint
+    from dckpt.catalog.verify import verify_checkpoint
     rep = verify_checkpoint(path)
     assert not rep.ok and any(name in p for p in rep.problems)
 
@@ -214,7 +214,7 @@ def test_manifest_lying_about_shapes(tmp_path):
                       .replace(b'"grid":[[0,3]]', b'"grid":[[0,4]]'), reseal=True)
     with pytest.raises(IntegrityError, match="does not hold"):
         dckpt.load({"a": torch.zeros(4)}, path)
-    from dckpt.verify import verify_checkpoint
+    from dckpt.catalog.verify import verify_checkpoint
 
     report = verify_checkpoint(path)  # the files themselves are sound: only the lie shows
     assert not report.ok and len(report.problems) == 1, report.problems
@@ -322,7 +322,7 @@ def test_modules_and_optimizers_point_to_training_state(tmp_path):
 
 
 def test_read_budget_bounds_temporaries(tmp_path, monkeypatch):
-    from dckpt.reader import ChunkReader
+    from dckpt.engine.reader import ChunkReader
 
     g = torch.Generator().manual_seed(3)
     w = torch.randn(8192, 2048, generator=g)  # 64 MiB, one chunk
@@ -353,7 +353,7 @@ def test_read_budget_bounds_temporaries(tmp_path, monkeypatch):
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, 1000), max_size=60), st.integers(1, 8))
 def test_reader_runs_keep_order_and_balance(sizes, n):
-    from dckpt.reader import _runs
+    from dckpt.engine.reader import _runs
 
     tasks = list(range(len(sizes)))
     runs = _runs(tasks, n, sizes)
@@ -385,7 +385,7 @@ def test_reader_workers_split_one_tensor_into_runs(tmp_path, monkeypatch):
 
 def test_reader_stops_every_worker_after_a_failure(tmp_path, monkeypatch):
     """A corrupt region fails the load without the other workers reading the rest."""
-    from dckpt.reader import ChunkReader
+    from dckpt.engine.reader import ChunkReader
 
     w = torch.randn(32768, 256)  # 32 MiB: 32 regions of 1 MiB over 4 runs
     dckpt.save({"w": w}, str(tmp_path / "c"))

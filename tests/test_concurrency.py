@@ -17,9 +17,9 @@ import torch
 
 import dckpt
 from dckpt import _faults
-from dckpt.catalog import collect_garbage
+from dckpt.catalog.gc import collect_garbage
 from dckpt.storage.fsspec_storage import make_storage
-from dckpt.verify import verify_checkpoint
+from dckpt.catalog.verify import verify_checkpoint
 
 
 @pytest.fixture(params=["local-direct", "local-buffered", "memory", "s3"])

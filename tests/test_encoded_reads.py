@@ -11,7 +11,7 @@ import torch
 import dckpt
 from dckpt.protocol.restore import read_manifest
 from dckpt.storage.fsspec_storage import make_storage
-from dckpt.view import Checkpoint
+from dckpt.view.open import Checkpoint
 
 
 class CountingCalls:

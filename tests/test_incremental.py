@@ -14,7 +14,7 @@ import dckpt
 from dckpt.errors import CheckpointError, IntegrityError, ManifestError
 from dckpt.format import codec
 from dckpt.format import manifest as mf
-from dckpt.verify import verify_checkpoint
+from dckpt.catalog.verify import verify_checkpoint
 
 
 def _clone(sd: dict) -> dict:
@@ -88,7 +88,7 @@ def test_dense_change_reads_no_whole_anchor_and_sparse_still_deltas(tmp_path, mo
     """A dense change is ruled out from a small unverified look at the base (raw or
     compressed), so an incremental save of pre-training state reads no base block in
     full; a sparse change on a compressed base still becomes deltas."""
-    from dckpt.reader import ChunkReader
+    from dckpt.engine.reader import ChunkReader
 
     g = torch.Generator().manual_seed(5)
     sd = {f"w{i}": torch.randn(512, 1024, generator=g) * 0.02 for i in range(4)}
@@ -255,19 +255,20 @@ def test_overwriting_a_base_keeps_what_siblings_reference(tmp_path):
 
 
 def test_gc_keeps_referenced_files(tmp_path, monkeypatch):
-    from dckpt import catalog
+    from dckpt.catalog import listing as catalog
+    from dckpt.catalog import gc as catalog_gc
 
     sd = _base_and_child(tmp_path)
     # s0's manifest is gone (as retention removes a referenced step): its data stays
     os.remove(tmp_path / "s0" / "manifest.json")
-    monkeypatch.setattr(catalog, "_now", lambda: time.time() + 10 * 86400)
-    removed = catalog.collect_garbage(str(tmp_path), min_age_s=0)
+    monkeypatch.setattr(catalog_gc, "_now", lambda: time.time() + 10 * 86400)
+    removed = catalog_gc.collect_garbage(str(tmp_path), min_age_s=0)
     assert not removed, removed
     _loads_as(str(tmp_path / "s1"), sd)
 
 
 def test_cli_du_and_inspect_show_references(tmp_path, capsys):
-    from dckpt.cli import main
+    from dckpt.cli.main import main
 
     _base_and_child(tmp_path)
     assert main(["du", str(tmp_path)]) == 0
@@ -275,7 +276,7 @@ def test_cli_du_and_inspect_show_references(tmp_path, capsys):
     s0 = sum(os.path.getsize(tmp_path / "s0" / n) for n in os.listdir(tmp_path / "s0"))
     s1 = sum(os.path.getsize(tmp_path / "s1" / n) for n in os.listdir(tmp_path / "s1"))
     assert "2 checkpoint(s)" in out and str(tmp_path / "s1") in out
-    from dckpt.catalog import disk_usage
+    from dckpt.catalog.listing import disk_usage
 
     usage, total = disk_usage(str(tmp_path))
     assert total == s0 + s1

@@ -7,7 +7,7 @@ import torch
 
 import dckpt
 from dckpt.progress import Progress
-from dckpt.verify import verify_checkpoint
+from dckpt.catalog.verify import verify_checkpoint
 
 
 def test_line_reports_fraction_rate_and_time_left():

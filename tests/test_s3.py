@@ -15,8 +15,10 @@ import pytest
 import torch
 
 import dckpt
-from dckpt import _faults, catalog
-from dckpt.cli import main
+from dckpt import _faults
+from dckpt.catalog import listing as catalog
+from dckpt.catalog import gc as catalog_gc
+from dckpt.cli.main import main
 from dckpt.protocol import intent
 from dckpt.storage import fsspec_storage
 from dckpt.storage.fsspec_storage import StorageIOError, make_storage
@@ -74,26 +76,26 @@ def test_gc_aborts_old_incomplete_uploads_of_dckpt_names_only(s3, monkeypatch, c
     ids = {k: _start_upload(s3, u) for k, u in names.items()}
     t0 = max(t for _, t in ids.values())
     # 10 s after they began: younger than the lease, so even --min-age 0 keeps them
-    monkeypatch.setattr(catalog, "_now", lambda: t0 + 10)
-    assert catalog.collect_garbage(root, min_age_s=0, storage_options=s3.options) == []
+    monkeypatch.setattr(catalog_gc, "_now", lambda: t0 + 10)
+    assert catalog_gc.collect_garbage(root, min_age_s=0, storage_options=s3.options) == []
     assert len(_uploads(s3, root)) == 4
     # past the lease but not past --min-age
-    monkeypatch.setattr(catalog, "_now", lambda: t0 + intent.LEASE_S + 60)
-    assert catalog.collect_garbage(root, storage_options=s3.options) == []
+    monkeypatch.setattr(catalog_gc, "_now", lambda: t0 + intent.LEASE_S + 60)
+    assert catalog_gc.collect_garbage(root, storage_options=s3.options) == []
     # past both
-    monkeypatch.setattr(catalog, "_now", lambda: t0 + 7200)
+    monkeypatch.setattr(catalog_gc, "_now", lambda: t0 + 7200)
     assert main(["--storage-options", '{"endpoint_url": "%s"}' % s3.endpoint,
                  "gc", "--dry-run", root]) == 0
     out = capsys.readouterr().out
     assert names["old"] in out and names["top"] in out and "incomplete upload" in out, out
     assert len(_uploads(s3, root)) == 4  # a dry run
-    found = catalog.collect_garbage(root, storage_options=s3.options)
+    found = catalog_gc.collect_garbage(root, storage_options=s3.options)
     assert sorted(lo.path for lo in found) == sorted([names["old"], names["top"]])
     assert all(lo.bytes == 1000 and lo.upload_id for lo in found)
     left = _uploads(s3, root)
     assert sorted(left) == sorted([ids["foreign"][0], ids["deep"][0]])
     # aborting never touches the committed checkpoint, and a second gc finds nothing
-    assert catalog.collect_garbage(root, storage_options=s3.options) == []
+    assert catalog_gc.collect_garbage(root, storage_options=s3.options) == []
     t = {"w": torch.zeros(4)}
     dckpt.load(t, root + "/step-1", storage_options=s3.options)
     assert torch.equal(t["w"], torch.ones(4))
@@ -129,8 +131,8 @@ def test_gc_keeps_the_upload_of_a_save_in_progress(s3, monkeypatch):
         t0 = _initiated(s3, path, uid)
         # Whatever the upload's age says (moto dates every upload 2010), the save's
         # lease, renewed every 10 s, protects it.
-        monkeypatch.setattr(catalog, "_now", lambda: max(t0 + 7200, time.time()))
-        assert catalog.collect_garbage(path.rsplit("/", 1)[0], min_age_s=0,
+        monkeypatch.setattr(catalog_gc, "_now", lambda: max(t0 + 7200, time.time()))
+        assert catalog_gc.collect_garbage(path.rsplit("/", 1)[0], min_age_s=0,
                                        storage_options=opts) == []
         assert _uploads(s3, path) == ups
     finally:
@@ -182,11 +184,11 @@ def test_a_dropped_writer_neither_hangs_exit_nor_completes(s3):
     assert st.listdir(base) == []  # not completed
     ups = st.incomplete_uploads(base)
     assert [u.size for u in ups] == [6 << 20]
-    catalog._now = lambda: ups[0].initiated + 7200
+    catalog_gc._now = lambda: ups[0].initiated + 7200
     try:
-        found = catalog.collect_garbage(root, storage_options=s3.options)
+        found = catalog_gc.collect_garbage(root, storage_options=s3.options)
     finally:
-        catalog._now = time.time
+        catalog_gc._now = time.time
     assert [lo.upload_id for lo in found] == [ups[0].upload_id]
     assert st.incomplete_uploads(base) == []
 
@@ -292,8 +294,8 @@ def test_uploads_that_cannot_be_listed_are_left_and_the_files_still_collected(
                              "PermissionError: Access Denied")
 
     monkeypatch.setattr(fsspec_storage.FsspecStorage, "incomplete_uploads", denied)
-    monkeypatch.setattr(catalog, "_now", lambda: time.time() + 7200)
+    monkeypatch.setattr(catalog_gc, "_now", lambda: time.time() + 7200)
     with caplog.at_level("WARNING", logger="dckpt"):
-        found = catalog.collect_garbage(root, storage_options=s3.options)
+        found = catalog_gc.collect_garbage(root, storage_options=s3.options)
     assert [lo.path for lo in found] == [f"s3://{bucket}/{stray}"]
     assert "incomplete uploads under" in caplog.text and "Access Denied" in caplog.text

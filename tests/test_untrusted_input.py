@@ -250,8 +250,8 @@ def test_history_line_with_valid_crc_and_deep_nesting_is_skipped(tmp_path, caplo
     """A history line whose CRC matches but whose JSON is nested too deeply for Python's
     parser is skipped with a warning, as torn lines are; `dckpt history` shows the rest
     (it crashed with a RecursionError)."""
-    from dckpt.cli import main
-    from dckpt.history import HISTORY_FILE, SaveRecord, parse
+    from dckpt.cli.main import main
+    from dckpt.manager.history import HISTORY_FILE, SaveRecord, parse
 
     good = [SaveRecord(s, 1.7e9 + s, "durable", "sync", 100, 0.1, 0.2, 1).encode()
             for s in (1, 2)]
@@ -260,7 +260,7 @@ def test_history_line_with_valid_crc_and_deep_nesting_is_skipped(tmp_path, caplo
     (tmp_path / HISTORY_FILE).write_bytes(good[0] + deep + good[1])
     recs, bad = parse(good[0] + deep + good[1])
     assert [r.step for r in recs] == [1, 2] and bad == 1
-    with caplog.at_level(logging.WARNING, logger="dckpt.history"):
+    with caplog.at_level(logging.WARNING, logger="dckpt.manager.history"):
         assert main(["history", str(tmp_path), "--json"]) == 0
     assert [d["step"] for d in json.loads(capsys.readouterr().out)] == [1, 2]
     assert "skipped 1 torn or corrupt line" in caplog.text

@@ -58,8 +58,8 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ..engine.async_save import SaveHandle
-from ..engine.async_save import async_save as _async_save
+from ..protocol.async_save import SaveHandle
+from ..protocol.async_save import async_save as _async_save
 from ..errors import CheckpointError, NotCommittedError
 from ..format import manifest as mf
 from ..protocol.collectives import Comm, agree, rank0_bytes

@@ -33,6 +33,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..state.tensors import byte_tensor
+from .buffers import aligned_empty
 
 BOUNCE = 16 << 20  # bytes per bounce buffer (two per writer): ~1 ms of a PCIe copy
 STREAM_CPU = False  # tests: stream CPU tensors too
@@ -61,8 +62,6 @@ class _Bounce:
     """Two host buffers of ``size`` bytes, pinned for a CUDA ``device``."""
 
     def __init__(self, device: torch.device, size: int) -> None:
-        from .staging import aligned_empty  # staging imports this module
-
         cuda = device.type == "cuda"
         # ``size`` is a power of two (BOUNCE) in use: pinned exactly, with no rounding
         self.bufs = [aligned_empty((size,), torch.uint8, cuda) for _ in range(2)]

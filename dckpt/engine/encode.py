@@ -29,7 +29,7 @@ from ..format.shards import is_streamed
 from ..format import manifest as mf
 from ..format.dtypes import ITEMSIZE
 from ..layout import delta
-from ..reader import ChunkReader, _Files
+from .reader import ChunkReader, _Files
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 from typing import Any, Callable
 
@@ -11,26 +10,10 @@ import torch
 from ..errors import CheckpointError
 from ..state.flatten import JSON_TYPES, is_stateful
 from ..state.tensors import DTensor, check_plain, is_sharded_tensor, restage_sharded
-from ..storage.direct import ALIGN
 from . import devstream
+from .buffers import aligned_empty
 
 log = logging.getLogger(__name__)
-
-
-def aligned_empty(shape, dtype: torch.dtype, pinned: bool = False) -> torch.Tensor:
-    """An uninitialised contiguous tensor whose data starts on a 4 KiB boundary: a
-    direct-I/O writer sends it to the device without a bounce copy. Costs up to 4 KiB
-    (pinned: nothing when the allocation is page aligned, as CUDA's host allocations
-    are; 4 KiB more would push a power-of-two size to twice its size, see
-    :func:`pinned_waste`)."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    if pinned:
-        exact = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        if exact.data_ptr() % ALIGN == 0:
-            return exact.view(dtype).view(shape)
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pinned)
-    skip = (-raw.data_ptr()) % ALIGN
-    return raw[skip:skip + nbytes].view(dtype).view(shape)
 
 
 _ROUND_CONF = "pinned_max_round_threshold_mb"

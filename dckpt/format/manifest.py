@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ManifestError
-from ..layout import tiling
+from . import tiling
 from . import intarray, sealed
 from .grid import grid_cells  # noqa: F401  (public here: readers and tools use it)
 from .grid import cells as _cells, parse_dim as _grid_dim
@@ -374,7 +374,7 @@ def _parse_doc(data: bytes, at: list[str]) -> Manifest:
 def parse(data: bytes, where: str = MANIFEST_NAME) -> Manifest:
     """Parse and validate manifest bytes (version 2, or version 1 as older dckpt wrote
     it). Pure, O(size) (a non-grid chunk list costs O(2**k * chunks log chunks)
-    for chunks that cut k dims, and is capped beyond: see dckpt.layout.tiling).
+    for chunks that cut k dims, and is capped beyond: see dckpt.format.tiling).
 
     Raises:
         ManifestError: naming ``where`` and the offending field, for any input that is

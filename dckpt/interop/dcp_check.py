@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError
-from ..layout import tiling
+from ..format import tiling
 
 # Bytes a transformed (compressed) chunk may declare per stored byte: twice zstd's best
 # ratio (32,768: a 128 KiB run in a 4-byte RLE block), so no real checkpoint is refused.

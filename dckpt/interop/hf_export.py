@@ -6,7 +6,7 @@ What ``from_pretrained`` reads: one ``model.safetensors``, or shards
 safetensors (``__metadata__`` is ``{"format": "pt"}``, which transformers checks).
 
 How: one process, no process group. The manifest is read once; every output tensor is
-reassembled from the checkpoint's chunks by :class:`dckpt.reader.ChunkReader` (the
+reassembled from the checkpoint's chunks by :class:`dckpt.engine.reader.ChunkReader` (the
 resharding reader ``dckpt.load`` uses: any world size and placement, incremental
 references followed, compressed blocks decoded, every block's checksum verified), a
 slab of rows at a time, and streamed into the output file right after its header. So
@@ -35,7 +35,7 @@ from ..format.dtypes import ITEMSIZE, to_code, to_torch
 from ..layout.chunks import Box
 from ..progress import Progress
 from ..protocol.restore import read_manifest
-from ..reader import ChunkReader
+from ..engine.reader import ChunkReader
 from ..state.tensors import LocalPiece, as_bytes
 from ..storage.fsspec_storage import FsspecStorage, make_storage
 from ..storage.rename import replace_file

@@ -27,11 +27,12 @@ from ..format import codec
 from ..format import manifest as mf
 from ..format.dtypes import to_code
 from ..layout import delta
-from ..layout import tiling
+from ..format import tiling
 from ..layout.chunks import Box
 from ..progress import Progress
 from ..protocol.commit import CheckpointInfo, write_file
-from ..protocol.coordinator import _Coordinator, _unpack, data_name, dckpt_version
+from ..protocol.coordinator import _Coordinator, _unpack, dckpt_version
+from ..format.filenames import data_name
 from ..state.flatten import check_utf8
 from ..state.tensors import LocalPiece
 from ..storage.fsspec_storage import make_storage

@@ -19,7 +19,8 @@ import numpy as np
 from ..errors import StateMismatchError
 from ..format import manifest as mf
 from ..format.dtypes import ITEMSIZE
-from . import keymajor, tiling
+from . import keymajor
+from ..format import tiling
 from .localplan import LocalPlan
 
 

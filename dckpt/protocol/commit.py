@@ -30,7 +30,7 @@ from .. import _faults
 from ..format import manifest as mf
 from ..format import codec, shards
 from ..layout import localplan, plan as gplan
-from ..reader import ChunkReader, stored_names
+from ..engine.reader import ChunkReader, stored_names
 from ..engine import devstream, encode
 from ..engine.encode import Encoding
 from ..progress import CountingWriter, Progress
@@ -39,7 +39,8 @@ from ..state.tensors import as_bytes, describe_all
 from ..storage.fsspec_storage import make_storage
 from .collectives import Comm, error_payload, raise_gathered
 from . import plancache
-from .coordinator import _Coordinator, _unpack, data_name
+from .coordinator import _Coordinator, _unpack
+from ..format.filenames import data_name
 
 log = logging.getLogger(__name__)
 

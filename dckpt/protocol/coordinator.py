@@ -17,16 +17,16 @@ from typing import Any
 from .. import _faults
 from ..errors import AlreadyExistsError, CheckpointError, IntegrityError
 from ..format import manifest as mf
+from ..format.filenames import DATA_FILE, TEMP_MANIFEST
+from ..format.version import __version__
 from ..layout import delta, localplan, plan as gplan
-from ..reader import file_path
+from ..engine.reader import file_path
 from ..storage.fsspec_storage import make_storage
 from .collectives import error_payload
 from . import plancache
 from .intent import Intent
 
 log = logging.getLogger(__name__)
-DATA_FILE = re.compile(r"^data-([0-9a-f]{16})-(\d{5,})\.safetensors$")
-TEMP_MANIFEST = re.compile(r"^\.manifest\.json\.tmp-[0-9a-f]+$")
 _U64 = struct.Struct("<Q")
 
 
@@ -75,11 +75,6 @@ def validate_plans(blobs: list[bytes], where: str,
             "lowest rank's value is saved. Give rank-local values a key per rank.",
             where, len(gp.conflicts), k, r)
     return gp, {}
-
-
-def data_name(save_id: str, rank: int) -> str:
-    """The name of ``rank``'s shard file of save ``save_id``."""
-    return f"data-{save_id}-{rank:05d}.safetensors"
 
 
 class _Coordinator:
@@ -304,7 +299,6 @@ def _remove_files(storage, root: str, select) -> int:
 
 def dckpt_version() -> str:
     """This dckpt's version, recorded in every manifest it writes."""
-    from .. import __version__
     return __version__
 
 
@@ -312,10 +306,10 @@ def referenced_by_siblings(storage, root: str) -> set[str]:
     """Names of ``root``'s files that a committed checkpoint in a sibling directory
     references (incremental saves). One listing of the parent and one manifest read per
     sibling (links to directories included, one stat each: gc's rule, see
-    :func:`dckpt.refcount.manifest_dirs`). A sibling whose manifest cannot be read may
+    :func:`dckpt.protocol.refcount.manifest_dirs`). A sibling whose manifest cannot be read may
     reference anything: then every file is reported referenced (kept for ``dckpt gc``
     to decide later)."""
-    from ..refcount import ALL_FILES, manifest_dirs, references  # refcount imports this module
+    from .refcount import ALL_FILES, manifest_dirs, references
 
     parent, _, name = root.rstrip("/").rpartition("/")
     try:

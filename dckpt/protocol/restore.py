@@ -24,7 +24,7 @@ from ..format.dtypes import to_torch
 from ..state.flatten import fill, flatten, grow
 from ..state.tensors import describe_all
 from ..storage.fsspec_storage import make_storage
-from ..reader import DEFAULT_READ_BUDGET, ChunkReader, plan_reads
+from ..engine.reader import DEFAULT_READ_BUDGET, ChunkReader, plan_reads
 from .collectives import Comm, agree, error_payload, raise_gathered, rank0_bytes
 from .rename import Rename, map_keys, resolve
 # torch-free (the CLI reads manifests without importing torch); re-exported from here

@@ -23,14 +23,15 @@ import torch.distributed as dist
 
 from ..errors import (CheckpointError, CommunicationError, StateMismatchError,
                       UnsupportedValueError)
-from ..policy import RetentionPolicy
+from ..catalog.retention import RetentionPolicy
 from ..protocol.collectives import Comm, OwnGroup, agree
-from ..engine.async_save import SaveHandle, _Unstageable, at_thread_exit
+from ..protocol.async_save import SaveHandle, _Unstageable, at_thread_exit
 from ..engine import devstream
 from ..engine.fence import Versions, releaser
 from ..engine.staging import StagingPool, live_view
 from ..storage.fsspec_storage import make_storage
-from . import chooser, identity, local, peerrestore, replication, stage_encoded, stager
+from . import chooser, identity, local, stage_encoded, stager
+from .peers import restore as peerrestore, replication
 
 log = logging.getLogger(__name__)
 # on_commit(tier, commit, info): "local" (info None) or "durable" (the staged CheckpointInfo)
@@ -42,7 +43,7 @@ _LIVE: "weakref.WeakSet[FastTier]" = weakref.WeakSet()
 
 def _finish_at_exit() -> None:
     """At exit, let every tier's saves in flight commit in every tier (see
-    :func:`dckpt.engine.async_save.at_thread_exit`); errors are logged."""
+    :func:`dckpt.protocol.async_save.at_thread_exit`); errors are logged."""
     for tier in list(_LIVE):
         try:
             tier.wait(raise_error=False)

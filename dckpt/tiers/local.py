@@ -39,10 +39,10 @@ from ..format import shards
 from ..layout import plan as gplan
 from ..protocol.collectives import Comm, agree, error_payload, raise_gathered, rank0_bytes
 from ..protocol.commit import local_plan, write_file
-from ..protocol.coordinator import (_pack, _unpack, data_name, dckpt_version, validate_plans,
-                                    vote_files)
+from ..protocol.coordinator import _pack, _unpack, dckpt_version, validate_plans, vote_files
+from ..format.filenames import data_name
 from ..protocol.restore import MAX_MANIFEST
-from ..verify import check_tensor
+from ..catalog.verify import check_tensor
 from .chooser import Held, timeline_of
 from .localnames import STEP_DIR, step_name, view_name  # noqa: F401 (re-exported)
 

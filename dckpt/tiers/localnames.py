@@ -2,7 +2,7 @@
 ``manifest-<rank>.json`` in it (docs/TIERS.md "What is where").
 
 One torch-free home for them, so that :mod:`dckpt.tiers.local` (which writes them and
-imports torch) and :mod:`dckpt.catalog_local` (``dckpt ls``, which must not import
+imports torch) and :mod:`dckpt.catalog.local` (``dckpt ls``, which must not import
 torch) cannot drift apart. Pure."""
 from __future__ import annotations
 

@@ -111,7 +111,7 @@ def _twenty_saves(path: str) -> tuple[int, int, int]:
                 v.to_local().add_(1.0)
         dckpt.async_save(sd, path, overwrite=True)
         rss.append(_rss_kib())
-    from dckpt.engine.async_save import _saver
+    from dckpt.protocol.async_save import _saver
     _saver(None).inflight.result(timeout=60)
     files = len([f for f in os.listdir(path) if f.endswith(".safetensors")])
     return rss[4], rss[-1], files

@@ -17,7 +17,7 @@ def _prepared_first_call(path: str) -> tuple[int, int]:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     import dckpt
-    from dckpt.engine.async_save import async_save, prepare_async_save
+    from dckpt.protocol.async_save import async_save, prepare_async_save
 
     group = dist.new_group(backend="gloo")  # a fresh saver: no buffers from other tests
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import dckpt
-from dckpt.catalog import collect_garbage
-from dckpt.verify import verify_checkpoint
+from dckpt.catalog.gc import collect_garbage
+from dckpt.catalog.verify import verify_checkpoint
 
 JOB = os.path.join(os.path.dirname(__file__), "jobs", "save_job.py")
 pytestmark = pytest.mark.slow
@@ -267,7 +267,7 @@ def test_history_survives_a_killed_save(tmp_path, how):
     commit. The history still parses, holds the record of every step whose save()
     returned, and loses nothing but the line being written; the next restore adds the
     record the kill prevented (rebuilt from the manifest), after the torn line."""
-    from dckpt.history import read_history
+    from dckpt.manager.history import read_history
     from dckpt.storage.local import LocalStorage
 
     root, run = str(tmp_path / "ckpt"), str(tmp_path)

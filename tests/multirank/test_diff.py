@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import dckpt
-from dckpt.cli import main
+from dckpt.cli.main import main
 
 
 def _full(bump: bool = False) -> dict[str, torch.Tensor]:

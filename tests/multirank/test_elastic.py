@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from dckpt.verify import verify_checkpoint
+from dckpt.catalog.verify import verify_checkpoint
 from tests.multirank.test_launch import sha
 from launch.elastic_demo import (BATCH, Agent, free_port, position_at, rdzv_args,
                                  saved_steps, standalone_args, wait_for)

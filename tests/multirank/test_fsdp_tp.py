@@ -251,7 +251,7 @@ def _load_big(path: str, kind: str) -> tuple[int, int, list]:
     """Load into ``kind``; returns (bytes read, the bytes this rank needs, its boxes)
     after checking its local values against torch's own split of the full tensor."""
     import dckpt
-    from dckpt import reader
+    from dckpt.engine import reader
     from dckpt.state.tensors import describe_all
 
     target = {"big": _strided(kind, zero=True)}
@@ -341,7 +341,7 @@ def _write_paths(base: str) -> list:
     import os
 
     import dckpt
-    from dckpt.verify import verify_checkpoint
+    from dckpt.catalog.verify import verify_checkpoint
 
     out = []
     for name, kw, add in (("zstd", dict(compression="zstd"), 1.0),
@@ -397,9 +397,9 @@ def test_verify_names_the_damaged_box_of_a_several_box_file(ranks, tmp_path):
     """A file holding two boxes of ``big`` (``key@offsets``), damaged in the box the
     manifest lists second for it: verify names that box's own rows of ``big``."""
     from dckpt.format import manifest as mf
-    from dckpt.reader import ChunkReader, stored_name
+    from dckpt.engine.reader import ChunkReader, stored_name
     from dckpt.storage.fsspec_storage import make_storage
-    from dckpt.verify import verify_checkpoint
+    from dckpt.catalog.verify import verify_checkpoint
 
     path = str(tmp_path / "views")
     ranks(4).run(_save_big, path, "views")

@@ -59,6 +59,6 @@ def test_incremental_saved_by_2_loads_into_3_and_1(ranks, tmp_path):
     for step in range(3):
         assert all(ranks(3).run(_load, root, step)), step
         assert all(ranks(1).run(_load, root, step)), step
-    from dckpt.verify import verify_checkpoint
+    from dckpt.catalog.verify import verify_checkpoint
 
     assert verify_checkpoint(os.path.join(root, "step-2")).ok

@@ -118,7 +118,7 @@ def test_async_failure_on_one_rank_raises_everywhere_and_keeps_older(ranks, tmp_
 
 
 class _SkewedClock:
-    """``time`` for dckpt.manager whose monotonic clock runs ``scale`` times as fast."""
+    """``time`` for dckpt.manager.core whose monotonic clock runs ``scale`` times as fast."""
 
     def __init__(self, scale: float) -> None:
         self.scale, self.t0 = scale, time.monotonic()
@@ -131,7 +131,7 @@ class _SkewedClock:
 
 def _auto_interval(root: str) -> tuple:
     import dckpt
-    import dckpt.manager as manager
+    import dckpt.manager.core as manager
 
     # Rank 1 measures its steps 10^6 times shorter: on its own it would compute an
     # interval far above rank 0's, so only rank 0 deciding keeps the saves together.

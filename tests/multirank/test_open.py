@@ -13,10 +13,10 @@ import torch.distributed as dist
 
 import dckpt
 from dckpt import IntegrityError
-from dckpt.reader import ChunkReader, find_stored
+from dckpt.engine.reader import ChunkReader, find_stored
 from dckpt.storage.fsspec_storage import make_storage
 from statekit import flip_byte, rand
-from tests.test_open import _counting, _file_bytes, _same
+from tests.view.test_open import _counting, _file_bytes, _same
 
 SHARD0 = ("s0", "big")
 SHARD1 = ("s1", "s1_3d")

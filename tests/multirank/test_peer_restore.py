@@ -292,7 +292,7 @@ def _send_a_part_whose_data_file_is_gone(base: str) -> tuple:
     from dckpt.format import manifest as mf
     from dckpt.protocol.collectives import OwnGroup
     from dckpt.storage.local import LocalStorage
-    from dckpt.tiers import peerpart
+    from dckpt.tiers.peers import part as peerpart
 
     where = os.path.join(base, "node0", f"step-{10:08d}")
     view = mf.parse(open(os.path.join(where, "manifest-00000.json"), "rb").read(), "view")

@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 
-from dckpt.verify import verify_checkpoint
+from dckpt.catalog.verify import verify_checkpoint
 from launch.elastic_demo import (REPLICATED, Agent, DemoError, durable_steps, peer_agents,
                                  standalone_args, wait_for)
 from tests.multirank.test_launch import sha

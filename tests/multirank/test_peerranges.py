@@ -53,7 +53,7 @@ def _transfer(src_file: str, dst: str, entry, chunks: list, own: bool) -> tuple:
 
     from dckpt.protocol.collectives import OwnGroup
     from dckpt.storage.local import LocalStorage
-    from dckpt.tiers.peerranges import recv_ranges, send_ranges
+    from dckpt.tiers.peers.ranges import recv_ranges, send_ranges
 
     group = OwnGroup([0, 1], 30.0) if own else None
     t0 = time.monotonic()
@@ -76,7 +76,7 @@ def _leftovers(d) -> list[str]:
 
 def test_requested_chunks_arrive_in_a_sparse_copy_a_load_reads(ranks, saved, tmp_path):
     import dckpt
-    from dckpt.reader import ChunkReader
+    from dckpt.engine.reader import ChunkReader
     from dckpt.format import manifest as mf
     from dckpt.storage.local import LocalStorage
 

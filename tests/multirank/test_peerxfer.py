@@ -38,7 +38,7 @@ def _transfer(src_file: str, dst_dir: str, own: bool, cap: int = 1 << 40,
 
     from dckpt.protocol.collectives import OwnGroup
     from dckpt.storage.local import LocalStorage
-    from dckpt.tiers.peerxfer import recv_file, send_file
+    from dckpt.tiers.peers.xfer import recv_file, send_file
 
     group = OwnGroup([0, 1], 30.0) if own else None
     storage = LocalStorage()

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 import dckpt
-from dckpt import catalog
+from dckpt.catalog import listing as catalog
+from dckpt.catalog import gc as catalog_gc
 from dckpt.protocol import intent
-from dckpt.verify import verify_checkpoint
+from dckpt.catalog.verify import verify_checkpoint
 
 from .test_crash import Job as TorchrunJob
 from .test_reshard import _load, _save
@@ -144,8 +145,8 @@ def _gc_after_lease(server, root: str, monkeypatch) -> list:
     """gc as it runs once the killed save's lease has run out (gc's clock moved on:
     an object's time cannot be set back on S3)."""
     later = time.time() + intent.LEASE_S + 60
-    monkeypatch.setattr(catalog, "_now", lambda: later)
-    return catalog.collect_garbage(root, min_age_s=0, storage_options=server.options)
+    monkeypatch.setattr(catalog_gc, "_now", lambda: later)
+    return catalog_gc.collect_garbage(root, min_age_s=0, storage_options=server.options)
 
 
 @pytest.mark.slow

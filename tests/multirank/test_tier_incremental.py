@@ -92,7 +92,7 @@ def _continue_at_3(base: str) -> tuple:
 
 def test_restore_2_to_3_ranks_from_a_durable_incremental_chain(ranks, tmp_path):
     from dckpt.format import manifest as mf
-    from dckpt.verify import verify_checkpoint
+    from dckpt.catalog.verify import verify_checkpoint
 
     base = str(tmp_path)
     out = ranks(2).run(_save_chain, base, timeout=120)

@@ -84,7 +84,7 @@ def test_restore_from_local_then_fallbacks(ranks, tmp_path):
     durable = os.path.join(base, "durable", "step-00000003")
     assert not any(n.startswith("replica-") for n in os.listdir(durable))
     # The durable copy is an ordinary checkpoint.
-    from dckpt.verify import verify_checkpoint
+    from dckpt.catalog.verify import verify_checkpoint
     assert verify_checkpoint(durable).ok
 
     # Restored from local: the durable copy of step 3 is corrupt and is not read.
@@ -212,7 +212,7 @@ def test_sigkill_during_staging(ranks, tmp_path, incremental):
 
     from .test_crash import Job, gc_after_lease
 
-    from dckpt.verify import verify_checkpoint
+    from dckpt.catalog.verify import verify_checkpoint
 
     root, run = str(tmp_path / "durable"), str(tmp_path)
     # --steps 2: the job ends in close(), waiting on step 2's stuck upload, so no later
@@ -267,7 +267,7 @@ def test_fast_tier_staged_to_s3(ranks, tmp_path, s3):
     after the fast tier is gone, also at another world size."""
     from s3server import CREDENTIALS
 
-    from dckpt.verify import verify_checkpoint
+    from dckpt.catalog.verify import verify_checkpoint
 
     env = dict(CREDENTIALS, AWS_ENDPOINT_URL=s3.endpoint)
     url = s3.url("tiers")
