@@ -20,7 +20,6 @@ from ..storage.fsspec_storage import make_storage
 from ..protocol.refcount import remove_checkpoints
 from ..tiers.chooser import Candidate, live_timeline, timeline_of
 from ..tiers.fast import fallback_worthy
-from ..tiers.identity import RUN_ID_FILE, root_identity  # noqa: F401 (their old home)
 from ..tiers.local import step_name
 
 log = logging.getLogger("dckpt.manager.core")  # one logger for the manager's messages
