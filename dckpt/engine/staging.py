@@ -8,7 +8,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import CheckpointError
-from ..state.flatten import JSON_TYPES, is_stateful
+from ..state.flatten import JSON_TYPES, is_bare_native, is_stateful
 from ..state.tensors import DTensor, check_plain, is_sharded_tensor, restage_sharded
 from . import devstream
 from .buffers import aligned_empty
@@ -226,7 +226,7 @@ def walk_state(state: Any, leaf: Callable[[str, torch.Tensor], torch.Tensor],
             return type(obj)(walk(v, f"{key}.{i}" if key else str(i)) for i, v in enumerate(obj))
         if isinstance(obj, JSON_TYPES):
             return obj
-        if is_stateful(obj) and not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+        if is_stateful(obj) and not is_bare_native(obj):
             return walk(obj.state_dict(), key)
         return obj
 

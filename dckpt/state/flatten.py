@@ -6,7 +6,8 @@ list, tuple. Leaves: torch.Tensor, DTensor, ShardedTensor (FSDP1), and JSON scal
 ``load_state_dict()``: an LR scheduler, a sampler, a :class:`dckpt.TrainingState`) is
 stored as its ``state_dict()`` under its key and restored through ``load_state_dict``.
 Modules and optimizers are refused: their state_dict depends on the parallelism, so
-they go through :class:`dckpt.TrainingState`. Anything else raises
+they go through :class:`dckpt.TrainingState`; a subclass that defines its own
+``state_dict``/``load_state_dict`` (a framework's wrapper) is a Stateful object. Anything else raises
 UnsupportedValueError naming its key. Keys join path parts with "."; two paths that
 would give the same key are refused.
 """
@@ -64,6 +65,24 @@ def is_stateful(obj: Any) -> bool:
         getattr(obj, "load_state_dict", None))
 
 
+_NATIVE = (torch.nn.Module, torch.optim.Optimizer)
+
+
+def is_bare_native(obj: Any) -> bool:
+    """Whether ``obj`` is a Module or an Optimizer whose ``state_dict`` or
+    ``load_state_dict`` is torch's own: its state depends on the parallelism, so it is
+    refused (dckpt.TrainingState saves it in its native sharded layout). A subclass
+    that defines both itself (a framework's wrapper, such as torchtitan's
+    ``OptimizersContainer`` or ``ModelWrapper``, which implement DCP's Stateful
+    protocol) is the Stateful it says it is. Pure; O(MRO)."""
+    for base in _NATIVE:
+        if isinstance(obj, base):
+            cls = type(obj)
+            return (getattr(cls, "state_dict", None) is base.state_dict
+                    or getattr(cls, "load_state_dict", None) is base.load_state_dict)
+    return False
+
+
 @dataclass
 class Flat:
     """A flattened state: tensors and JSON values by key, in traversal order, and the
@@ -89,7 +108,7 @@ def flatten(state: Any) -> Flat:
     def walk(obj: Any, key: str) -> None:
         if isinstance(obj, torch.Tensor):
             leaf(key, obj, tensors)
-        elif isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+        elif is_bare_native(obj):
             raise UnsupportedValueError(
                 f"value at key {key or '<root>'!r} is a {type(obj).__name__}: wrap the model "
                 "and optimizer in dckpt.TrainingState(model, optimizer), which saves them in "
