@@ -40,18 +40,22 @@ docs/DCP_COMPAT.md):
 Errors are DCP's ``CheckpointException`` and dckpt's ``CheckpointError`` at once (see
 :mod:`dckpt.compat.dcp_errors`), raised on every rank alike; an unknown URL scheme is a
 RuntimeError ("Cannot detect ...") as in DCP. Refused (no dckpt equivalent): custom
-planners, storage writers/readers other than the file-system ones, ``async_stager``,
-``no_dist=True`` in a multi-rank group. Accepted and ignored: the writers' tuning
-knobs, ``use_collectives``, ``coordinator_rank``, ``async_checkpointer_type``.
-``save`` returns a :class:`dckpt.CheckpointInfo` (DCP returns its Metadata);
-``async_save`` a :class:`dckpt.SaveHandle` (``result()``, ``done()``, ``exception()``).
+planners, storage writers/readers other than the file-system ones, ``no_dist=True`` in
+a multi-rank group. Accepted and ignored: the writers' tuning knobs, ``use_collectives``,
+``coordinator_rank``, ``async_checkpointer_type``; ``async_stager`` is accepted and its
+staging emulated (dckpt snapshots in the call). ``save`` returns a
+:class:`dckpt.CheckpointInfo` (DCP returns its Metadata); ``async_save`` a
+``concurrent.futures.Future`` (:class:`SaveFuture`), or with an asynchronous stager
+DCP's ``AsyncSaveResponse``, as DCP does.
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import functools
 import json
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -111,22 +115,49 @@ def _dcp_errors(fn):
     return wrapper
 
 
-class _Handle(SaveHandle):
-    """The SaveHandle of :func:`async_save` whose ``result()``/``exception()`` give
-    DCP's exception type, as DCP's future does."""
+class SaveFuture(cf.Future):
+    """What :func:`async_save` returns: a real ``concurrent.futures.Future`` (frameworks
+    check ``isinstance(f, Future)``: torchtitan does), resolved with the save's
+    :class:`dckpt.CheckpointInfo` once it commits, or with its error as DCP's exception
+    type (a CheckpointException that is also a CheckpointError). ``handle`` is dckpt's
+    own :class:`dckpt.SaveHandle` of the same save (its blocking and staging times)."""
+
+    handle: SaveHandle
 
     @classmethod
-    def wrap(cls, handle: SaveHandle) -> "_Handle":
-        new = cls.__new__(cls)
-        new.__dict__ = handle.__dict__  # the same state: one save, two views
-        return new
+    def of(cls, handle: SaveHandle) -> "SaveFuture":
+        fut = cls()
+        fut.handle = handle
+        fut.set_running_or_notify_cancel()
 
-    def result(self, timeout: float | None = None) -> CheckpointInfo:
-        return _dcp_errors(SaveHandle.result)(self, timeout)
+        def done(h: SaveHandle) -> None:  # the persist thread, or now when already over
+            try:
+                fut.set_result(h.result())
+            except CheckpointError as e:
+                fut.set_exception(as_dcp(e))
+            except BaseException as e:  # noqa: BLE001 (any error belongs to the future)
+                fut.set_exception(e)
 
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        exc = SaveHandle.exception(self, timeout)
-        return as_dcp(exc) if isinstance(exc, CheckpointError) else exc
+        handle.add_done_callback(done)
+        return fut
+
+
+def _response(fut: SaveFuture) -> Any:
+    """DCP's ``AsyncSaveResponse(staging_completion, upload_completion)``: the staging
+    is already complete (dckpt snapshots in the call), the upload is ``fut``."""
+    staged: cf.Future = cf.Future()
+    staged.set_result(None)
+    try:
+        from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+    except ImportError:  # an older torch: the same two fields
+        return _AsyncSaveResponse(staged, fut)
+    return AsyncSaveResponse(staging_completion=staged, upload_completion=fut)
+
+
+@dataclass
+class _AsyncSaveResponse:
+    staging_completion: cf.Future
+    upload_completion: cf.Future
 
 
 # ---------------------------------------------------------------- arguments
@@ -223,17 +254,34 @@ def _to_save(state_dict: dict, checkpoint_id: Any, storage_writer: Any, planner:
 def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None = None,
                storage_writer: Any = None, planner: Any = None, process_group: Any = None,
                async_checkpointer_type: Any = None, async_stager: Any = None,
-               no_dist: bool = False, use_collectives: bool = True) -> SaveHandle:
+               no_dist: bool = False, use_collectives: bool = True) -> Any:
     """DCP's ``async_save``: returns once the state is snapshotted (changing it after
-    is safe); the handle's ``result()`` waits for the commit. Collective. Raises
-    CheckpointException (also a CheckpointError): argument errors at once, save errors
-    from ``result()``."""
-    if async_stager is not None:
-        raise CheckpointError("dckpt.compat.dcp.async_save: async_stager is not supported: "
-                              "dckpt stages into its own reusable host buffers")
+    is safe). Returns a ``concurrent.futures.Future`` (:class:`SaveFuture`) whose
+    ``result()`` waits for the commit, or, with an ``async_stager`` that stages
+    asynchronously (DCP's DefaultStager with ``use_async_staging=True``, or another
+    stager), DCP's ``AsyncSaveResponse(staging_completion, upload_completion)``, as DCP
+    returns then (torchtitan's ``async_with_pinned_mem`` waits on the first before the
+    optimizer step). The stager (DCP's ``DefaultStager``/``StagingOptions`` or any
+    other) is accepted and its staging emulated: dckpt snapshots into its own reusable
+    host buffers (pinned for CUDA tensors) during the call, so the staging completion
+    is already done when this returns; the stager itself stays the caller's (DCP's
+    contract: the caller closes it). Collective. Raises CheckpointException (also a
+    CheckpointError): argument errors at once, save errors from ``result()``."""
     out, path, group, overwrite = _to_save(state_dict, checkpoint_id, storage_writer,
                                            planner, process_group, no_dist, "async_save")
-    return _Handle.wrap(_async_save(out, path, process_group=group, overwrite=overwrite))
+    fut = SaveFuture.of(_async_save(out, path, process_group=group, overwrite=overwrite))
+    return _response(fut) if _stages_async(async_stager) else fut
+
+
+def _stages_async(stager: Any) -> bool:
+    """Whether DCP would answer with an AsyncSaveResponse for ``stager``: it does when
+    the stager's ``stage()`` returns a Future, which DCP's DefaultStager does with
+    ``StagingOptions(use_async_staging=True)``; any other stager is taken to (a
+    framework passes one for exactly that). No stager: a Future."""
+    if stager is None:
+        return False
+    config = getattr(stager, "_config", None)
+    return bool(getattr(config, "use_async_staging", True))
 
 
 @_dcp_errors

@@ -122,6 +122,58 @@ def test_file_system_writer_and_reader(tmp_path, dcp):
 
 
 @BOTH
+def test_async_save_returns_a_future_or_with_a_stager_an_async_save_response(tmp_path, dcp):
+    """Issue 36 (item 4): frameworks check ``isinstance(result, Future)`` and, with a
+    stager, read DCP's AsyncSaveResponse. Before: a SaveHandle, and async_stager was
+    refused. The shim's values are those of the call in both forms, as DCP's."""
+    import concurrent.futures as cf
+
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+    sd = {"w": torch.randn(16, 16), "step": 5}
+    want = sd["w"].clone()
+    fut = dcp.async_save(sd, checkpoint_id=str(tmp_path / "f"))
+    assert isinstance(fut, cf.Future)
+    sd["w"].add_(1)
+    fut.result()
+    for use_async in (False, True):
+        stager = DefaultStager(StagingOptions(False, False, use_async, False))
+        sd["w"].copy_(want)
+        got = dcp.async_save(sd, checkpoint_id=str(tmp_path / f"s{use_async}"),
+                             async_stager=stager)
+        if use_async:  # a response only for async staging, in DCP and the shim
+            assert isinstance(got, AsyncSaveResponse), type(got)
+            got.staging_completion.result()
+            sd["w"].add_(1)  # after the staging: not in the checkpoint
+            assert isinstance(got.upload_completion, cf.Future)
+            got.upload_completion.result()
+        else:
+            assert isinstance(got, cf.Future)
+            sd["w"].add_(1)
+            got.result()
+        stager.close()
+        back = {"w": torch.zeros(16, 16), "step": 0}
+        dcp.load(back, checkpoint_id=str(tmp_path / f"s{use_async}"))
+        assert torch.equal(back["w"], want) and back["step"] == 5
+    back = {"w": torch.zeros(16, 16), "step": 0}
+    dcp.load(back, checkpoint_id=str(tmp_path / "f"))
+    assert torch.equal(back["w"], want)
+
+
+def test_a_failed_async_save_fails_its_future_with_dcps_exception(tmp_path):
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    fut = dckpt_dcp.async_save({"w": torch.ones(4)}, checkpoint_id=str(blocked / "c"))
+    with pytest.raises(CheckpointException) as e:
+        fut.result(timeout=60)
+    assert isinstance(e.value, CheckpointError)
+    assert isinstance(fut.exception(), CheckpointException)
+
+
+@BOTH
 def test_async_save(tmp_path, dcp):
     sd = {"w": torch.randn(64, 64), "step": 5}
     want = sd["w"].clone()
@@ -146,8 +198,6 @@ def test_a_dckpt_checkpoint_written_through_compat_is_a_dckpt_checkpoint(tmp_pat
 
 def test_what_dckpt_refuses_is_clear(tmp_path):
     from torch.distributed.checkpoint import DefaultSavePlanner
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
     p = str(tmp_path / "c")
 
     class MyPlanner(DefaultSavePlanner):
@@ -156,9 +206,6 @@ def test_what_dckpt_refuses_is_clear(tmp_path):
     with pytest.raises(CheckpointError, match="planner MyPlanner"):
         dckpt_dcp.save({"a": torch.ones(1)}, checkpoint_id=p, planner=MyPlanner())
     dckpt_dcp.save({"a": torch.ones(1)}, checkpoint_id=p, planner=DefaultSavePlanner())
-    with pytest.raises(CheckpointError, match="async_stager"):
-        dckpt_dcp.async_save({"a": torch.ones(1)}, checkpoint_id=p, async_stager=DefaultStager(
-            StagingOptions(False, False, False, False)))
     with pytest.raises(CheckpointError, match="checkpoint_id"):
         dckpt_dcp.save({"a": torch.ones(1)})
     with pytest.raises(UnsupportedValueError, match="'odd'.*no pickle"):
