@@ -74,7 +74,7 @@ from ..protocol.restore import read_manifest_bytes
 from ..storage.fsspec_storage import make_storage
 from .dcp_errors import CheckpointException, StorageDetectionError, as_dcp
 from .dcp_state import BYTES_KEY, as_bytes, fill_back, prepare_load, resolve
-from .dcp_values import EMPTY_KEY, Saved, empty_keys, into, record
+from .dcp_values import EMPTY_KEY, Saved, empty_keys, into, records
 
 log = logging.getLogger(__name__)
 
@@ -240,10 +240,14 @@ def _to_save(state_dict: dict, checkpoint_id: Any, storage_writer: Any, planner:
         r = resolve(state_dict, what)
         out = r.target
         empties = empty_keys(out)  # they leave no leaf: a load needs them to load "[]"
+        # one record per rank: ranks may hold different keys (torchtitan's dataloader
+        # state has a dp_rank_<r> bytes key per rank), and one key written by every
+        # rank would keep only one rank's record
+        rank = Comm(group).rank
         if r.kinds:
-            out[BYTES_KEY] = json.dumps(r.kinds, sort_keys=True)
+            out[f"{BYTES_KEY}.{rank}"] = json.dumps(r.kinds, sort_keys=True)
         if empties:
-            out[EMPTY_KEY] = json.dumps(empties)
+            out[f"{EMPTY_KEY}.{rank}"] = json.dumps(empties)
     except Exception as e:
         err = e
     agree(Comm(group), err, f"{what} to {path}")
@@ -314,8 +318,8 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None 
     prep = None
     if err is None:
         try:
-            saved_kinds = record(m, BYTES_KEY, dict)
-            saved = Saved(m, record(m, EMPTY_KEY, list))
+            saved_kinds = records(m, BYTES_KEY, dict)
+            saved = Saved(m, records(m, EMPTY_KEY, list))
             prep = prepare_load(r.target, m, saved_kinds, partial, saved, r.stateful)
         except Exception as e:
             err = e

@@ -12,7 +12,8 @@ the caller's list was longer (issue 34).
 
 dckpt stores such a list as one JSON leaf per element ("k.0", "k.1", ...; so
 :func:`dckpt.load` reads it like any other state), which loses empty lists: the shim's
-save lists their keys in the JSON value :data:`EMPTY_KEY`. A load rebuilds the saved
+save lists their keys in the JSON value :data:`EMPTY_KEY` (``EMPTY_KEY.<rank>``: one
+record per rank, see :func:`records`). A load rebuilds the saved
 value from the leaves under "k." and that record. Pure Python, no I/O.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ..errors import ManifestError
 from ..format import manifest as mf
 
 EMPTY_KEY = "__dckpt_compat_empty__"  # JSON value: sorted flat keys of empty lists/tuples
+_RECORDS = "__dckpt_compat_"  # the shim's own records (EMPTY_KEY, the bytes kinds): not state
 MISSING = object()  # what :meth:`Saved.value` returns when the checkpoint has no such value
 
 
@@ -63,6 +65,22 @@ def empty_keys(target: Any) -> list[str]:
     return sorted(out)
 
 
+def records(m: mf.Manifest, key: str, kind: type) -> Any:
+    """The union of the shim's JSON records ``key.<rank>`` (each rank writes its own:
+    ranks hold different keys, torchtitan's dataloader ``dp_rank_<r>`` bytes, and a
+    value every rank writes under one key keeps only one rank's) and of ``key`` itself
+    (checkpoints written before). O(values); raises as :func:`record`."""
+    out = kind()
+    head = key + "."
+    for k in sorted(k for k in m.values if k == key or k.startswith(head)):
+        got = record(m, k, kind)
+        if kind is dict:
+            out.update(got)
+        else:
+            out.extend(got)
+    return out
+
+
 def record(m: mf.Manifest, key: str, kind: type) -> Any:
     """The shim's JSON record ``key`` in the manifest's values (``kind()`` when absent).
     Raises ManifestError naming the key when it is not JSON of that kind: a manifest
@@ -89,7 +107,7 @@ class Saved:
 
     def __init__(self, m: mf.Manifest, empties: list[str]) -> None:
         self.values = m.values
-        self.keys = sorted(k for k in m.values if k != EMPTY_KEY)
+        self.keys = sorted(k for k in m.values if not k.startswith(_RECORDS))
         self.empties = sorted(set(empties))
         self.empty = set(self.empties)
         # every proper dotted prefix of a tensor key: a list cannot be rebuilt there
