@@ -221,10 +221,36 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None 
     ``storage_writer`` is a FileSystemWriter with ``overwrite=False``: then an existing
     checkpoint is an error). Collective, blocking I/O (see :func:`dckpt.save`); calls
     the Stateful values' ``state_dict()`` in sorted key order. Raises
-    CheckpointException (also a CheckpointError) on every rank."""
+    CheckpointException (also a CheckpointError) on every rank. A Hugging Face storage
+    writer is DCP's own path, run by DCP (:func:`_hf`)."""
+    if _hf(storage_writer):
+        return _torch_dcp().save(state_dict, checkpoint_id=checkpoint_id,
+                                 storage_writer=storage_writer, planner=planner,
+                                 process_group=process_group, no_dist=no_dist,
+                                 use_collectives=use_collectives)
     out, path, group, overwrite = _to_save(state_dict, checkpoint_id, storage_writer,
                                            planner, process_group, no_dist, "save")
     return _save(out, path, process_group=group, overwrite=overwrite)
+
+
+def _torch_dcp() -> Any:
+    import torch.distributed.checkpoint as torch_dcp
+
+    return torch_dcp
+
+
+def _hf(storage: Any) -> bool:
+    """Whether ``storage`` is one of DCP's Hugging Face storage writers/readers
+    (torchtitan passes them for ``last_save_in_hf`` / ``initial_load_in_hf``). Those
+    calls go to DCP itself, unchanged: the files are Hugging Face safetensors (with a
+    JSON index), which DCP writes and reads without pickle, and a framework asking
+    for that format gets exactly DCP's output. No I/O."""
+    torch_dcp = _torch_dcp()
+    kinds = tuple(getattr(torch_dcp, n) for n in ("HuggingFaceStorageWriter",
+                                                  "HuggingFaceStorageReader",
+                                                  "QuantizedHuggingFaceStorageReader")
+                  if hasattr(torch_dcp, n))
+    return bool(kinds) and isinstance(storage, kinds)
 
 
 def _to_save(state_dict: dict, checkpoint_id: Any, storage_writer: Any, planner: Any,
@@ -271,6 +297,13 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike |
     is already done when this returns; the stager itself stays the caller's (DCP's
     contract: the caller closes it). Collective. Raises CheckpointException (also a
     CheckpointError): argument errors at once, save errors from ``result()``."""
+    if _hf(storage_writer):
+        kw = {} if async_checkpointer_type is None else {
+            "async_checkpointer_type": async_checkpointer_type}
+        return _torch_dcp().async_save(state_dict, checkpoint_id=checkpoint_id,
+                                       storage_writer=storage_writer, planner=planner,
+                                       process_group=process_group, async_stager=async_stager,
+                                       no_dist=no_dist, use_collectives=use_collectives, **kw)
     out, path, group, overwrite = _to_save(state_dict, checkpoint_id, storage_writer,
                                            planner, process_group, no_dist, "async_save")
     fut = SaveFuture.of(_async_save(out, path, process_group=group, overwrite=overwrite))
@@ -304,6 +337,10 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None 
     CheckpointError) on every rank: "Missing key in checkpoint state_dict: k.",
     "Size mismatch ...", integrity and manifest errors; what a Stateful's
     ``load_state_dict`` raises comes through as it is."""
+    if _hf(storage_reader):  # DCP's own Hugging Face path (see _hf)
+        _torch_dcp().load(state_dict, checkpoint_id=checkpoint_id, storage_reader=storage_reader,
+                          planner=planner, process_group=process_group, no_dist=no_dist)
+        return
     path = _checkpoint_path(checkpoint_id, storage_reader, "load")
     partial = _check_planner(planner, "load", "DefaultLoadPlanner")
     group = _group(process_group, no_dist, "load")

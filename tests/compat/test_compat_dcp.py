@@ -3,6 +3,7 @@ cases follow PyTorch's own DCP tests (test_e2e_save_and_load.py, test_save_load_
 each run with DCP itself and with dckpt's module, one process."""
 from __future__ import annotations
 
+import os
 import pathlib
 
 import pytest
@@ -326,3 +327,28 @@ def test_partial_load_keeps_what_the_checkpoint_lacks_in_place(tmp_path):
                    planner=DefaultLoadPlanner(allow_partial_load=True))
     assert sd["m"] is m and m["n"] == 1 and m["tag"] == "mine"
     assert torch.equal(m["a"], torch.ones(3)) and torch.equal(m["new"], torch.full((2,), 7.0))
+
+
+def test_hugging_face_writer_and_reader_pass_through_to_dcp(tmp_path):
+    """Issue 36 (item 4): torchtitan passes DCP's HuggingFaceStorageWriter/Reader for
+    last_save_in_hf / initial_load_in_hf. Before: refused. Now DCP itself runs them:
+    the same files as DCP writes (safetensors and a JSON index, no pickle), loaded back,
+    sync and async."""
+    import concurrent.futures as cf
+
+    from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+
+    sd = {"model.w": torch.randn(4, 3), "model.b": torch.randn(3)}
+    for name, dcp in (("dcp", torch_dcp), ("shim", dckpt_dcp)):
+        out = str(tmp_path / name)
+        dcp.save(sd, storage_writer=HuggingFaceStorageWriter(out))
+        fut = dcp.async_save(sd, storage_writer=HuggingFaceStorageWriter(out + "-async"))
+        assert isinstance(fut, cf.Future)
+        fut.result()
+        for d in (out, out + "-async"):
+            back = {k: torch.zeros_like(v) for k, v in sd.items()}
+            dcp.load(back, storage_reader=HuggingFaceStorageReader(d))
+            assert all(torch.equal(back[k], sd[k]) for k in sd)
+    names = sorted(os.listdir(tmp_path / "shim"))
+    assert names == sorted(os.listdir(tmp_path / "dcp"))
+    assert names == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
