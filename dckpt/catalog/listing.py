@@ -8,7 +8,6 @@ node, and ``peers/step-<N>/`` with the parts other nodes replicated here, see
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 from .local import PEERS, STEP_DIR, is_local_step, read_local_step

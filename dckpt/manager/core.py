@@ -7,34 +7,30 @@ import time
 from typing import Any
 
 from ..protocol.collectives import Comm, on_rank0
-from ..protocol.settings import agree_settings
 from ..protocol.commit import save as _save
 from ..protocol.async_save import SaveHandle
 from ..protocol.async_save import _fence_targets
-from ..protocol.async_save import prepare_async_save as _prepare_async
 from ..protocol.async_save import release_buffers as _release_buffers
 from ..protocol.async_save import async_save as _async_save
-from ..engine import devstream
-from ..engine.staging import live_view
 from ..errors import CheckpointError
-from ..format.codec import compression_flag
 from ..catalog.retention import RetentionPolicy
 from .policy import SavePolicy, check_epoch, estimate_mtbf_hours
 from . import failures, history
-from ..state import rng
 from ..state.training import fence_targets
-from ..tiers import identity
 from ..tiers.fast import FastTier
 from ..tiers.stage_encoded import Chain
 from ..tiers.local import step_name
-from .restore import RestoreMixin, holds_stateful
+from .inflight import InflightMixin
+from .restore import RestoreMixin
 from .retention import RetentionMixin
+from .setup import check_settings, durable_owner
+from .triggers import TriggerMixin
 from ..storage.fsspec_storage import make_storage
 
 log = logging.getLogger(__name__)
 
 
-class CheckpointManager(RetentionMixin, RestoreMixin):
+class CheckpointManager(TriggerMixin, InflightMixin, RetentionMixin, RestoreMixin):
     """Saves a training state under ``root/step-<N>`` on a policy, keeps what the
     retention policy says, and restores the newest checkpoint that loads.
 
@@ -119,27 +115,13 @@ class CheckpointManager(RetentionMixin, RestoreMixin):
                  compression: str | None = None, every_epochs: int | None = None,
                  replicas: int = 0, node: Any = None) -> None:
         self.comm = Comm(process_group)
-        # Checked on every rank together: a bad value on one rank, or ranks that
-        # disagree on a setting that shapes the files or the collectives, raise the
-        # same error everywhere, before any save (never a hang or a copy that never
-        # commits).
-        bad = None
-        try:
-            if local_root is None and replicas != 0:
-                raise CheckpointError(f"replicas={replicas!r} needs local_root: the replicas "
-                                      "are copies of the fast tier's steps on other nodes")
-            if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1:
-                raise CheckpointError(f"full_every must be an int >= 1, not {full_every!r}")
-            compression_flag(compression)  # a bad value or a missing extra: fail now
-        except CheckpointError as e:
-            bad = str(e)
-        agree_settings(self.comm, {
-            "root": root, "every_steps": every_steps, "every_seconds": every_seconds,
-            "every_epochs": every_epochs, "async_save": async_save,
-            "local_root given": local_root is not None, "keep_last_local": keep_last_local,
-            "durable_every_steps": durable_every_steps, "incremental": incremental,
-            "full_every": full_every, "compression": compression, "replicas": replicas,
-            "capture_rng": capture_rng}, bad, "CheckpointManager settings")
+        check_settings(self.comm, root=root, every_steps=every_steps,
+                       every_seconds=every_seconds, every_epochs=every_epochs,
+                       async_save=async_save, local_root=local_root,
+                       keep_last_local=keep_last_local,
+                       durable_every_steps=durable_every_steps, incremental=incremental,
+                       full_every=full_every, compression=compression, replicas=replicas,
+                       capture_rng=capture_rng)
         self.incremental, self.full_every, self.compression = incremental, full_every, compression
         # The step this process last committed and how many saves since the last full
         # one: the base of the next incremental save (None: the next save is full).
@@ -183,31 +165,7 @@ class CheckpointManager(RetentionMixin, RestoreMixin):
         self._parent: str | None = None
         self._after: float | None = None
 
-        def setup() -> str | None:  # rank 0
-            try:
-                self.storage.makedirs(self.root)
-                if local_root is None:
-                    return None
-                return identity.root_identity(self.storage, self.root, root)
-            except identity.RunIdError:
-                raise  # damaged: an error, never a new run nor the cache's word
-            except Exception as e:
-                if local_root is None:
-                    raise
-                # The durable root is unreachable: the fast tier must still restore and
-                # save (the reason it exists); its identity is cached beside it.
-                cached = identity.cached_identity(local_root, self.root, root)
-                if cached is None:
-                    raise CheckpointError(
-                        f"the durable root {root} cannot be reached ({type(e).__name__}: "
-                        f"{e}) and {local_root} holds no cached identity of it (no "
-                        "fast-tier step of this root to restore on this node)") from e
-                log.warning("the durable root %s cannot be reached (%s): going on with the "
-                            "fast tier %s (its identity cached there); durable copies "
-                            "resume when the root is back", root, e, local_root)
-                return cached
-
-        owner = on_rank0(self.comm, setup, f"CheckpointManager: create {root}")
+        owner = durable_owner(self.comm, self.storage, self.root, root, local_root)
         # Rank 0 alone writes the save history (no I/O until the first record).
         self.history = history.SaveHistory(self.storage, self.root) if self.comm.rank == 0 else None
         self.tier: FastTier | None = None
@@ -239,39 +197,6 @@ class CheckpointManager(RetentionMixin, RestoreMixin):
                         f"list checkpoints under {self._root_arg}")
 
     # ------------------------------------------------------------------ saving
-    def _decide(self, step: int, force: bool, epoch: int | None = None) -> bool:
-        now = time.monotonic()
-        if self._calls is not None and step > self._calls[0]:
-            dt = (now - self._calls[1]) / (step - self._calls[0])
-            self.step_seconds = dt if self.step_seconds is None else 0.9 * self.step_seconds + 0.1 * dt
-        self._calls = (step, now)
-        due = force or self.policy.due(step, self._last_step, now - self._last_time,
-                                       self.save_seconds, self.step_seconds,
-                                       epoch=epoch, last_epoch=self._epoch)
-        if self.policy.every_seconds is None and not force and self.policy.every_steps != "auto":
-            # A pure function of the step and epoch: the same on every rank, no collective.
-            return due
-        # Clocks and measured times differ per rank: rank 0 decides for everyone.
-        return self.comm.broadcast_bytes(b"1" if due else b"0") == b"1"
-
-    def _on_sigterm(self, signum, frame) -> None:
-        self._sigterm = True
-
-    def request_save(self) -> None:
-        """Ask for a save at the next :meth:`save` call (a preemption notice, a node
-        health check). Not collective: call it on any rank, from any thread (a signal
-        handler too); the next :meth:`save` on every rank agrees on it (one all-reduce
-        of two ints per call) and saves that step, in every tier."""
-        self._requested = True
-
-    def _votes(self) -> tuple[bool, bool]:
-        """(preempted, save requested), agreed by every rank: one all-reduce of two ints
-        per :meth:`save` call, O(1) in the number of ranks."""
-        mine = [self._sigterm and self.save_on_sigterm, self._requested]
-        self._requested = False
-        preempted, requested = self.comm.any_of(mine)
-        return preempted, requested
-
     def save(self, step: int, state: Any, *, epoch: int | None = None,
              force: bool = False, fence: Any = None) -> bool:
         """Save ``state`` as ``step`` when the policy says so (or ``force``); returns
@@ -404,85 +329,6 @@ class CheckpointManager(RetentionMixin, RestoreMixin):
             self._drop_abandoned(commit.step, commit.save_id)
 
         return on_commit
-
-    @staticmethod
-    def _record_async(pending: history.PendingSave, h: SaveHandle) -> None:
-        """Rank 0, when an async save is over: record it if it committed. Runs in the
-        persist thread (or at once); only queues the write."""
-        if h.exception() is None:
-            info = h.result()
-            pending.committed("durable", info.bytes_written, info.world_size, info.save_id)
-
-    def _full(self, state: Any) -> dict[str, Any]:
-        full: dict[str, Any] = {"state": state}
-        if self.capture_rng:
-            full["rng"] = {f"rank{self.comm.rank}": rng.capture()}
-        manager: dict[str, Any] = {}
-        if self._epoch is not None:  # read back by restore (restored_epoch)
-            manager["epoch"] = self._epoch
-        if self._parent is not None:  # the explicit timeline: tiers.chooser.timeline_of
-            manager["parent"] = self._parent
-        if self._after is not None:
-            manager["after"] = self._after
-        if manager:
-            full["manager"] = manager
-        return full
-
-    def _prepare(self, state: Any, *, loaded: bool = True) -> None:
-        """Async mode: allocate and touch the staging buffers now, so the first save
-        blocks no longer than later ones. Collective (the async saver's group is made
-        here on first use). Failures are only logged: the save will allocate then.
-
-        ``loaded=False`` (a restore that found nothing): ``state`` must come out exactly
-        as it went in, and a Stateful object's ``state_dict()`` may change it (a
-        TrainingState's initialises a fresh optimizer with a zero-lr step: Adam's step
-        count becomes 1 and every later bias correction is off by one). A state holding
-        one is not prepared then; its first save allocates the buffers instead."""
-        if not self.async_save:
-            return
-        if not loaded and holds_stateful(state):
-            return
-        try:
-            full = self._full(state)
-            if self.tier is not None and fence_targets(state):
-                full, _, devices = live_view(full)  # resolved once, for the check and the buffers
-                if devstream.live_devices_ok(devices):
-                    # the tier is written from the live tensors (GPU ones through a
-                    # small pinned bounce pair, pinned now): no buffers to hold
-                    devstream.prepare(devices)
-                    return
-            if self.tier is not None:
-                nbytes = self.tier.pool.prepare(full)
-            else:  # the saver, its group and the buffers: what the first call would make
-                nbytes = _prepare_async(full, process_group=self.group)
-            log.debug("staging buffers ready: %.1f MiB", nbytes / 2**20)
-        except Exception as e:
-            log.warning("could not prepare staging buffers (the first save allocates "
-                        "them): %s", e)
-
-    def _finish_inflight(self, raise_error: bool) -> None:
-        if self._inflight is not None:
-            step, h = self._inflight
-            self._inflight = None
-            try:
-                info = h.result()
-            except Exception as e:
-                self._base = None
-                log.error("checkpoint of step %d failed: %s", step, e)
-                self._error = e
-            else:
-                self._committed(step, info.save_id)
-        if raise_error and self._error is not None:
-            err, self._error = self._error, None
-            raise err
-
-    def wait_snapshot(self) -> None:
-        """Block until the in-flight async save's snapshot copy is complete (changing
-        the saved state is safe after it). Not collective; no-op without one."""
-        if self._inflight is not None:
-            self._inflight[1].wait_snapshot()
-        if self.tier is not None:
-            self.tier.wait_snapshot()
 
     def wait(self) -> None:
         """Block until every save so far has committed in every tier it is meant for (a

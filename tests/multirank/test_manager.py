@@ -118,7 +118,7 @@ def test_async_failure_on_one_rank_raises_everywhere_and_keeps_older(ranks, tmp_
 
 
 class _SkewedClock:
-    """``time`` for dckpt.manager.core whose monotonic clock runs ``scale`` times as fast."""
+    """``time`` for dckpt.manager.core and .triggers whose monotonic clock runs ``scale`` times as fast."""
 
     def __init__(self, scale: float) -> None:
         self.scale, self.t0 = scale, time.monotonic()
@@ -132,11 +132,12 @@ class _SkewedClock:
 def _auto_interval(root: str) -> tuple:
     import dckpt
     import dckpt.manager.core as manager
+    import dckpt.manager.triggers as triggers
 
     # Rank 1 measures its steps 10^6 times shorter: on its own it would compute an
     # interval far above rank 0's, so only rank 0 deciding keeps the saves together.
     if dist.get_rank() == 1:
-        manager.time = _SkewedClock(1e-6)
+        manager.time = triggers.time = _SkewedClock(1e-6)
     try:
         mgr = dckpt.CheckpointManager(root, every_steps="auto", mtbf_hours=1e-9,
                                       capture_rng=False)
@@ -149,7 +150,7 @@ def _auto_interval(root: str) -> tuple:
         assert mgr.steps() == saved
         return saved, mgr.policy.step_interval(mgr.save_seconds, mgr.step_seconds)
     finally:
-        manager.time = time
+        manager.time = triggers.time = time
 
 
 def test_auto_interval_agreed_across_ranks(ranks, tmp_path):
