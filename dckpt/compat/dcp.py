@@ -59,6 +59,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as torch_dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -224,7 +225,7 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None 
     CheckpointException (also a CheckpointError) on every rank. A Hugging Face storage
     writer is DCP's own path, run by DCP (:func:`_hf`)."""
     if _hf(storage_writer):
-        return _torch_dcp().save(state_dict, checkpoint_id=checkpoint_id,
+        return torch_dcp.save(state_dict, checkpoint_id=checkpoint_id,
                                  storage_writer=storage_writer, planner=planner,
                                  process_group=process_group, no_dist=no_dist,
                                  use_collectives=use_collectives)
@@ -233,19 +234,12 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None 
     return _save(out, path, process_group=group, overwrite=overwrite)
 
 
-def _torch_dcp() -> Any:
-    import torch.distributed.checkpoint as torch_dcp
-
-    return torch_dcp
-
-
 def _hf(storage: Any) -> bool:
     """Whether ``storage`` is one of DCP's Hugging Face storage writers/readers
     (torchtitan passes them for ``last_save_in_hf`` / ``initial_load_in_hf``). Those
     calls go to DCP itself, unchanged: the files are Hugging Face safetensors (with a
     JSON index), which DCP writes and reads without pickle, and a framework asking
     for that format gets exactly DCP's output. No I/O."""
-    torch_dcp = _torch_dcp()
     kinds = tuple(getattr(torch_dcp, n) for n in ("HuggingFaceStorageWriter",
                                                   "HuggingFaceStorageReader",
                                                   "QuantizedHuggingFaceStorageReader")
@@ -300,7 +294,7 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike |
     if _hf(storage_writer):
         kw = {} if async_checkpointer_type is None else {
             "async_checkpointer_type": async_checkpointer_type}
-        return _torch_dcp().async_save(state_dict, checkpoint_id=checkpoint_id,
+        return torch_dcp.async_save(state_dict, checkpoint_id=checkpoint_id,
                                        storage_writer=storage_writer, planner=planner,
                                        process_group=process_group, async_stager=async_stager,
                                        no_dist=no_dist, use_collectives=use_collectives, **kw)
@@ -338,7 +332,7 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None 
     "Size mismatch ...", integrity and manifest errors; what a Stateful's
     ``load_state_dict`` raises comes through as it is."""
     if _hf(storage_reader):  # DCP's own Hugging Face path (see _hf)
-        _torch_dcp().load(state_dict, checkpoint_id=checkpoint_id, storage_reader=storage_reader,
+        torch_dcp.load(state_dict, checkpoint_id=checkpoint_id, storage_reader=storage_reader,
                           planner=planner, process_group=process_group, no_dist=no_dist)
         return
     path = _checkpoint_path(checkpoint_id, storage_reader, "load")

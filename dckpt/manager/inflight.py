@@ -14,9 +14,21 @@ from ..protocol.async_save import prepare_async_save as _prepare_async
 from ..state import rng
 from ..state.training import fence_targets
 from . import history
-from .restore import holds_stateful
+from ..state.flatten import is_stateful
 
 log = logging.getLogger("dckpt.manager.core")  # one logger for the manager's messages
+
+
+def holds_stateful(state: Any) -> bool:
+    """Whether ``state`` (nested dicts, lists, tuples) holds an object with
+    ``state_dict``/``load_state_dict``. No I/O; O(containers)."""
+    if is_stateful(state):
+        return True
+    if isinstance(state, dict):
+        return any(holds_stateful(v) for v in state.values())
+    if type(state) in (list, tuple):
+        return any(holds_stateful(v) for v in state)
+    return False
 
 
 class InflightMixin:

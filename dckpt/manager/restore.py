@@ -15,7 +15,6 @@ from ..protocol.restore import load as _load
 from ..protocol.restore import needed_chunks, read_manifest
 from ..protocol.rename import Rename, nested
 from ..state import rng
-from ..state.flatten import is_stateful
 from ..storage.fsspec_storage import make_storage
 from ..protocol.refcount import remove_checkpoints
 from ..tiers.chooser import Candidate, live_timeline, timeline_of
@@ -23,18 +22,6 @@ from ..tiers.fast import fallback_worthy
 from ..tiers.local import step_name
 
 log = logging.getLogger("dckpt.manager.core")  # one logger for the manager's messages
-
-
-def holds_stateful(state: Any) -> bool:
-    """Whether ``state`` (nested dicts, lists, tuples) holds an object with
-    ``state_dict``/``load_state_dict``. No I/O; O(containers)."""
-    if is_stateful(state):
-        return True
-    if isinstance(state, dict):
-        return any(holds_stateful(v) for v in state.values())
-    if type(state) in (list, tuple):
-        return any(holds_stateful(v) for v in state)
-    return False
 
 
 def failure_causes(e: BaseException) -> str:
@@ -315,23 +302,26 @@ class RestoreMixin:
         its restore) or whose manifest cannot be read is kept. Lists the root, reads
         the manifests of those steps. Raises what the listing raises."""
         steps = [s for s in self._local_steps()[0] if s >= step]
+        read: dict[int, mf.Manifest | None] = {}
         if step in steps:
-            m = self._durable_manifest(step)
+            m = read[step] = self._durable_manifest(step)
             if m is not None and m.save_id == save_id:
                 steps.remove(step)  # this very commit's durable copy
-        return self._before_restore(steps)
+        return self._before_restore(steps, read)
 
-    def _before_restore(self, steps: list[int]) -> list[int]:
+    def _before_restore(self, steps: list[int],
+                        read: dict[int, mf.Manifest | None] | None = None) -> list[int]:
         """Rank 0: those of the durable ``steps`` committed before this manager's last
         restore (all of them when it restored nothing: a run that started over).
         One committed after it, which the restore did not see (the durable root was
         unreachable then), is kept, with a warning; so is one whose manifest cannot
-        be read. Reads those steps' manifests (only when it restored)."""
+        be read. Reads those steps' manifests (only when it restored; ``read``: those
+        already read)."""
         if self._after is None or not steps:
             return list(steps)
         out = []
         for s in steps:
-            m = self._durable_manifest(s)
+            m = read[s] if read and s in read else self._durable_manifest(s)
             if m is not None and timeline_of(m)[0] < self._after:
                 out.append(s)
             else:
