@@ -42,10 +42,11 @@ class RestoreMixin:
     # The current restore's allow_missing/rename, as every load and read plan of it
     # uses them (rebound by each restore, never mutated).
     _load_how: dict[str, Any] = {}
+    _strict = True  # the current restore's strict (dckpt.load's: unexpected keys raise)
     _loaded_save_id: str | None = None  # the save id of the manifest the last load read
 
     def restore(self, state: Any, step: int | None = None, *, allow_missing: bool = False,
-                rename: Rename = None) -> int | None:
+                rename: Rename = None, strict: bool = True) -> int | None:
         """Restore the newest committed checkpoint that loads and verifies (or exactly
         ``step``) into ``state`` in place; returns its step. Collective.
 
@@ -74,8 +75,11 @@ class RestoreMixin:
         ``{"net": {"w": ...}}``), not under the manager's own "state." prefix; the
         manager's "rng."/"manager." entries are never renamed. Without
         ``allow_missing``, keys the checkpoints lack make the restore raise (they are
-        not skipped as damaged)."""
+        not skipped as damaged). ``strict=False``: keys of the checkpoint that ``state``
+        does not ask for are ignored (a partial restore, as DCP's load does: one
+        component left out, per-rank keys of ranks that no longer exist)."""
         how = {"allow_missing": bool(allow_missing), "rename": nested("state.", rename)}
+        self._strict = bool(strict)
         self._finish_inflight(raise_error=False)
         if self.tier is not None:
             self.tier.wait(raise_error=False)
@@ -350,7 +354,8 @@ class RestoreMixin:
         _load(target, path, process_group=self.group,
               storage_options=None if manifest_name else self.storage_options,
               ignore_prefixes=("rng.", "manager."), extra=extra,
-              manifest_name=manifest_name, read_workers=read_workers, **self._load_how)
+              manifest_name=manifest_name, read_workers=read_workers, strict=self._strict,
+              **self._load_how)
         if "sd" in found:
             if rank < found["world"]:
                 rng.restore(found["sd"])

@@ -1,0 +1,354 @@
+"""torchtitan on dckpt: :class:`DckptCheckpointManager`, the checkpoint manager a
+torchtitan trainer config selects (``checkpoint=DckptCheckpointManager.Config(...)``).
+
+torchtitan (>= 0.3.0) builds its checkpointer from ``config.checkpoint.build(...)``
+and drives it from its ``Trainer``: ``load(step=config.checkpoint.load_step)`` before
+training, ``save(step, last_step=...)`` after every step,
+``maybe_wait_for_staging()`` before each optimizer step and ``close()`` at the end.
+This manager keeps that contract and torchtitan's meaning of every base ``Config``
+field (read from ``torchtitan/components/checkpointer/{base,dcp}.py``), and saves
+through :class:`dckpt.CheckpointManager`: every step is a two-phase commit (a save
+killed at any moment leaves no ``step-N`` that resume could pick), no pickle in the
+format (the dataloader's pickled bytes are stored as opaque bytes, never
+unpickled), every byte checksummed, any world size on resume, remote roots through
+fsspec, and with ``local_root`` a node-local fast tier (optionally replicated to peer
+nodes) with durable copies every ``durable_interval`` steps.
+
+Requires ``pip install "dckpt[torchtitan]"``; importing :mod:`dckpt` never imports
+torchtitan, only importing this module does.
+
+Differences from torchtitan's DCP manager, on purpose:
+
+- The states are saved nested (``model``, ``optimizer``, ``lr_scheduler``,
+  ``dataloader``, ``train_state`` and any other ``states`` key, under the manager's
+  ``state.`` prefix), not with the model's keys flattened to the top: ``dckpt open``
+  shows ``state.model.<fqn>``.
+- ``close()`` waits for the last asynchronous save (torchtitan's Trainer never calls
+  ``maybe_wait_for_saving()``; DCP's manager can lose that save at exit).
+- ``async_mode="async"`` is dckpt's fenced asynchronous save: ``save()`` returns
+  once the state is captured (the dataloader's and schedulers' state, read in the
+  call; the tensors are copied in the background) and the optimizers' next
+  ``step()`` waits for that copy, so ``maybe_wait_for_staging()`` costs nothing
+  more than that wait. ``"async_with_pinned_mem"`` is accepted as the same mode
+  (dckpt stages into reused, pinned on CUDA, buffers in both).
+- ``last_save_in_hf`` writes the final model-only checkpoint ``step-N`` (in the
+  adapter's HF naming) and then exports it with dckpt's bounded-memory exporter,
+  on rank 0, to ``step-N-hf`` beside it (DCP writes the HF files into ``step-N``).
+- ``initial_load_path`` may be a dckpt checkpoint (one ``step-N`` of another run,
+  or any ``dckpt.save`` directory) or a DCP checkpoint (a folder with
+  ``.metadata``, loaded by DCP itself: a run moving from DCP starts from its last
+  DCP checkpoint); ``initial_load_in_hf`` reads the HF safetensors directly with
+  :func:`dckpt.load_hf` (each rank reads only its byte ranges, no conversion step).
+"""
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+try:
+    from torchtitan.components.checkpointer.base import (
+        DATALOADER, LR_SCHEDULER, MODEL, OPTIMIZER, BaseCheckpointManager, ModelWrapper)
+    from torchtitan.config import TORCH_DTYPE_MAP
+    from torchtitan.tools import filesystem
+    from torchtitan.tools.logging import logger
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError("dckpt.integrations.torchtitan needs torchtitan >= 0.3.0: "
+                      'pip install "dckpt[torchtitan]"') from e
+
+from ..errors import CheckpointError
+from ..manager.core import CheckpointManager
+from ..protocol.collectives import Comm, on_rank0
+from . import titan_load
+
+ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
+HF_SUFFIX = "-hf"  # the HF export of step N goes to step-N-hf beside step-N
+
+
+class DckptCheckpointManager(BaseCheckpointManager):
+    """torchtitan's checkpoint manager on dckpt; the constructor takes the keywords of
+    torchtitan's DCP ``CheckpointManager`` (the Trainer builds it through
+    ``config.build(...)``). Construction is collective (call it on every rank, as
+    the Trainer does): the ranks agree on the settings and the folder's identity.
+
+    Checkpoints go to ``{base_folder}/{folder}/step-{N}``, one dckpt checkpoint per
+    step (``dckpt ls``/``dckpt verify`` read them); ``keep_latest_k`` keeps the newest
+    k committed steps. Raises ValueError for a bad config (as torchtitan's), and
+    CheckpointError (dckpt's) for a failed save or load, on every rank alike."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseCheckpointManager.Config):
+        async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
+        """"disabled": save() returns after the commit; "async": once the state is
+        captured (the optimizers' next step waits for the copy); the pinned-memory
+        name of torchtitan's DCP manager is accepted as "async"."""
+
+        local_root: str | None = None
+        """A node-local directory (NVMe) for dckpt's fast tier: every save commits
+        there, and every ``durable_interval``-th is copied to the folder in the
+        background; restore prefers the newest tier that loads."""
+
+        durable_interval: int | None = None
+        """With ``local_root``: copy every N-th saved step to the folder (None:
+        every one)."""
+
+        replicas: int = 0
+        """With ``local_root``: copies of each node's files kept on other nodes, so a
+        lost node's state is restored from its peers."""
+
+        incremental: bool = False
+        """Store only the chunks that changed since the previous saved step."""
+
+        compression: str | None = None
+        """None, "zstd" or "lz4" (``pip install "dckpt[compress]"``)."""
+
+        def __post_init__(self) -> None:
+            BaseCheckpointManager.Config.__post_init__(self)
+            mode = str(self.async_mode).lower()
+            if mode not in ASYNC_MODES:
+                raise ValueError(f"Invalid async_mode: {self.async_mode!r} "
+                                 f"(one of {', '.join(ASYNC_MODES)})")
+            self.async_mode = mode
+            if self.durable_interval is not None and self.durable_interval < 1:
+                raise ValueError("durable_interval must be at least 1 step (or None)")
+            if (self.durable_interval is not None or self.replicas) and not self.local_root:
+                raise ValueError("durable_interval and replicas need local_root (the fast tier)")
+            if self.replicas < 0:
+                raise ValueError("replicas cannot be negative")
+            if self.compression not in (None, "zstd", "lz4"):
+                raise ValueError(f"compression must be None, 'zstd' or 'lz4', "
+                                 f"got {self.compression!r}")
+
+    def __init__(self, config: Config, *, dataloader: Any, model_parts: list,
+                 optimizers: Any, lr_schedulers: Any, states: dict[str, Any],
+                 sd_adapter: Any, base_folder: str = "") -> None:
+        self.enable = config.enable
+        if not self.enable:
+            return
+        self.folder = filesystem.join(base_folder, config.folder)
+        self.interval = config.interval
+        self.states = states
+        self.states.update({MODEL: ModelWrapper(model_parts), OPTIMIZER: optimizers,
+                            DATALOADER: dataloader, LR_SCHEDULER: lr_schedulers})
+        self.optimizers = optimizers
+        self.load_only = config.load_only
+        self.exclude_from_loading = list(config.exclude_from_loading)
+        self.initial_load_path = config.initial_load_path
+        self.initial_load_model_only = config.initial_load_model_only
+        self.initial_load_in_hf = config.initial_load_in_hf
+        self.initial_load_in_hf_quantized = config.initial_load_in_hf_quantized
+        self.enable_first_step_checkpoint = config.enable_first_step_checkpoint
+        self.last_save_model_only = config.last_save_model_only
+        self.last_save_in_hf = config.last_save_in_hf
+        self.export_dtype = TORCH_DTYPE_MAP[config.export_dtype]
+        self.sd_adapter = sd_adapter
+        if self.last_save_in_hf and self.sd_adapter is None:
+            raise ValueError("checkpoint.last_save_in_hf is True, but sd_adapter is not provided.")
+        self.async_mode = "disabled" if config.async_mode == "disabled" else "async"
+        self.keep_latest_k = config.keep_latest_k
+        self.save_future: Future | None = None
+        self._closed = False
+        self.manager = CheckpointManager(
+            self.folder, keep_last=config.keep_latest_k or None,
+            async_save=self.async_mode == "async",
+            # torchtitan seeds its RNGs itself and DCP's manager saves none: the same here
+            capture_rng=False, local_root=config.local_root,
+            durable_every_steps=config.durable_interval, replicas=config.replicas,
+            incremental=config.incremental, compression=config.compression)
+        logger.info("Checkpointing active (dckpt). Checkpoints will be loaded from and saved "
+                    f"to {self.folder}" + (f", fast tier {config.local_root}"
+                                           if config.local_root else ""))
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+    # ------------------------------------------------------------------ saving
+    def _should_save(self, curr_step: int, last_step: bool = False) -> bool:
+        """torchtitan's rule: step 1 with enable_first_step_checkpoint, the last step,
+        every ``interval``-th; never with load_only. Pure."""
+        if not self.enable or self.load_only:
+            return False
+        if curr_step == 1 and self.enable_first_step_checkpoint:
+            return True
+        return bool(last_step or curr_step % self.interval == 0)
+
+    def _fence(self) -> list:
+        """The optimizers whose next step waits for an async save's copy: the
+        container's own (they change the parameters and their state)."""
+        opts = self.optimizers
+        inner = list(opts) if hasattr(opts, "__iter__") else []
+        found = [o for o in [opts, *inner] if isinstance(o, torch.optim.Optimizer)]
+        return found
+
+    @torch.no_grad()
+    def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        """Save ``curr_step`` when torchtitan's rule says so; returns whether it did.
+        Collective. Sync: returns after the commit; async: once the state is
+        captured. The last step is always synchronous (and flushes any async save)."""
+        if not self._should_save(curr_step, last_step):
+            return False
+        begin = time.monotonic()
+        if last_step:
+            self._save_last_step(curr_step)
+        else:
+            async_ = self.async_mode == "async"
+            self.manager.save(curr_step, dict(self.states), force=True,
+                              fence=self._fence() if async_ else None)
+            if async_:
+                self.save_future = Future()
+        logger.info(f"Finished {'staging' if self.save_future else 'saving'} the checkpoint "
+                    f"of step {curr_step} in {time.monotonic() - begin:.2f} seconds.")
+        return True
+
+    def _save_last_step(self, curr_step: int) -> None:
+        """The final save, synchronous: the model only in ``export_dtype`` (and the HF
+        export) with ``last_save_model_only``, else the whole state."""
+        if not self.last_save_model_only:
+            logger.info(f"Saving a full checkpoint at last step, step {curr_step}.")
+            self.manager.save(curr_step, dict(self.states), force=True)
+            self.manager.wait()
+            self.save_future = None
+            return
+        dtype = self.export_dtype
+        sd = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point()
+              and v.dtype != dtype else v for k, v in self.states[MODEL].state_dict().items()}
+        logger.info(f"Saving a model only checkpoint in {dtype} at last step, step {curr_step}.")
+        if not self.last_save_in_hf:
+            self.manager.save(curr_step, {MODEL: sd}, force=True)
+            self.manager.wait()
+            self.save_future = None
+            return
+        hf = self.sd_adapter.to_hf(sd)
+        self.manager.save(curr_step, {"hf": hf}, force=True)
+        self.manager.wait()
+        self.save_future = None
+        self._export_hf(curr_step)
+
+    def _export_hf(self, step: int) -> None:
+        """Rank 0 exports the committed ``step`` to ``step-N-hf``; every rank gets its
+        result or error. Collective; reads the model once, memory bounded."""
+        from ..interop.hf_export import export
+
+        src = self.manager.path(step)
+        out = src + HF_SUFFIX
+
+        def run() -> str:
+            export(src, out, prefix="state.hf.", overwrite=True)
+            return out
+
+        on_rank0(Comm(None), run, f"export step {step} to Hugging Face safetensors at {out}")
+        logger.info(f"Exported the last step's model to Hugging Face safetensors at {out}.")
+
+    # ------------------------------------------------------------------ loading
+    def _load(self, step: int = -1) -> bool:
+        """Restore ``step`` (-1: the newest committed step that loads, with dckpt's
+        fallback to an older one when it is damaged) or, in an empty folder, the
+        initial checkpoint; returns whether anything was loaded. Collective.
+        Raises FileNotFoundError for a ``step`` that is not a committed step of the
+        folder (as torchtitan's), ValueError for a bad initial_load_path."""
+        has_folder = filesystem.exists(self.folder)
+        if step != -1 and not has_folder:
+            raise FileNotFoundError(f"--checkpoint.load_step={step} not found because "
+                                    f"checkpoint.folder {self.folder} does not exist")
+        steps = self._steps() if has_folder else []
+        if step != -1 and step not in steps:
+            raise FileNotFoundError(
+                f"--checkpoint.load_step={step} not found at {self.manager.path(step)} "
+                f"(committed steps: {steps or 'none'})")
+        if not steps:
+            return self._initial_load()
+        begin = time.monotonic()
+        newest = step if step != -1 else max(steps)
+        if newest == 0:  # step 0 is the seed checkpoint: the model only
+            got = self.manager.restore({MODEL: self.states[MODEL]}, step=0, strict=False)
+        else:
+            # strict=False: what the state does not ask for is ignored, as DCP's load
+            # does (exclude_from_loading; per-rank keys of ranks gone after a resize)
+            got = self.manager.restore(self._states_to_load(),
+                                       step=None if step == -1 else step, strict=False)
+        logger.info(f"Loaded the checkpoint of step {got} ({self.manager.restored_from}) "
+                    f"from {self.folder} in {time.monotonic() - begin:.2f} seconds.")
+        return got is not None
+
+    def _steps(self) -> list[int]:
+        """The committed steps of either tier, ascending. Collective."""
+        try:
+            found = set(self.manager.steps())
+        except CheckpointError:
+            if self.manager.tier is None:
+                raise
+            found = set()  # the durable root is down: the fast tier still restores
+        if self.manager.tier is not None:
+            found |= set(self.manager.steps("local"))
+        return sorted(found)
+
+    def _states_to_load(self) -> dict[str, Any]:
+        for key in self.exclude_from_loading:
+            if key not in self.states:
+                raise ValueError(f"{key} not found in state_dict.")
+        return {k: v for k, v in self.states.items() if k not in self.exclude_from_loading}
+
+    def _initial_load(self) -> bool:
+        """torchtitan's initial load, for a folder without a committed step."""
+        model_only, from_hf = self.initial_load_model_only, self.initial_load_in_hf
+        if self.initial_load_path:
+            path = self.initial_load_path
+            if not filesystem.isdir(path):
+                raise ValueError(f"Checkpoint.initial_load_path is invalid: {path}")
+        elif from_hf:
+            path = getattr(self.sd_adapter, "hf_assets_path", None) if self.sd_adapter else None
+            if not path or not filesystem.isdir(path):
+                raise ValueError(
+                    "model.hf_assets_path is being used to load HF weights but the path is "
+                    "not valid. Either make sure hf_assets_path is correct or provide a "
+                    "valid checkpoint.initial_load_path")
+        else:
+            logger.info("No checkpoint was provided, this is a fresh start.")
+            return False
+        begin = time.monotonic()
+        if from_hf:
+            if self.sd_adapter is None:
+                raise ValueError("initial_load_in_hf needs the model's sd_adapter")
+            titan_load.load_hf_model(self.states[MODEL], self.sd_adapter, path,
+                                     self.initial_load_in_hf_quantized)
+        else:
+            target = {MODEL: self.states[MODEL]} if model_only else self._states_to_load()
+            titan_load.load_initial(target, path)
+        logger.info(f"Loaded the initial checkpoint {path} in "
+                    f"{time.monotonic() - begin:.2f} seconds.")
+        return True
+
+    # ------------------------------------------------------------------ waits, close
+    def _maybe_wait_for_staging(self) -> None:
+        """Wait for the async save's copy of the state (what the optimizers' step
+        waits for anyway); no-op in sync mode or when it is done. Not collective."""
+        self.manager.wait_snapshot()
+
+    def _wait_for_saving(self) -> None:
+        """Wait for every save so far to commit (in every tier); raises the first
+        error. Not collective."""
+        fut, self.save_future = self.save_future, None
+        try:
+            self.manager.wait()
+        except BaseException as e:
+            if fut is not None and not fut.done():
+                fut.set_exception(e)
+            raise
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    def _close(self) -> None:
+        """Flush the last async save (and the fast tier's durable copies), then stop
+        dckpt's threads. Raises the save's error if it failed."""
+        if self._closed:
+            return
+        self._closed = True
+        self.save_future = None
+        self.manager.close()
