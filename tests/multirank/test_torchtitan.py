@@ -212,3 +212,31 @@ def test_async_holds_the_values_at_the_save_call(ranks, tmp_path, which):
     for r in range(2):
         assert_same(got[r]["at_call"], got[r]["loaded"], f"{which} rank {r}")
         assert torch.equal(got[r]["next"], got[r]["drawn"][4])
+
+
+@pytest.mark.slow
+def test_sigkill_mid_save_resumes_from_the_previous_step(tmp_path):
+    """Rank 1 is SIGKILLed in the middle of step 4's save (torchrun, real signal); the
+    restart resumes from step 2 and trains to the end, with both managers. dckpt's
+    step-4 folder has no manifest and is never listed; DCP's has no .metadata (rank 0
+    writes it after every rank's files), and torchtitan skips it too."""
+    from dckpt.catalog.verify import verify_checkpoint
+
+    from .test_crash import Job
+
+    script = os.path.join(os.path.dirname(__file__), "jobs", "titan_job.py")
+    for which in WHICH:
+        base, run = str(tmp_path / which), str(tmp_path / f"run-{which}")
+        os.makedirs(run)
+        job = Job(base, run, "--which", which, "--steps", "6", "--kill-at", "4", script=script)
+        job.wait_for("saved 2")
+        assert job.finish(timeout=DEADLINE) != 0
+        assert "saved 4" not in "".join(job.output)
+        job = Job(base, run, "--which", which, "--steps", "6", script=script)
+        job.wait_for("resumed 2")
+        job.wait_for("done 6")
+        assert job.finish(timeout=DEADLINE) == 0, "".join(job.output)[-3000:]
+    folder = tmp_path / "dckpt" / "checkpoint"
+    for step in sorted(os.listdir(folder)):
+        if step.startswith("step-"):
+            verify_checkpoint(str(folder / step))
