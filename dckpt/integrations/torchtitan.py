@@ -42,7 +42,7 @@ Differences from torchtitan's DCP manager, on purpose:
 """
 from __future__ import annotations
 
-import os
+import dataclasses
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -105,6 +105,20 @@ class DckptCheckpointManager(BaseCheckpointManager):
 
         compression: str | None = None
         """None, "zstd" or "lz4" (``pip install "dckpt[compress]"``)."""
+
+        @classmethod
+        def from_config(cls, other: Any, **overrides: Any) -> "DckptCheckpointManager.Config":
+            """This Config with every field ``other`` (any torchtitan checkpoint Config,
+            e.g. the DCP manager's of a stock trainer config) shares, then
+            ``overrides``: ``config.checkpoint = DckptCheckpointManager.Config.
+            from_config(config.checkpoint, local_root="/nvme/ckpt")``. Pure."""
+            mine = {f.name for f in dataclasses.fields(cls)}
+            kw = {f.name: getattr(other, f.name) for f in dataclasses.fields(other)
+                  if f.name in mine and f.init}
+            if kw.get("async_mode") not in (None, *ASYNC_MODES):
+                kw.pop("async_mode")
+            kw.update(overrides)
+            return cls(**kw)
 
         def __post_init__(self) -> None:
             BaseCheckpointManager.Config.__post_init__(self)
