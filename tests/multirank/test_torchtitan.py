@@ -240,3 +240,98 @@ def test_sigkill_mid_save_resumes_from_the_previous_step(tmp_path):
     for step in sorted(os.listdir(folder)):
         if step.startswith("step-"):
             verify_checkpoint(str(folder / step))
+
+
+class RenamingAdapter:
+    """A state dict adapter as torchtitan's models have: native FQNs <-> HF names
+    ("model." prefix), DCP's HF reader for quantized checkpoints."""
+
+    fqn_to_index_mapping = None
+
+    def __init__(self, hf_assets_path: str | None = None) -> None:
+        self.hf_assets_path = hf_assets_path
+
+    def to_hf(self, sd: dict) -> dict:
+        return {f"model.{k}": v for k, v in sd.items()}
+
+    def from_hf(self, hf: dict) -> dict:
+        return {k[len("model."):]: v for k, v in hf.items()}
+
+    def get_hf_storage_reader(self, path: str, from_quantized: bool = False):
+        from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+        return HuggingFaceStorageReader(path)
+
+
+def _hf_initial(base: str, which: str, hf_dir: str) -> dict:
+    parts = Parts(seed=1)
+    kw = parts.build_kwargs(base) | {"sd_adapter": RenamingAdapter()}
+    ck = config(which, interval=2, initial_load_path=hf_dir, initial_load_in_hf=True,
+                initial_load_model_only=True).build(**kw)
+    loaded = ck.load()
+    ck.close()
+    return parts.snapshot(data=False) | {"loaded": loaded}
+
+
+def test_initial_load_from_hf_through_the_adapter(ranks, tmp_path):
+    """initial_load_in_hf: the HF safetensors (one file, then an indexed set of two)
+    load straight into the FSDP2 model through the adapter, as with DCP's HF reader."""
+    from safetensors.torch import save_file
+
+    from titankit import TinyLlama
+
+    torch.manual_seed(5)
+    ref = {k: v.detach().clone() for k, v in TinyLlama().state_dict().items()}
+    one, two = tmp_path / "hf-one", tmp_path / "hf-two"
+    one.mkdir(), two.mkdir()
+    save_file({f"model.{k}": v for k, v in ref.items()}, str(one / "model.safetensors"))
+    keys = sorted(ref)
+    halves = {"model-00001-of-00002.safetensors": keys[::2],
+              "model-00002-of-00002.safetensors": keys[1::2]}
+    for name, ks in halves.items():
+        save_file({f"model.{k}": ref[k] for k in ks}, str(two / name))
+    import json
+
+    (two / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {f"model.{k}": n for n, ks in halves.items()
+                                        for k in ks}}))
+    for which in WHICH:
+        for src in (one, two):
+            got = ranks(2).run(_hf_initial, str(tmp_path / f"{which}-{src.name}"), which,
+                               str(src), timeout=DEADLINE)
+            for r in range(2):
+                assert got[r]["loaded"] is True
+                assert_same(ref, got[r]["model"], f"{which} from {src.name}")
+
+
+def _hf_last(base: str, which: str) -> dict:
+    parts = Parts(seed=0)
+    kw = parts.build_kwargs(base) | {"sd_adapter": RenamingAdapter()}
+    ck = config(which, interval=3, last_save_in_hf=True, export_dtype="bfloat16").build(**kw)
+    parts.train(ck, 4)
+    ck.close()
+    return parts.snapshot(data=False)
+
+
+def test_last_save_in_hf(ranks, tmp_path):
+    """last_save_in_hf: the final model in bf16 as HF safetensors, named by the
+    adapter: dckpt's export (step-N-hf beside the model-only step-N) holds exactly
+    what DCP's HF writer does."""
+    from safetensors.torch import load_file
+
+    for which in WHICH:
+        got = ranks(2).run(_hf_last, str(tmp_path / which), which, timeout=DEADLINE)
+    final = got[0]["model"]
+    folder = tmp_path / "dckpt" / "checkpoint"
+    hf_dirs = [d for d in os.listdir(folder) if d.endswith("-hf")]
+    assert len(hf_dirs) == 1 and hf_dirs[0].startswith("step-") and int(hf_dirs[0][5:-3]) == 4
+    ours = load_file(str(folder / hf_dirs[0] / "model.safetensors"))
+    dcp_dir = tmp_path / "dcp" / "checkpoint" / "step-4"
+    theirs = {}
+    for f in sorted(os.listdir(dcp_dir)):
+        if f.endswith(".safetensors"):
+            theirs.update(load_file(str(dcp_dir / f)))
+    assert set(ours) == set(theirs) == {f"model.{k}" for k in final}
+    for k, v in ours.items():
+        assert v.dtype == torch.bfloat16 and torch.equal(v, theirs[k]), k
+        assert torch.equal(v, final[k[len("model."):]].to(torch.bfloat16)), k
