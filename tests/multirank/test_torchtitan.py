@@ -335,3 +335,26 @@ def test_last_save_in_hf(ranks, tmp_path):
     for k, v in ours.items():
         assert v.dtype == torch.bfloat16 and torch.equal(v, theirs[k]), k
         assert torch.equal(v, final[k[len("model."):]].to(torch.bfloat16)), k
+
+
+def _seed(base: str, which: str) -> dict:
+    """torchtitan's create_seed_checkpoint: one rank, save(curr_step=0, last_step=True)."""
+    parts = Parts(seed=3)
+    ck = config(which, interval=2).build(**parts.build_kwargs(base))
+    ck.save(curr_step=0, last_step=True)
+    ck.close()
+    return parts.snapshot(data=False)
+
+
+def test_seed_checkpoint_loads_model_only_at_2(ranks, tmp_path):
+    """A seed checkpoint (step 0, written by one rank) loads model-only into the
+    2-rank run, whose optimizer, scheduler and train state stay fresh."""
+    for which in WHICH:
+        base = str(tmp_path / which)
+        seed = ranks(1).run(_seed, base, which, timeout=DEADLINE)[0]
+        got = ranks(2).run(_resume, base, which, dict(interval=2), -1, False,
+                           timeout=DEADLINE)
+        for r in range(2):
+            assert got[r]["loaded"] is True
+            assert_same(seed["model"], got[r]["model"], which)
+            assert got[r]["train_state"] == {"step": 0, "ntokens_seen": 0}
