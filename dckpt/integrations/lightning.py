@@ -1,0 +1,159 @@
+"""PyTorch Lightning on dckpt: :class:`DckptModelParallelStrategy`, Lightning's
+``ModelParallelStrategy`` (FSDP2 and tensor parallelism) whose sharded checkpoints are
+dckpt checkpoints.
+
+    trainer = Trainer(accelerator="cpu", devices=2,
+                      strategy=DckptModelParallelStrategy(data_parallel_size=2,
+                                                          tensor_parallel_size=1),
+                      callbacks=[ModelCheckpoint(dirpath="ckpts", save_last=True)])
+    trainer.fit(model, ckpt_path="last")
+
+What changes against the stock strategy (read from pytorch_lightning 2.6's
+``strategies/model_parallel.py`` and ``lightning_fabric/strategies/model_parallel.py``):
+
+- ``save_checkpoint`` commits the model's shards, the optimizers' states and Lightning's
+  metadata (loops, callbacks, hyper-parameters, schedulers, user keys: everything
+  ``dump_checkpoint`` returns besides ``state_dict`` and ``optimizer_states``) in one
+  dckpt two-phase commit. The stock strategy writes DCP files in place and then
+  ``meta.pt`` (a pickle) from rank 0, so a save killed half-way leaves a folder that
+  ``ckpt_path="last"`` picks and loads as a mix of two steps. Here the name appears only
+  complete (:mod:`.lightning_io`): killed at any moment, resume takes the previous
+  complete checkpoint. The metadata is JSON in dckpt's manifest plus tensors; values
+  that are neither (an ``argparse.Namespace`` in the hyper-parameters) are pickled
+  into one byte tensor of the checkpoint, which dckpt checksums but does not control.
+- ``load_checkpoint`` reshards: a checkpoint of N devices resumes on M, with every byte
+  verified. It returns the metadata dict as the stock one returns ``meta.pt``'s
+  contents, having loaded the model and the optimizers itself (this strategy restores
+  after setup), honouring ``LightningModule.strict_loading``. A stock sharded
+  checkpoint (a folder with ``meta.pt``) or a single-file one is loaded by the stock
+  code, so a run can move from the stock strategy to this one.
+- ``remove_checkpoint`` (``ModelCheckpoint``'s ``save_top_k``) removes a checkpoint whole,
+  after the save in flight has committed.
+- ``storage_options`` (fsspec's, for ``s3://`` and other URLs, or ``{"direct_io":
+  False}``), ``async_save`` (the save returns after the snapshot; the optimizers' next
+  ``step()`` waits for the copy; commit, rename and removals run in the background) and
+  ``compression`` ("zstd" / "lz4", ``pip install "dckpt[compress]"``).
+
+``save_distributed_checkpoint=False`` keeps the stock single-file behaviour.
+Requires ``pip install "dckpt[lightning]"``; importing :mod:`dckpt` never imports
+Lightning.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any, Literal
+
+try:
+    from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
+    from pytorch_lightning.core.optimizer import LightningOptimizer
+    from pytorch_lightning.strategies import ModelParallelStrategy
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError("dckpt.integrations.lightning needs pytorch-lightning >= 2.6: "
+                      'pip install "dckpt[lightning]"') from e
+
+from . import lightning_io as lio
+
+log = logging.getLogger(__name__)
+
+
+class DckptModelParallelStrategy(ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` with dckpt checkpoints; the same
+    constructor, plus (keyword-only) ``storage_options`` (a dict for fsspec, used by
+    every save, load and removal), ``async_save`` (bool) and ``compression`` (None,
+    "zstd", "lz4"). Raises CheckpointError for a bad option. See the module docstring
+    for what each checkpoint method does differently."""
+
+    def __init__(self, data_parallel_size: Literal["auto"] | int = "auto",
+                 tensor_parallel_size: Literal["auto"] | int = "auto",
+                 save_distributed_checkpoint: bool = True,
+                 process_group_backend: str | None = None,
+                 timeout: timedelta | None = default_pg_timeout, *,
+                 storage_options: dict | None = None, async_save: bool = False,
+                 compression: str | None = None) -> None:
+        super().__init__(data_parallel_size=data_parallel_size,
+                         tensor_parallel_size=tensor_parallel_size,
+                         save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend, timeout=timeout)
+        self._dckpt = lio.Committer(storage_options, async_save, compression)
+
+    # The states dump_checkpoint puts in the checkpoint dict: the live sharded tensors
+    # (the stock strategy offloads copies to the CPU; dckpt copies what it writes
+    # itself, and an asynchronous save fences on the live ones).
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's sharded state dict (live DTensors, no copy); the stock one with
+        ``save_distributed_checkpoint=False``."""
+        if not self._save_distributed_checkpoint:
+            return super().lightning_module_state_dict()
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.model)
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        """The optimizer's FQN-keyed sharded state (live tensors); the stock one with
+        ``save_distributed_checkpoint=False``."""
+        if not self._save_distributed_checkpoint:
+            return super().optimizer_state(optimizer)
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return get_optimizer_state_dict(self.model, optimizer)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
+                        storage_options: Any | None = None) -> None:
+        """Commit ``checkpoint`` (``Trainer.dump_checkpoint``'s dict) as the dckpt
+        checkpoint ``filepath`` (rank 0's path), atomically. Collective (the Trainer
+        calls it on every rank). ``storage_options`` adds to the constructor's.
+        Raises CheckpointError on every rank alike; nothing is placed then."""
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise lio.CheckpointError(f"storage_options must be a dict, got {storage_options!r}")
+        tree: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
+        optimizers = [f"optimizer_{i}" for i in range(len(checkpoint.get("optimizer_states", [])))]
+        for key, osd in zip(optimizers, checkpoint.pop("optimizer_states", [])):
+            tree[key] = osd
+        if self.global_rank == 0:  # the stock strategy writes rank 0's meta.pt
+            tree[lio.META_KEY] = lio.meta_entry(checkpoint, ["state_dict"], optimizers)
+        fence = [*self.optimizers, self.model] if self.optimizers else None
+        self._dckpt.save(tree, str(filepath), fence=fence, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load the model and the optimizers from the checkpoint at ``checkpoint_path``
+        (any device count) and return Lightning's metadata dict (epoch, global_step,
+        loops, callbacks, lr_schedulers...). Collective. A stock checkpoint goes to
+        the stock code. Raises NotCommittedError (nothing complete there), dckpt's
+        CheckpointErrors (MissingKeyError, StateMismatchError with
+        ``strict_loading``, IntegrityError), on every rank alike."""
+        path = self.broadcast(str(checkpoint_path))
+        found = self.broadcast(lio.kind(path, self._dckpt.storage_options)
+                               if self.global_rank == 0 else None)
+        if found == "other":
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        assert self.lightning_module is not None and self.model is not None
+        strict = self.lightning_module.strict_loading
+        target: dict[str, Any] = {"state_dict": lio.ModelState(self.model, strict)}
+        for i, opt in enumerate(self.optimizers):
+            target[f"optimizer_{i}"] = lio.OptimizerState(self.model, opt)
+        meta, _ = self._dckpt.load(target, path, strict=strict, modules=["state_dict"],
+                                   weights_only=weights_only, ignore_prefixes=("optimizer_",))
+        return meta
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Nothing: :meth:`load_checkpoint` loaded the model (as the stock strategy)."""
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Remove the checkpoint at ``filepath`` whole, on rank 0 (after the save in
+        flight commits, if any). Not collective; blocking I/O on rank 0."""
+        self._dckpt.remove(str(filepath), self.is_global_zero)
+
+    def teardown(self) -> None:
+        """Wait for the asynchronous save in flight (committed and placed), then the
+        stock teardown. Its error, if any, is logged (the run is over)."""
+        try:
+            self._dckpt.finish()
+        except Exception as e:
+            log.error("the last asynchronous checkpoint save failed: %s", e)
+        super().teardown()

@@ -1,0 +1,126 @@
+"""A tiny Fabric run on CPU under ModelParallelStrategy (FSDP2), stock or dckpt's.
+
+    python fabric_job.py --strategy dckpt --devices 2 --root DIR save
+    python fabric_job.py --strategy dckpt --devices 3 --root DIR load
+
+``save``: 3 steps of AdamW, then fabric.save(ROOT/ckpt, {"model", "optimizer", "step",
+"sched", "note"}); rank 0 writes ROOT/ref.pt (the full state, gathered). ``load``: a
+fresh model and optimizer, fabric.load of everything, then a partial load (the model
+alone), a strict load asking for a key the checkpoint lacks, and the same with
+strict=False. Rank 0 prints one line ``RESULT <json>`` with what it saw.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+from torch import nn
+
+from lightning_fabric import Fabric
+from lightning_fabric.strategies import ModelParallelStrategy
+
+p = argparse.ArgumentParser()
+p.add_argument("--strategy", choices=["dckpt", "stock"], required=True)
+p.add_argument("--devices", type=int, default=2)
+p.add_argument("--root", required=True)
+p.add_argument("mode", choices=["save", "load"])
+args = p.parse_args()
+
+
+def parallelize(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    dp = mesh["data_parallel"]
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=dp)
+    return fully_shard(model, mesh=dp)
+
+
+def build(fabric):
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model = fabric.setup_module(model)
+    opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    sched = torch.optim.lr_scheduler.StepLR(opt.optimizer, step_size=1, gamma=0.5)
+    return model, opt, sched
+
+
+def full(model, opt) -> dict:
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                         get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    o = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    inner = opt.optimizer if hasattr(opt, "optimizer") else opt
+    return {"model": get_model_state_dict(model, options=o),
+            "optim": get_optimizer_state_dict(model, inner, options=o)}
+
+
+def same(a: dict, b: dict) -> bool:
+    if a["model"].keys() != b["model"].keys():
+        return False
+    ok = all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    sa, sb = a["optim"]["state"], b["optim"]["state"]
+    return ok and sa.keys() == sb.keys() and all(
+        torch.equal(torch.as_tensor(sa[k][s]), torch.as_tensor(sb[k][s]))
+        for k in sa for s in sa[k])
+
+
+def main() -> None:
+    if args.strategy == "dckpt":
+        from dckpt.integrations.fabric import DckptModelParallelStrategy as S
+    else:
+        S = ModelParallelStrategy
+    fabric = Fabric(accelerator="cpu", devices=args.devices,
+                    strategy=S(parallelize_fn=parallelize, data_parallel_size=args.devices,
+                               tensor_parallel_size=1))
+    fabric.launch()
+    model, opt, sched = build(fabric)
+    path = os.path.join(args.root, "ckpt")
+    out: dict = {}
+    if args.mode == "save":
+        for i in range(3):
+            x = torch.randn(4, 8)
+            loss = model(x).pow(2).mean()
+            fabric.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+        fabric.save(path, {"model": model, "optimizer": opt, "step": 3, "sched": sched,
+                           "note": "hello"})
+        ref = full(model, opt)
+        if fabric.global_rank == 0:
+            torch.save({**ref, "sched": sched.state_dict()}, os.path.join(args.root, "ref.pt"))
+        out["saved"] = True
+    else:
+        ref = torch.load(os.path.join(args.root, "ref.pt"))
+        state = {"model": model, "optimizer": opt, "step": 0, "sched": sched}
+        rest = fabric.load(path, state)
+        out["equal"] = same(full(model, opt), ref)
+        out["step"] = state["step"]
+        out["sched_restored"] = isinstance(state["sched"], torch.optim.lr_scheduler.StepLR) \
+            and state["sched"].state_dict() == ref["sched"]
+        out["sched_type"] = type(state["sched"]).__name__
+        out["remainder"] = sorted(rest)
+        model2, opt2, _ = build(fabric)
+        rest = fabric.load(path, {"model": model2})  # partial: the model alone
+        out["partial_remainder"] = sorted(rest)
+        out["partial_model_equal"] = same({**full(model2, opt2), "optim": ref["optim"]},
+                                          {**ref, "optim": ref["optim"]})
+        try:
+            fabric.load(path, {"model": model2, "missing": 1})
+            out["strict_missing"] = "loaded"
+        except KeyError as e:
+            out["strict_missing"] = type(e).__name__
+        st = {"model": model2, "missing": 1}
+        rest = fabric.load(path, st, strict=False)
+        out["nonstrict_missing"] = st["missing"]
+    if fabric.global_rank == 0:
+        print("RESULT " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()

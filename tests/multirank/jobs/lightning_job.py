@@ -1,0 +1,143 @@
+"""A tiny Lightning fit on CPU under ModelParallelStrategy (FSDP2), stock or dckpt's.
+
+    python lightning_job.py --strategy dckpt --devices 2 --root DIR --max-steps 6 \
+        --every 2 [--top-k 2] [--ckpt-path last|PATH] [--kill-last-at STEP] [--async-save]
+
+Lightning's launcher re-executes this script once per extra device. Checkpoints go to
+ROOT/ckpts (ModelCheckpoint, monitor "score" = global step, mode max, save_last=True).
+Rank 0 writes ROOT/refs/save-<step>.pt (the full model and optimizer state at each
+save, gathered) and ROOT/refs/resumed-<devices>.pt (the state at the start of training,
+after a resume, and its global step). ``--kill-last-at S``: the save of last.ckpt at
+step S is SIGKILLed after the shard files are written, before the commit (dckpt: at
+its vote; stock: in DCP's finish, before .metadata and meta.pt).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import pytorch_lightning as pl
+from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+from pytorch_lightning.strategies import ModelParallelStrategy
+
+p = argparse.ArgumentParser()
+p.add_argument("--strategy", choices=["dckpt", "stock"], required=True)
+p.add_argument("--devices", type=int, default=2)
+p.add_argument("--root", required=True)
+p.add_argument("--max-steps", type=int, default=6)
+p.add_argument("--every", type=int, default=2)
+p.add_argument("--top-k", type=int, default=2)
+p.add_argument("--ckpt-path", default=None)
+p.add_argument("--kill-last-at", type=int, default=None)
+p.add_argument("--async-save", action="store_true")
+p.add_argument("--hidden", type=int, default=16)
+args = p.parse_args()
+
+
+class Net(pl.LightningModule):
+    def __init__(self, hidden: int = 16) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Linear(hidden, 4))
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("score", float(self.global_step + 1))
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        return {"optimizer": opt,
+                "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)}
+
+
+def full_state(trainer, module) -> dict:
+    """The whole model and optimizer state, gathered (collective; rank 0 gets it)."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                         get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model = get_model_state_dict(module, options=opts)
+    optim = get_optimizer_state_dict(module, trainer.optimizers[0], options=opts)
+    return {"model": model, "optim": optim, "step": trainer.global_step,
+            "sched": trainer.lr_scheduler_configs[0].scheduler.state_dict()}
+
+
+class Refs(Callback):
+    def __init__(self) -> None:
+        self.saves: dict[int, int] = {}
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        st = full_state(trainer, pl_module)
+        step = trainer.global_step
+        self.saves[step] = self.saves.get(step, 0) + 1
+        if trainer.is_global_zero:
+            torch.save(st, os.path.join(args.root, "refs", f"save-{step}.pt"))
+        if args.kill_last_at == step and self.saves[step] == 2:  # the save of last.ckpt
+            arm_kill()
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        st = full_state(trainer, pl_module)
+        if trainer.is_global_zero:
+            torch.save(st, os.path.join(args.root, "refs", f"resumed-{args.devices}.pt"))
+        print(f"TRAIN START global_step={trainer.global_step}", flush=True)
+
+
+def arm_kill() -> None:
+    if args.strategy == "dckpt":
+        os.environ["DCKPT_FAULT"] = "vote:*:kill"
+        return
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    def finish(self, *a, **k):  # DCP's coordinator, before it writes .metadata
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    FileSystemWriter.finish = finish
+
+
+def main() -> None:
+    os.makedirs(os.path.join(args.root, "refs"), exist_ok=True)
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(64, 8), torch.randn(64, 4))
+    if args.strategy == "dckpt":
+        from dckpt.integrations.lightning import DckptModelParallelStrategy
+
+        strategy = DckptModelParallelStrategy(data_parallel_size=args.devices,
+                                              tensor_parallel_size=1,
+                                              async_save=args.async_save)
+    else:
+        strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
+    ckpt = ModelCheckpoint(dirpath=os.path.join(args.root, "ckpts"), monitor="score",
+                           mode="max", save_top_k=args.top_k, save_last=True,
+                           every_n_train_steps=args.every,
+                           filename="{step}")
+    trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy,
+                         max_steps=args.max_steps, callbacks=[ckpt, Refs()],
+                         logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0,
+                         default_root_dir=args.root)
+    model = Net(args.hidden)
+    trainer.fit(model, DataLoader(data, batch_size=4), ckpt_path=args.ckpt_path)
+    print(f"FIT DONE global_step={trainer.global_step}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)
