@@ -21,7 +21,8 @@ _LAZY = {"save": ".protocol.commit", "CheckpointInfo": ".protocol.commit",
          "CheckpointManager": ".manager.core",
          "TrainingState": ".state.training", "ExportInfo": ".interop", "export": ".interop",
          "import_checkpoint": ".interop", "open": ".view.open", "Checkpoint": ".view.open",
-         "diff": ".view.diff", "DiffResult": ".view.diff", "KeyDiff": ".view.diff"}
+         "diff": ".view.diff", "DiffResult": ".view.diff", "KeyDiff": ".view.diff",
+         "load_hf": ".interop.hf_load", "HFLoadInfo": ".interop.hf_load"}
 
 if TYPE_CHECKING:
     from .protocol.commit import CheckpointInfo, save
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from .interop import ExportInfo, export, import_checkpoint
     from .view.open import Checkpoint, open
     from .view.diff import DiffResult, KeyDiff, diff
+    from .interop.hf_load import HFLoadInfo, load_hf
 
 
 def __getattr__(name: str):
@@ -64,7 +66,7 @@ __all__ = [
     "save", "load", "async_save", "prepare_async_save", "SaveHandle", "CheckpointInfo", "TrainingState",
     "CheckpointManager",
     # not "open": `from dckpt import *` must not shadow the builtin open()
-    "export", "ExportInfo", "import_checkpoint", "Checkpoint", "diff", "DiffResult", "KeyDiff",
+    "export", "ExportInfo", "import_checkpoint", "load_hf", "HFLoadInfo", "Checkpoint", "diff", "DiffResult", "KeyDiff",
     "CheckpointError", "NotCommittedError", "AlreadyExistsError", "IntegrityError",
     "ManifestError", "StateMismatchError", "UnsupportedValueError", "RankFailure", "CommunicationError",
 ]

@@ -22,7 +22,8 @@ from ..errors import CheckpointError, preview
 from ..format.dtypes import to_code, to_torch
 from ..format.shards import MAX_HEADER, check_entry, load_json
 from ..state.flatten import flatten
-from ..storage.local import LocalReader
+from ..storage.base import FileTooLargeError
+from ..storage.local import LocalReader, LocalStorage
 from .common import drop_pages, file_mappings
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -85,20 +86,27 @@ class _Stored:
     nbytes: int
 
 
-def read_safetensors_header(path: str) -> dict[str, _Stored]:
-    """Parse and check the header of safetensors file ``path``: every tensor's dtype is
-    one dckpt stores, its shape is a list of non-negative ints, its byte range matches
-    the shape and lies inside the file. Blocking I/O (the header only). Raises
-    CheckpointError naming the file and tensor."""
+def read_safetensors_header(path: str, storage=None) -> dict[str, _Stored]:
+    """Parse and check the header of safetensors file ``path``, read through ``storage``
+    (a dckpt Storage; None: the local file system). Nothing in the file is trusted
+    before it is bounded: the 8-byte length prefix is at most MAX_HEADER and inside the
+    file, the header is a JSON object of bounded nesting, every tensor's dtype is one
+    dckpt stores, its shape is a list of non-negative ints, its byte range matches the
+    shape and lies inside the file, and no two tensors share bytes. Blocking I/O (the
+    header only: two small reads and a stat). Raises CheckpointError naming the file and
+    tensor."""
+    storage = storage if storage is not None else _local()
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            head = f.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else -1
-            if n < 2 or n > MAX_HEADER or 8 + n > size:
-                raise CheckpointError(f"{path} is not a safetensors file (header length "
-                                      f"{n}, file size {size})")
-            doc = load_json(f.read(n), "the safetensors header")
+        size = storage.size(path)
+        head = storage.read(path, 0, 8) if size >= 8 else b""
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 2 or n > MAX_HEADER or 8 + n > size:
+            raise CheckpointError(f"{path} is not a safetensors file (header length "
+                                  f"{n}, file size {size})")
+        raw = storage.read(path, 8, n)
+        if len(raw) != n:
+            raise CheckpointError(f"{path}: short read of its header (the file shrank)")
+        doc = load_json(raw, "the safetensors header")
     except OSError as e:
         raise CheckpointError(f"cannot read {path}: {e}") from None
     except ValueError as e:  # UnicodeDecodeError too
@@ -122,24 +130,53 @@ def read_safetensors_header(path: str) -> dict[str, _Stored]:
             raise CheckpointError(f"{path}: tensor {name!r} has a bad shape or byte range "
                                   "(a damaged or truncated file)") from None
         out[name] = _Stored(path, dtype, shape, start, nbytes)
+    _check_disjoint(path, out)
     return out
 
 
-def safetensors_files(src: str) -> tuple[list[str], dict | None]:
+def _check_disjoint(path: str, stored: dict[str, _Stored]) -> None:
+    """Refuse two tensors whose byte ranges overlap (safetensors itself writes them
+    back to back; a file that aliases bytes is damaged or forged). O(n log n)."""
+    spans = sorted((st.start, st.start + st.nbytes, name) for name, st in stored.items()
+                   if st.nbytes)
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        if start < end:
+            raise CheckpointError(f"{path}: tensors {a!r} and {b!r} overlap in the file "
+                                  "(a damaged or forged header)")
+
+
+_LOCAL_STORAGE: list = []
+
+
+def _local():
+    if not _LOCAL_STORAGE:
+        _LOCAL_STORAGE.append(LocalStorage(direct_io=False))
+    return _LOCAL_STORAGE[0]
+
+
+def safetensors_files(src: str, storage=None) -> tuple[list[str], dict | None]:
     """The safetensors files of ``src`` and the index's weight_map (None without one):
     the file itself; in a directory, the files of ``model.safetensors.index.json`` when
-    there is one, else every ``*.safetensors``. Listing and index read only. Raises
-    CheckpointError: no file, a bad index, an index naming a file outside the
-    directory."""
-    if os.path.isfile(src):
-        return [src], None
-    index = os.path.join(src, INDEX_NAME)
-    if os.path.isfile(index):
+    there is one, else every ``*.safetensors``. Read through ``storage`` (a dckpt
+    Storage; None: the local file system). Listing and index read only (the index at
+    most MAX_INDEX bytes). Raises CheckpointError: nothing at ``src``, no file, a bad
+    index, an index naming a file outside the directory or missing from it."""
+    storage = storage if storage is not None else _local()
+    try:
+        if not storage.is_dir(src):
+            if storage.exists(src):
+                return [src], None
+            raise CheckpointError(f"{src} does not exist")
+        entries = {e.name for e in storage.listdir(src) if not e.is_dir}
+    except OSError as e:
+        raise CheckpointError(f"cannot list {src}: {e}") from None
+    index = storage.join(src, INDEX_NAME)
+    if INDEX_NAME in entries:
         try:
-            with open(index, "rb") as f:
-                raw = f.read(MAX_INDEX + 1)
-            if len(raw) > MAX_INDEX:
-                raise ValueError(f"over {MAX_INDEX >> 20} MiB")
+            try:
+                raw = storage.read_file(index, MAX_INDEX)
+            except FileTooLargeError:
+                raise ValueError(f"over {MAX_INDEX >> 20} MiB") from None
             wm = load_json(raw, "the index").get("weight_map")
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
@@ -150,14 +187,24 @@ def safetensors_files(src: str) -> tuple[list[str], dict | None]:
             raise CheckpointError(f"{index}: weight_map names {preview(bad)}, which are not "
                                   "safetensors files in that directory")
         files = list(dict.fromkeys(wm.values()))
-        missing = [v for v in files if not os.path.isfile(os.path.join(src, v))]
+        missing = [v for v in files if v not in entries]
         if missing:
             raise CheckpointError(f"{index} names file(s) missing from {src}: {preview(missing)}")
-        return [os.path.join(src, v) for v in files], wm
-    files = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
+        return [storage.join(src, v) for v in files], wm
+    files = sorted(n for n in entries if n.endswith(".safetensors"))
     if not files:
         raise CheckpointError(f"{src} holds no .safetensors file")
-    return [os.path.join(src, n) for n in files], None
+    return [storage.join(src, n) for n in files], None
+
+
+def check_weight_map(index: str, wm: dict, stored: dict[str, _Stored]) -> None:
+    """Every tensor the index's weight_map names is in the file it names. Pure. Raises
+    CheckpointError naming the index and the tensors."""
+    wrong = [k for k, v in wm.items()
+             if os.path.basename(stored.get(k, _NONE).path) != v]
+    if wrong:
+        raise CheckpointError(f"{index}: tensor(s) {preview(wrong)} are not in the "
+                              "file the weight_map names")
 
 
 class SafetensorsSource(Source):
@@ -176,12 +223,7 @@ class SafetensorsSource(Source):
                                           f"and {path}")
                 self.stored[name] = st
         if wm is not None:
-            index = os.path.join(src, INDEX_NAME)
-            wrong = [k for k, v in wm.items()
-                     if os.path.basename(self.stored.get(k, _NONE).path) != v]
-            if wrong:
-                raise CheckpointError(f"{index}: tensor(s) {preview(wrong)} are not in the "
-                                      "file the weight_map names")
+            check_weight_map(os.path.join(src, INDEX_NAME), wm, self.stored)
         self.tensors = [SourceTensor(prefix + n, n, s.dtype, s.shape)
                         for n, s in self.stored.items()]
         self.files: dict[str, LocalReader] = {}
