@@ -9,7 +9,7 @@ import json
 
 from ..catalog.local import mf_name, ranks_text, read_local_step
 from ..errors import CheckpointError
-from ..format import manifest as mf
+from ..format import manifest as mf, sealed
 from ..progress import size_text
 
 
@@ -52,6 +52,12 @@ def inherited(m: mf.Manifest, t: mf.TensorEntry) -> str:
     return "all" if ref == total else f"{ref}/{total} blocks"
 
 
+def value_text(v) -> str:
+    """A manifest value for the table: its JSON, except a bytes value, shown as its
+    length and a hex prefix (``bytes[1234] 80049512...``), not its base64. Pure."""
+    return sealed.bytes_text(sealed.user_value(v)) if sealed.is_bytes_tag(v) else json.dumps(v)
+
+
 def print_tensors(m) -> None:
     """A manifest's tensor table and, if any, its JSON values."""
     rows = [[k, t.dtype, "x".join(map(str, t.shape)) or "scalar", sharding(t),
@@ -59,7 +65,7 @@ def print_tensors(m) -> None:
     print(table(rows, ["tensor", "dtype", "shape", "sharding", "chunks", "bytes", "inherited"]))
     if m.values:
         print()
-        print(table([[k, json.dumps(v)] for k, v in m.values.items()], ["value", "json"]))
+        print(table([[k, value_text(v)] for k, v in m.values.items()], ["value", "json"]))
 
 FAST_TIER = (
     "ROOT may also be a fast-tier directory (a CheckpointManager's local_root, e.g. "

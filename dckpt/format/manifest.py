@@ -282,10 +282,13 @@ def _check_table(key: str, ci: int, t: np.ndarray, nfiles: int) -> np.ndarray:
 def _parse_value(key: str, v: Any) -> JsonLeaf:
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
+    if sealed.is_bytes_tag(v):  # kept as the tag: Manifest.values is the manifest's JSON
+        return sealed.check_bytes_tag(v, key)
     x = sealed.untag_float(v)
     if x is None:
-        raise ManifestError(f"value {key!r} is not a JSON scalar (null, bool, number, string) "
-                            'nor a non-finite float {"$float": "nan" | "inf" | "-inf"}')
+        raise ManifestError(f"value {key!r} is not a JSON scalar (null, bool, number, string), "
+                            'a non-finite float {"$float": "nan" | "inf" | "-inf"} nor bytes '
+                            '{"$bytes": "<base64>"}')
     return x
 
 

@@ -13,7 +13,10 @@ import numpy as np
 
 from .dtypes import ITEMSIZE
 
-JsonLeaf = None | bool | int | float | str
+# A value of Manifest.values: a JSON scalar, or a bytes value kept as its
+# {"$bytes": "<base64>"} tag, as the manifest and the save plans hold it (decode with
+# dckpt.format.sealed.user_value; dckpt.load and dckpt.open hand the user bytes).
+JsonLeaf = None | bool | int | float | str | dict[str, str]
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,8 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class Manifest:
-    """A parsed, validated manifest. Construct with :func:`parse` or :func:`build`."""
+    """A parsed, validated manifest. Construct with :func:`parse` or :func:`build`.
+    ``values``: key -> :data:`JsonLeaf` (bytes values as their {"$bytes"} tag)."""
 
     save_id: str
     world_size: int

@@ -21,6 +21,7 @@ from ..errors import (CheckpointError, preview, IntegrityError, ManifestError, N
                       StateMismatchError, UnsupportedValueError)
 from ..format import manifest as mf
 from ..format.dtypes import to_torch
+from ..format.sealed import user_value
 from ..state.flatten import fill, flatten, grow
 from ..state.tensors import describe_all
 from ..storage.fsspec_storage import make_storage
@@ -167,8 +168,10 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
         values = manifest.values
 
         def value(k: str, old: Any) -> Any:
+            # whatever the target held there (bytes, str...), as JSON leaves always were;
+            # a {"$bytes"} tag becomes the user's bytes here, once per leaf
             ck = names.get(k, k)
-            return values[ck] if ck in values else old
+            return user_value(values[ck]) if ck in values else old
 
         fill(state_dict, value, flat.stateful)
     except IntegrityError as e:  # the reader names the shard file; say whose it is too
@@ -214,7 +217,7 @@ def match_target(state_dict: dict, manifest: mf.Manifest,
     if manifest.meta.get("int_keys"):  # a fresh optimizer's empty state: rebuild it
         grow(state_dict, manifest.tensors, manifest.values, manifest.meta["int_keys"],
              rename=fn)
-    flat = flatten(state_dict)
+    flat = flatten(state_dict, target=True)  # a target's bytes leaves: not encoded
     names = map_keys((*flat.tensors, *flat.values), fn)
     pieces, unexpected, missing = _match(manifest, flat.tensors, flat.values, cast, names,
                                          allow_missing)

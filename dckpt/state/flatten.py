@@ -1,15 +1,17 @@
 """Flatten a nested state_dict into dotted keys, and fill one back in place.
 
 Containers: dict (str or int keys: a plain ``optimizer.state_dict()`` has int keys),
-list, tuple. Leaves: torch.Tensor, DTensor, ShardedTensor (FSDP1), and JSON scalars
-(None, bool, int, float, str). A *Stateful* object (one with ``state_dict()`` and
-``load_state_dict()``: an LR scheduler, a sampler, a :class:`dckpt.TrainingState`) is
-stored as its ``state_dict()`` under its key and restored through ``load_state_dict``.
-Modules and optimizers are refused: their state_dict depends on the parallelism, so
-they go through :class:`dckpt.TrainingState`; a subclass that defines its own
-``state_dict``/``load_state_dict`` (a framework's wrapper) is a Stateful object. Anything else raises
-UnsupportedValueError naming its key. Keys join path parts with "."; two paths that
-would give the same key are refused.
+list, tuple. Leaves: torch.Tensor, DTensor, ShardedTensor (FSDP1), JSON scalars
+(None, bool, int, float, str) and ``bytes`` (an opaque blob a framework serialised
+itself, such as torchtitan's dataloader state: stored as is, never unpickled; carried
+as its {"$bytes": base64} tag, at most 1 MiB: see dckpt.format.sealed). A *Stateful*
+object (one with ``state_dict()`` and ``load_state_dict()``: an LR scheduler, a sampler,
+a :class:`dckpt.TrainingState`) is stored as its ``state_dict()`` under its key and
+restored through ``load_state_dict``. Modules and optimizers are refused: their
+state_dict depends on the parallelism, so they go through :class:`dckpt.TrainingState`;
+a subclass that defines its own ``state_dict``/``load_state_dict`` (a framework's
+wrapper) is a Stateful object. Anything else raises UnsupportedValueError naming its key.
+Keys join path parts with "."; two paths that would give the same key are refused.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from typing import Any, Callable, Container
 import torch
 
 from ..errors import StateMismatchError, UnsupportedValueError
+from ..format.sealed import MAX_BYTES_VALUE, tag_bytes
 
 JSON_TYPES = (type(None), bool, int, float, str)
 # Python's json refuses to write or read ints over 4300 decimal digits (int/str conversion
@@ -85,7 +88,8 @@ def is_bare_native(obj: Any) -> bool:
 
 @dataclass
 class Flat:
-    """A flattened state: tensors and JSON values by key, in traversal order, and the
+    """A flattened state: tensors and JSON values by key (a bytes value as its
+    {"$bytes": base64} tag, except in a load's target), in traversal order, and the
     Stateful objects met on the way with the state_dict each gave (``load`` fills that
     very dict, then hands it to the object's ``load_state_dict``)."""
 
@@ -97,11 +101,28 @@ class Flat:
     int_keys: list[str] = field(default_factory=list)
 
 
-def flatten(state: Any) -> Flat:
+def _bytes_leaf(key: str, raw: bytes) -> dict[str, str]:
+    """The {"$bytes": base64} tag a bytes value is saved as. O(len(raw)). Raises
+    UnsupportedValueError naming the key over MAX_BYTES_VALUE."""
+    if len(raw) > MAX_BYTES_VALUE:
+        raise UnsupportedValueError(
+            f"the bytes value at key {key!r} is {len(raw)} bytes, over the "
+            f"{MAX_BYTES_VALUE}-byte (1 MiB) limit for bytes values (they live in the "
+            "manifest, which every rank reads whole at load): store it as a uint8 tensor, "
+            "torch.frombuffer(bytearray(b), dtype=torch.uint8), and rebuild it with "
+            "bytes(t.numpy())")
+    return tag_bytes(raw)
+
+
+def flatten(state: Any, *, target: bool = False) -> Flat:
     """Flatten ``state``. Calls ``state_dict()`` of every Stateful object once; otherwise
-    a pure Python walk, O(leaves) plus the length of non-ASCII strings. Raises
-    UnsupportedValueError before any I/O: for an unsupported type, a key or str that is
-    not valid UTF-8 (a lone surrogate), an int too long for JSON, colliding keys."""
+    a pure Python walk, O(leaves) plus the length of non-ASCII strings and of bytes
+    values (base64-encoded into their {"$bytes"} tag). ``target``: ``state`` is a
+    load's target, whose leaves only name what to read: a bytes leaf stays as it is (any
+    length, not encoded). Raises UnsupportedValueError before any I/O: for an
+    unsupported type (bytearray and memoryview included), a key or str that is not valid
+    UTF-8 (a lone surrogate), an int too long for JSON, a bytes value over
+    MAX_BYTES_VALUE, colliding keys."""
     flat = Flat()
     tensors, values = flat.tensors, flat.values
 
@@ -143,11 +164,19 @@ def flatten(state: Any) -> Flat:
                     f"the int at key {key!r} has {obj.bit_length()} bits (over about 3900 "
                     "decimal digits): JSON cannot carry it; store it as a str or a tensor")
             leaf(key, obj, values)  # NaN/inf: tagged objects in the manifest (format/sealed.py)
+        elif type(obj) is bytes:  # exactly: a subclass would come back as plain bytes
+            leaf(key, obj if target else _bytes_leaf(key, obj), values)
+        elif isinstance(obj, (bytearray, memoryview)):
+            # A load hands back bytes (the manifest keeps no Python type), and a mutable
+            # buffer cannot be refilled in place at another length: say so at save.
+            raise UnsupportedValueError(
+                f"value at key {key!r} is a {type(obj).__name__}: dckpt stores bytes "
+                "values as bytes and loads them back as bytes; pass bytes(x)")
         else:
             raise UnsupportedValueError(
                 f"value at key {key or '<root>'!r} is a {type(obj).__module__}."
                 f"{type(obj).__qualname__}; dckpt stores only tensors, DTensors, nested "
-                "dict/list/tuple and None/bool/int/float/str (no pickle)")
+                "dict/list/tuple and None/bool/int/float/str/bytes (no pickle)")
 
     def leaf(key: str, obj: Any, into: dict) -> None:
         if key in tensors or key in values:

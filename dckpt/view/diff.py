@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from ..errors import CheckpointError
+from ..format.sealed import bytes_text
 from ..progress import Progress
+# the numeric comparison; public here, where callers import it
+from .accumulate import WORK_ELEMS, Accumulator  # noqa: F401
 
 if TYPE_CHECKING:
-    import torch
-
     from .open import Checkpoint
 
 __all__ = ["diff", "DiffResult", "KeyDiff", "STATUSES", "slabs"]
@@ -34,7 +35,6 @@ log = logging.getLogger(__name__)
 
 STATUSES = ("equal", "changed", "added", "removed", "shape", "dtype")
 DEFAULT_SLAB = 64 << 20  # bytes per side per read
-WORK_ELEMS = 1 << 18  # float64 work block: 2 MiB per temporary
 _READ_BUDGET = 32 << 20  # reader temporaries of the checkpoints diff opens itself
 
 
@@ -144,107 +144,17 @@ def slabs(shape: Sequence[int], itemsize: int, limit: int) -> Iterator[tuple]:
             return
 
 
-class Accumulator:
-    """Running comparison of one tensor fed piece by piece (same pieces, same order on
-    both sides). Floating and complex dtypes: NaN equals NaN; an element differs when
-    |a-b| > atol + rtol*|b| (an inf equals only the same inf; a NaN against a number is
-    a difference of inf). Integers and bool: exact (the tolerances do not apply);
-    differences computed in float64 (exact below 2**53). Work happens in reused
-    float64 buffers of WORK_ELEMS elements: allocating fresh ones per block (fresh
-    pages, faulted in) was measured 10-50x slower than the arithmetic."""
-
-    def __init__(self, dtype: "torch.dtype", atol: float, rtol: float) -> None:
-        import torch
-
-        self.exact = not (dtype.is_floating_point or dtype.is_complex)
-        self.complex = dtype.is_complex
-        work = torch.complex128 if dtype.is_complex else torch.float64
-        self.atol, self.rtol = atol, rtol
-        self.max_abs, self.norm_d, self.norm_b, self.n_diff = 0.0, 0.0, 0.0, 0
-        self._a = torch.empty(WORK_ELEMS, dtype=work)
-        self._b = torch.empty(WORK_ELEMS, dtype=work)
-        self._d = torch.empty(WORK_ELEMS, dtype=torch.float64)
-        self._eq = torch.empty(WORK_ELEMS, dtype=torch.bool)
-        self._m1 = torch.empty(WORK_ELEMS, dtype=torch.bool)
-        self._m2 = torch.empty(WORK_ELEMS, dtype=torch.bool)
-
-    def update(self, a: "torch.Tensor", b: "torch.Tensor") -> None:
-        """Fold the pieces ``a`` and ``b`` (same shape and dtype) in. CPU work, in
-        blocks of WORK_ELEMS elements."""
-        a, b = a.reshape(-1), b.reshape(-1)
-        for s in range(0, a.numel(), WORK_ELEMS):
-            self._block(a[s:s + WORK_ELEMS], b[s:s + WORK_ELEMS])
-
-    def _block(self, a: "torch.Tensor", b: "torch.Tensor") -> None:
-        import torch
-
-        n = a.numel()
-        if n == 0:
-            return
-        a64, b64 = self._a[:n].copy_(a), self._b[:n].copy_(b)
-        d, eq, m1, m2 = self._d[:n], self._eq[:n], self._m1[:n], self._m2[:n]
-        if self.exact:
-            torch.eq(a, b, out=eq)  # in the native dtype: exact where float64 rounds
-        elif self.complex:  # NaN == NaN part by part: nan+1j is not nan+2j
-            ra, rb = torch.view_as_real(a64), torch.view_as_real(b64)
-            torch.all(ra.eq(rb).logical_or_(ra.isnan().logical_and_(rb.isnan())), dim=-1,
-                      out=eq)
-        else:  # float dtypes widen to float64 exactly; NaN == NaN
-            torch.eq(a64, b64, out=eq)
-            torch.ne(a64, a64, out=m1)
-            torch.ne(b64, b64, out=m2)
-            eq.logical_or_(m1.logical_and_(m2))
-        if self.complex:
-            torch.abs(a64.sub_(b64), out=d)
-            babs = b64.abs()
-        else:
-            torch.sub(a64, b64, out=d).abs_()
-            babs = b64.abs_()
-        d.masked_fill_(eq, 0.0)  # inf - inf is NaN: but equal
-        if not self.exact:
-            d.nan_to_num_(nan=math.inf, posinf=math.inf)  # NaN against a number
-        babs.nan_to_num_(nan=0.0, posinf=math.inf)  # a NaN in b adds nothing to ||b||
-        self.norm_b = math.hypot(self.norm_b, _norm(babs))
-        if not self.exact and (self.atol or self.rtol):
-            thr = babs.mul_(self.rtol).add_(self.atol)
-            torch.le(d, thr, out=m1)
-            eq.logical_or_(m1.logical_and_(torch.lt(d, math.inf, out=m2)))  # inf: never close
-        self.n_diff += n - int(torch.count_nonzero(eq))
-        self.max_abs = max(self.max_abs, float(d.max()))
-        self.norm_d = math.hypot(self.norm_d, _norm(d))
-
-    def rel_l2(self) -> float:
-        """||a-b||_2 / ||b||_2; 0 where a == b (||a-b|| == 0), inf where ||b|| == 0 and
-        a != b."""
-        if self.norm_d == 0.0:
-            return 0.0
-        if self.norm_b == 0.0 or not math.isfinite(self.norm_b):
-            return math.inf if self.norm_b == 0.0 or math.isinf(self.norm_d) else 0.0
-        r = self.norm_d / self.norm_b
-        return math.inf if math.isnan(r) else r
-
-
-def _norm(x: "torch.Tensor") -> float:
-    """||x||_2 of non-negative ``x``: vector_norm squares without scaling, so float64
-    values past ~1e154 overflow to inf; such a block is scaled by its max first."""
-    import torch
-
-    n = float(torch.linalg.vector_norm(x))
-    if math.isinf(n):
-        top = float(x.max())
-        if math.isfinite(top) and top > 0:
-            n = top * float(torch.linalg.vector_norm(x / top))
-    return n
-
-
 def _short(v: Any, width: int = 40) -> str:
-    text = json.dumps(v) if not isinstance(v, str) else repr(v)
+    """A JSON value for the table, cut to ``width``; bytes as their length and a hex
+    prefix (``bytes[1234] 80049512...``), not the blob. O(width) for bytes."""
+    text = (bytes_text(v) if isinstance(v, bytes) else repr(v) if isinstance(v, str)
+            else json.dumps(v))
     return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def values_equal(x: Any, y: Any) -> bool:
     """JSON values compare with ``==``, except that a bool equals only a bool (True is
-    not 1) and NaN equals NaN. Pure."""
+    not 1) and NaN equals NaN; bytes equal only bytes (b"a" is not "a"). Pure."""
     if isinstance(x, bool) != isinstance(y, bool):
         return False
     if isinstance(x, float) and isinstance(y, float) and x != x and y != y:

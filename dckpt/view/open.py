@@ -24,6 +24,7 @@ import torch
 from ..errors import CheckpointError, IntegrityError, ManifestError, NotCommittedError, preview
 from ..format import manifest as mf
 from ..format.dtypes import to_torch
+from ..format.sealed import user_value
 from ..layout.chunks import Box
 from ..protocol.manifest_read import read_manifest
 from ..engine.reader import DEFAULT_READ_BUDGET, ChunkReader
@@ -66,8 +67,9 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class ValueInfo:
-    """A JSON value of the checkpoint (None, bool, int, float or str): ``value`` is the
-    value itself (the manifest holds it), ``kind`` is ``"value"``."""
+    """A JSON value of the checkpoint (None, bool, int, float, str or bytes): ``value``
+    is the value itself (the manifest holds it; a bytes value decoded from its base64
+    tag), ``kind`` is ``"value"``."""
 
     key: str
     value: Any
@@ -75,7 +77,8 @@ class ValueInfo:
 
     @property
     def type(self) -> str:
-        """The value's Python type name: ``"int"``, ``"str"``, ``"NoneType"``..."""
+        """The value's Python type name: ``"int"``, ``"str"``, ``"bytes"``,
+        ``"NoneType"``..."""
         return type(self.value).__name__
 
 
@@ -221,14 +224,15 @@ class Checkpoint:
 
     def info(self, key: str) -> TensorInfo | ValueInfo:
         """What the manifest says of ``key``: a :class:`TensorInfo` for a tensor, a
-        :class:`ValueInfo` for a JSON value. No I/O. Raises MissingKeyError."""
+        :class:`ValueInfo` for a JSON value. No I/O (a bytes value is decoded from the
+        manifest: O(its size)). Raises MissingKeyError."""
         self._check_open()
         e = self._m.tensors.get(key)
         if e is not None:
             return TensorInfo(key, to_torch(e.dtype), tuple(e.shape), e.nbytes, len(e.chunks),
                               describe_sharding(e))
         if key in self._m.values:
-            return ValueInfo(key, self._m.values[key])
+            return ValueInfo(key, user_value(self._m.values[key]))
         raise self._missing(key)
 
     # ------------------------------------------------------------------ reading
@@ -242,8 +246,8 @@ class Checkpoint:
         self._check_open()
         e = self._m.tensors.get(key)
         if e is None:
-            if key in self._m.values:
-                return self._m.values[key]
+            if key in self._m.values:  # bytes: decoded, O(its size)
+                return user_value(self._m.values[key])
             raise self._missing(key)
         return self._read_box(key, (0,) * len(e.shape), tuple(e.shape))
 

@@ -1,0 +1,321 @@
+"""Issue 36: ``bytes`` values, natively, in dckpt.save / dckpt.load / CheckpointManager /
+dckpt.open, as frameworks' Stateful objects return them (torchtitan's dataloader:
+``{"dp_rank_<r>": pickle.dumps(...), "world_size": N}``; dckpt stores the bytes and never
+unpickles them). A bytes value is the JSON object ``{"$bytes": "<base64>"}`` in the
+flattened state, the plans and the manifest, at most 1 MiB. Single process, no process
+group; the 2-rank tests are in tests/multirank/test_bytes_values.py."""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pickle
+import zlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dckpt
+from dckpt.errors import ManifestError, StateMismatchError, UnsupportedValueError
+from dckpt.format import manifest as mf
+from dckpt.format import sealed
+from dckpt.format.sealed import BYTES_TAG, MAX_BYTES_VALUE
+from dckpt.layout import localplan
+from dckpt.layout import plan as gplan
+from dckpt.protocol import plancache
+from dckpt.state.flatten import flatten
+from dckpt.view import MissingKeyError
+
+BLOB = pickle.dumps({"sampler": list(range(50)), "epoch": 3})  # opaque to dckpt
+ALL = bytes(range(256))  # every byte value, NUL and 0xff included
+WHERE = "ckpt/manifest.json"
+
+
+class Loader:
+    """A Stateful shaped like torchtitan's ParallelAwareDataloader, one process."""
+
+    def __init__(self, blob: bytes) -> None:
+        self.blob = blob
+
+    def state_dict(self) -> dict:
+        return {"dp_rank_0": self.blob, "world_size": 1}
+
+    def load_state_dict(self, sd: dict) -> None:
+        assert isinstance(sd["dp_rank_0"], bytes) and sd["world_size"] == 1
+        self.blob = sd["dp_rank_0"]
+
+
+# ------------------------------------------------------------------ round trips
+
+def test_bytes_values_round_trip_through_save_and_load(tmp_path):
+    path = str(tmp_path / "ck")
+    state = {"w": torch.arange(4.0), "dataloader": Loader(BLOB), "all": ALL, "empty": b"",
+             "nested": {"xs": [b"a", (b"\x00b", 7)]}, "max": b"\x5a" * MAX_BYTES_VALUE}
+    dckpt.save(state, path)
+    back = Loader(b"")
+    out = {"w": torch.zeros(4), "dataloader": back, "all": b"", "empty": b"old",
+           "nested": {"xs": [b"", (b"", 0)]}, "max": b""}
+    dckpt.load(out, path)
+    assert back.blob == BLOB and pickle.loads(back.blob)["epoch"] == 3
+    assert out["all"] == ALL and type(out["all"]) is bytes and out["empty"] == b""
+    assert out["nested"]["xs"] == [b"a", (b"\x00b", 7)]
+    assert out["max"] == b"\x5a" * MAX_BYTES_VALUE
+    assert torch.equal(out["w"], torch.arange(4.0))
+
+
+def test_a_bytes_target_of_any_length_gets_the_saved_bytes(tmp_path):
+    """The target's bytes only say where to read: its length does not matter (not even
+    one over the save bound) and it is not encoded."""
+    path = str(tmp_path / "ck")
+    dckpt.save({"b": b"saved"}, path)
+    for placeholder in (b"", b"x" * 1000, b"y" * (MAX_BYTES_VALUE + 1)):
+        out = {"b": placeholder}
+        dckpt.load(out, path)
+        assert out["b"] == b"saved"
+    flat = flatten({"b": b"y" * (MAX_BYTES_VALUE + 1)}, target=True)
+    assert flat.values == {"b": b"y" * (MAX_BYTES_VALUE + 1)}
+
+
+def test_value_kinds_follow_the_usual_rules_on_load(tmp_path):
+    """A JSON leaf takes whatever value the checkpoint holds (as a str target gets a
+    saved int today); a tensor on one side and a value on the other is refused."""
+    path = str(tmp_path / "ck")
+    dckpt.save({"b": b"raw", "s": "text", "i": 5, "t": torch.ones(2)}, path)
+    out = {"b": "a str target", "s": b"a bytes target", "i": b"", "t": torch.zeros(2)}
+    dckpt.load(out, path)
+    assert out == {"b": b"raw", "s": "text", "i": 5, "t": out["t"]}
+    with pytest.raises(StateMismatchError, match="tensors on one side"):
+        dckpt.load({"b": torch.zeros(3), "s": "", "i": 0, "t": torch.zeros(2)}, path)
+    with pytest.raises(StateMismatchError, match="tensors on one side"):
+        dckpt.load({"b": b"", "s": "", "i": 0, "t": b""}, path)
+
+
+def test_manager_round_trips_bytes(tmp_path):
+    root = str(tmp_path / "run")
+    mgr = dckpt.CheckpointManager(root, every_steps=1, capture_rng=False)
+    mgr.save(1, {"dataloader": Loader(BLOB), "w": torch.ones(3)})
+    mgr.save(2, {"dataloader": Loader(BLOB + b"!"), "w": torch.ones(3)})
+    mgr.close()
+    back = Loader(b"")
+    mgr = dckpt.CheckpointManager(root, every_steps=1, capture_rng=False)
+    assert mgr.restore({"dataloader": back, "w": torch.zeros(3)}) == 2
+    mgr.close()
+    assert back.blob == BLOB + b"!"
+
+
+def test_incremental_manager_and_async_save_keep_bytes(tmp_path):
+    """Delta checkpoints rebuild manifests from a base's values; async saves snapshot
+    the values: both keep the tag."""
+    root = str(tmp_path / "inc")
+    mgr = dckpt.CheckpointManager(root, every_steps=1, capture_rng=False, incremental=True)
+    for step in (1, 2, 3):
+        mgr.save(step, {"w": torch.ones(64), "b": bytes([step]) * 10})
+    mgr.close()
+    mgr = dckpt.CheckpointManager(root, every_steps=1, capture_rng=False, incremental=True)
+    out = {"w": torch.zeros(64), "b": b""}
+    assert mgr.restore(out) == 3 and out["b"] == b"\x03" * 10
+    mgr.close()
+    path = str(tmp_path / "async")
+    dckpt.async_save({"w": torch.ones(2), "b": ALL}, path).result(timeout=60)
+    out = {"w": torch.zeros(2), "b": b""}
+    dckpt.load(out, path)
+    assert out["b"] == ALL
+
+
+# ------------------------------------------------------------------ what is refused
+
+def test_a_bytes_value_over_the_bound_is_refused_naming_key_and_size(tmp_path):
+    path = tmp_path / "ck"
+    n = MAX_BYTES_VALUE + 1
+    with pytest.raises(UnsupportedValueError) as e:
+        dckpt.save({"dl": {"dp_rank_0": b"\x01" * n}, "w": torch.zeros(2)}, str(path))
+    msg = str(e.value)
+    assert "'dl.dp_rank_0'" in msg and str(n) in msg and "uint8 tensor" in msg
+    assert isinstance(e.value, dckpt.CheckpointError)
+    assert not path.exists() or os.listdir(path) == []
+
+
+@pytest.mark.parametrize("value", [bytearray(b"ab"), memoryview(b"ab")],
+                         ids=["bytearray", "memoryview"])
+def test_bytearray_and_memoryview_are_refused_with_a_hint(tmp_path, value):
+    """Only ``bytes`` exactly: a load hands back bytes, so a bytearray or memoryview
+    would not come back as what was saved (and a buffer cannot be refilled in place at
+    another length)."""
+    with pytest.raises(UnsupportedValueError, match=r"'x'.*bytes\(x\)"):
+        dckpt.save({"x": value}, str(tmp_path / "ck"))
+
+
+def test_a_bytes_subclass_is_refused():
+    class Tagged(bytes):
+        pass
+
+    with pytest.raises(UnsupportedValueError, match="no pickle"):
+        flatten({"x": Tagged(b"ab")})
+
+
+# ------------------------------------------------------------------ the plan layers
+
+def test_flatten_carries_the_tag_and_plans_keep_it():
+    flat = flatten({"a": ALL, "n": 1})
+    assert flat.values["a"] == {BYTES_TAG: base64.b64encode(ALL).decode()}
+    plan = localplan.LocalPlan(values=dict(flat.values))
+    back = localplan.decode(localplan.encode(plan))
+    assert back.values == flat.values  # JSON through the wire, unchanged
+    # the values hash is stable, and differs for different bytes
+    same = plancache.values_hash(dict(flat.values))
+    assert same == plancache.values_hash(back.values)
+    other = flatten({"a": ALL[::-1], "n": 1}).values
+    assert plancache.values_hash(dict(other)) != same
+
+
+def test_ranks_with_different_bytes_under_one_key_conflict():
+    """Equality between ranks' values is JSON equality of the tags: the same bytes
+    merge, different bytes are a conflict (the lowest rank's is kept), and per-rank
+    keys merge without one."""
+    a, b = flatten({"k": b"one"}).values, flatten({"k": b"two"}).values
+    assert gplan._same(a["k"], flatten({"k": b"one"}).values["k"])
+    assert not gplan._same(a["k"], b["k"])
+    assert not gplan._same(a["k"], "one")
+    values, conflicts = plancache.merge_values([(b"h0", a), (b"h1", b)])
+    assert values == a and conflicts == {"k": 1}
+    per_rank = [(b"h0", flatten({"dp_rank_0": b"r0", "ws": 2}).values),
+                (b"h1", flatten({"dp_rank_1": b"r1", "ws": 2}).values)]
+    values, conflicts = plancache.merge_values(per_rank)
+    assert conflicts == {} and sealed.user_value(values["dp_rank_1"]) == b"r1"
+
+
+# ------------------------------------------------------------------ the manifest
+
+def _manifest(values: dict) -> mf.Manifest:
+    return mf.Manifest("00000000000000aa", 1, 1700000000.0, (), {}, values, {})
+
+
+def test_manifest_holds_the_tag_and_round_trips_byte_for_byte(tmp_path):
+    path = str(tmp_path / "ck")
+    dckpt.save({"b": ALL, "e": b"", "n": float("nan")}, path)
+    raw = open(os.path.join(path, "manifest.json"), "rb").read()
+    doc = json.loads(raw)
+    assert doc["values"]["b"] == {"$bytes": base64.b64encode(ALL).decode()}
+    assert doc["values"]["e"] == {"$bytes": ""} and doc["version"] == 2
+    m = mf.parse(raw)
+    assert m.values["b"] == {"$bytes": base64.b64encode(ALL).decode()}  # the tag, in memory
+    assert mf.to_json(m) == raw  # a tool's rewrite of a parsed manifest is the same file
+    again = mf.parse(mf.to_json(_manifest(dict(m.values))))
+    assert sealed.user_value(again.values["b"]) == ALL
+
+
+def test_old_checkpoints_without_bytes_still_load(tmp_path):
+    golden = os.path.join(os.path.dirname(__file__), "golden")
+    for name in ("manifest_v1.json", "manifest_v2.json"):
+        m = mf.parse(open(os.path.join(golden, name), "rb").read())
+        assert not any(isinstance(v, dict) for v in m.values.values())
+
+
+def _sealed(values: dict) -> bytes:
+    doc = json.loads(mf.to_json(_manifest({})))
+    doc.pop("checksum")
+    doc["values"] = values
+    body = json.dumps(doc, separators=(",", ":")).encode()[1:]
+    return b'{"checksum":"crc32:%08x",' % zlib.crc32(body) + body
+
+
+_B64_MAX = 4 * -(-MAX_BYTES_VALUE // 3)
+
+
+@pytest.mark.parametrize("tag, fragment", [
+    ({"$bytes": 5}, "exactly one key"),
+    ({"$bytes": None}, "exactly one key"),
+    ({"$bytes": ["QQ=="]}, "exactly one key"),
+    ({"$bytes": {"a": "QQ=="}}, "exactly one key"),
+    ({"$bytes": "QQ==", "x": 1}, "2 keys"),
+    ({"$bytes": "QQ==", "$float": "nan"}, "2 keys"),
+    ({"$bytes": "!!!!"}, "not valid base64"),
+    ({"$bytes": "QQ="}, "not valid base64"),  # bad padding
+    ({"$bytes": "QQ"}, "not valid base64"),  # no padding
+    ({"$bytes": "Q Q=="}, "not valid base64"),
+    ({"$bytes": "QQ==\n"}, "not valid base64"),
+    ({"$bytes": "QR=="}, "not canonical"),  # unused bits set: decodes, but we never write it
+    ({"$bytes": "-_8="}, "not valid base64"),  # the URL-safe alphabet
+    ({"$bytes": "h\u00e9llo="}, "not valid base64"),
+    ({"$bytes": "A" * (_B64_MAX + 4)}, "limit"),
+    ({"bytes": "QQ=="}, "not a JSON scalar"),
+], ids=lambda x: x if isinstance(x, str) else None)
+def test_hostile_bytes_entries_are_manifest_errors(tag, fragment):
+    with pytest.raises(ManifestError) as e:
+        mf.parse(_sealed({"dl.dp_rank_0": tag}), WHERE)
+    msg = str(e.value)
+    assert msg.startswith(WHERE) and "'dl.dp_rank_0'" in msg and fragment in msg, msg
+    assert len(msg) < 600  # never the blob itself
+
+
+def test_a_huge_bytes_entry_is_refused_before_it_is_decoded(monkeypatch):
+    """A 64 MiB string is refused on its length: no decode is attempted."""
+    def no_decode(*a, **k):
+        raise AssertionError("decoded")
+
+    raw = _sealed({"x": {"$bytes": "A" * (64 << 20)}})
+    monkeypatch.setattr(sealed.base64, "b64decode", no_decode)
+    with pytest.raises(ManifestError, match="limit"):
+        mf.parse(raw, WHERE)
+
+
+def test_the_largest_bytes_entry_parses():
+    raw = b"\xfe" * MAX_BYTES_VALUE
+    m = mf.parse(_sealed({"x": sealed.tag_bytes(raw)}), WHERE)
+    assert sealed.user_value(m.values["x"]) == raw
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.binary(max_size=300))
+def test_any_bytes_round_trip_through_tag_and_parse(raw):
+    m = mf.parse(mf.to_json(_manifest({"k": flatten({"k": raw}).values["k"]})))
+    assert sealed.user_value(m.values["k"]) == raw
+    assert mf.to_json(m) == mf.to_json(_manifest({"k": sealed.tag_bytes(raw)}))
+
+
+# ------------------------------------------------------------------ reading without a job
+
+def test_open_hands_back_bytes(tmp_path):
+    path = str(tmp_path / "ck")
+    dckpt.save({"dataloader": Loader(BLOB), "w": torch.ones(2)}, path)
+    with dckpt.open(path) as ck:
+        assert ck["dataloader.dp_rank_0"] == BLOB
+        info = ck.info("dataloader.dp_rank_0")
+        assert info.kind == "value" and info.type == "bytes" and info.value == BLOB
+        assert ck.to_state_dict("dataloader") == {"dp_rank_0": BLOB, "world_size": 1}
+        assert "dataloader.dp_rank_0" in ck.keys()
+        with pytest.raises(MissingKeyError, match="JSON value"):
+            ck.get_slice("dataloader.dp_rank_0")
+
+
+def test_diff_and_inspect_show_length_and_a_hex_prefix(tmp_path, capsys):
+    from dckpt.cli.main import main
+
+    big = b"\x80\x04" + b"z" * 100_000
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    dckpt.save({"blob": big, "same": b"s", "w": torch.ones(2)}, a)
+    dckpt.save({"blob": big + b"!", "same": b"s", "w": torch.ones(2)}, b)
+    res = dckpt.diff(a, b)
+    st_ = {k.key: k for k in res.keys}
+    assert st_["same"].status == "equal" and st_["blob"].status == "changed"
+    detail = st_["blob"].detail
+    assert "bytes[100002]" in detail and "bytes[100003]" in detail and "8004" in detail
+    assert len(detail) < 100
+    json.loads(res.to_json())  # strict JSON, no bytes in it
+    capsys.readouterr()
+    assert main(["inspect", a]) == 0
+    out = capsys.readouterr().out
+    assert "bytes[100002] 80047a7a7a7a7a7a..." in out and "bytes[1] 73" in out
+    assert base64.b64encode(big)[:40].decode() not in out  # not the base64
+    assert len(out) < 2000
+    assert main(["diff", a, b]) == 1
+    out = capsys.readouterr().out
+    assert "bytes[100002]" in out and len(out) < 2000
+
+
+def test_bytes_text_is_short():
+    assert sealed.bytes_text(b"") == "bytes[0]"
+    assert sealed.bytes_text(b"\x01\x02") == "bytes[2] 0102"
+    assert sealed.bytes_text(bytes(range(20))) == "bytes[20] 0001020304050607..."
