@@ -73,7 +73,7 @@ def test_file_url_and_memory_fs(tmp_path):
     (torch.nn.Linear(2, 2), "Linear"),
     (object(), "object"),
     ({(1, 2): torch.ones(1)}, "key \\(1, 2\\)"),
-    (b"bytes", "bytes"),
+    (bytearray(b"bytes"), "bytearray"),
     ({1.5, 2}, "set"),
 ])
 def test_refused_leaves_write_nothing(tmp_path, bad, what):

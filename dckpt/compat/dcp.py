@@ -67,6 +67,7 @@ from ..protocol.async_save import SaveHandle
 from ..protocol.async_save import async_save as _async_save
 from ..errors import CheckpointError, NotCommittedError
 from ..format import manifest as mf
+from ..format import sealed
 from ..protocol.collectives import Comm, agree, rank0_bytes
 from ..protocol.commit import CheckpointInfo
 from ..protocol.commit import save as _save
@@ -375,7 +376,8 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None 
             return prep.replaced[key]  # was a meta tensor
         if isinstance(old, torch.Tensor):
             return old  # filled in place (or kept by allow_partial_load)
-        return m.values[key] if key in m.values else old  # absent: a kept partial entry
+        # absent: a kept partial entry; a native save's bytes value comes back as bytes
+        return sealed.user_value(m.values[key]) if key in m.values else old
 
     fill_back(state_dict, r.stateful, get, whole=prep.whole.keys() | prep.kept)
 
