@@ -1,0 +1,139 @@
+"""PyTorch Lightning's Trainer on dckpt (issue 37), each scenario run through Lightning's
+stock ModelParallelStrategy too: real multi-process CPU fits (Lightning's launcher
+re-executes tests/multirank/jobs/lightning_job.py once per extra device), under
+deadlines; a killed job is reaped with its whole process group.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("pytorch_lightning")
+
+from dckpt.catalog.verify import verify_checkpoint  # noqa: E402
+
+JOB = os.path.join(os.path.dirname(__file__), "jobs", "lightning_job.py")
+pytestmark = pytest.mark.slow
+
+
+def run(root: str, strategy: str, devices: int, *args: str, timeout: float = 240,
+        killed: bool = False) -> str:
+    """Run the job; return its output. ``killed``: it must end by SIGKILL."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("DCKPT_FAULT", None)
+    proc = subprocess.Popen([sys.executable, JOB, "--strategy", strategy, "--devices",
+                             str(devices), "--root", root, *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"job timed out after {timeout} s:\n{out[-4000:]}")
+    finally:
+        try:  # Lightning's other ranks are children of rank 0: none may outlive it
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if killed:
+        assert proc.returncode == -signal.SIGKILL, out[-4000:]
+    else:
+        assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def ref(root: str, name: str) -> dict:
+    return torch.load(os.path.join(root, "refs", f"{name}.pt"))
+
+
+def equal(a: dict, b: dict) -> bool:
+    """Model, optimizer state and step of two gathered states are identical."""
+    if a["model"].keys() != b["model"].keys() or a["step"] != b["step"]:
+        return False
+    sa, sb = a["optim"]["state"], b["optim"]["state"]
+    return (all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+            and sa.keys() == sb.keys()
+            and all(torch.equal(torch.as_tensor(sa[k][s]), torch.as_tensor(sb[k][s]))
+                    for k in sa for s in sa[k])
+            and a["sched"] == b["sched"])
+
+
+def ckpts(root: str) -> list[str]:
+    return sorted(os.listdir(os.path.join(root, "ckpts")))
+
+
+@pytest.mark.parametrize("strategy", ["dckpt", "stock"])
+def test_fit_top_k_and_resume_last_at_1_and_3(tmp_path, strategy):
+    """A fit at 2 devices saving every 2 steps (save_top_k=2, save_last): two top-k
+    checkpoints and last.ckpt remain; ``ckpt_path="last"`` resumes at 3 and 1 devices at
+    global step 6 with the model, optimizer and scheduler state saved at step 6. dckpt's:
+    no leftovers (no partial folder), every folder passes ``dckpt verify``, and a
+    resume at 2 from an explicit top-k path (``fit(ckpt_path=path)``) too."""
+    root = str(tmp_path / "run")
+    run(root, strategy, 2, "--max-steps", "6", "--every", "2", "--top-k", "2")
+    assert ckpts(root) == ["last.ckpt", "step=4.ckpt", "step=6.ckpt"]  # top 2 + last
+    saved6 = ref(root, "save-6")
+    for n in ([3, 1] if strategy == "dckpt" else [3]):
+        copy = str(tmp_path / f"resume{n}")
+        shutil.copytree(root, copy)
+        out = run(copy, strategy, n, "--max-steps", "8", "--ckpt-path", "last")
+        assert "TRAIN START global_step=6" in out
+        assert equal(ref(copy, f"resumed-{n}"), saved6), f"resume at {n} devices"
+    if strategy != "dckpt":
+        return
+    for name in ckpts(root):
+        report = verify_checkpoint(os.path.join(root, "ckpts", name))
+        assert report.ok, report.problems
+    copy = str(tmp_path / "explicit")
+    shutil.copytree(root, copy)
+    out = run(copy, strategy, 2, "--max-steps", "6", "--ckpt-path",
+              os.path.join(copy, "ckpts", "step=4.ckpt"))
+    assert "TRAIN START global_step=4" in out
+    assert equal(ref(copy, "resumed-2"), ref(root, "save-4"))
+
+
+@pytest.mark.parametrize("strategy", ["dckpt", "stock"])
+def test_save_of_last_killed_resumes_from_previous(tmp_path, strategy):
+    """The save of last.ckpt at step 4 is SIGKILLed on every rank after the shard files
+    are written, before the commit; the restart with ``ckpt_path="last"``:
+
+    - dckpt: last.ckpt still holds step 2 whole; resume at global step 2 with exactly
+      step 2's state; the folder verifies.
+    - stock: DCP has rewritten the shard files in place and the kill came before
+      .metadata and meta.pt, so last.ckpt is found and loaded without any error at
+      global step 2 (meta.pt) with weights that are not step 2's: a silent mix.
+    """
+    root = str(tmp_path / "run")
+    run(root, strategy, 2, "--max-steps", "6", "--every", "2", "--kill-last-at", "4",
+        killed=True)
+    out = run(root, strategy, 2, "--max-steps", "6", "--ckpt-path", "last")
+    assert "TRAIN START global_step=2" in out
+    resumed, saved2 = ref(root, "resumed-2"), ref(root, "save-2")
+    if strategy == "dckpt":
+        assert equal(resumed, saved2)
+        assert verify_checkpoint(os.path.join(root, "ckpts", "step=4.ckpt")).ok
+    else:
+        assert not equal(resumed, saved2)
+        assert not any(torch.equal(resumed["model"][k], saved2["model"][k])
+                       for k in saved2["model"])
+
+
+def test_async_save_commits_and_resumes(tmp_path):
+    """``async_save=True``: saves return after the snapshot and commit in the
+    background; the checkpoints (renamed into place and top-k removals after the
+    commit) are the same set, they verify, and a resume at 2 gets step 6's state."""
+    root = str(tmp_path / "run")
+    run(root, "dckpt", 2, "--max-steps", "6", "--every", "2", "--async-save")
+    assert ckpts(root) == ["last.ckpt", "step=4.ckpt", "step=6.ckpt"]
+    for name in ckpts(root):
+        assert verify_checkpoint(os.path.join(root, "ckpts", name)).ok
+    out = run(root, "dckpt", 2, "--max-steps", "7", "--ckpt-path", "last", "--async-save")
+    assert "TRAIN START global_step=6" in out
+    assert equal(ref(root, "resumed-2"), ref(root, "save-6"))
