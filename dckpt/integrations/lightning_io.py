@@ -272,20 +272,27 @@ class Committer:
         self._handle = handle
 
         def done(h: SaveHandle) -> None:
+            ok = h.exception() is None
             try:
-                if h.exception() is None and comm.rank == 0:
-                    if staged:
-                        place(target, final)
-                    self._remove_pending()
-                elif comm.rank == 0 and self._pending:
-                    log.warning("save to %s failed: the %d checkpoint(s) to remove after it "
-                                "are kept: %s", final, len(self._pending), self._pending)
-                    self._pending.clear()
+                if ok and staged and comm.rank == 0:
+                    place(target, final)
             except Exception as e:  # raised on every rank by the next finish()
                 log.error("after the save to %s: %s", final, e)
-                self._error = e
-            finally:
-                self._placed.set()
+                self._error, ok = e, False
+            with self._lock:  # remove() queues or removes under the same lock
+                todo, self._pending = self._pending, []
+                try:
+                    if ok:
+                        for p in todo:
+                            remove_whole(p, self.storage_options)
+                    elif todo:
+                        log.warning("save to %s failed: the %d checkpoint(s) to remove "
+                                    "after it are kept: %s", final, len(todo), todo)
+                except Exception as e:
+                    log.error("removing %s after the save to %s: %s", todo, final, e)
+                    self._error = self._error or e
+                finally:
+                    self._placed.set()
 
         handle.add_done_callback(done)
 
@@ -318,18 +325,11 @@ class Committer:
         save in flight, after it commits. Not collective; blocking I/O."""
         if not is_rank0:
             return
-        if self._handle is not None and not self._placed.is_set():
-            with self._lock:
-                if not self._placed.is_set():
-                    self._pending.append(path)
-                    return
-        remove_whole(path, self.storage_options)
-
-    def _remove_pending(self) -> None:
         with self._lock:
-            todo, self._pending = self._pending, []
-        for p in todo:
-            remove_whole(p, self.storage_options)
+            if self._handle is not None and not self._placed.is_set():
+                self._pending.append(path)
+                return
+        remove_whole(path, self.storage_options)
 
     # ------------------------------------------------------------------ loading
     def load(self, target: dict, path: str, *, strict: bool, modules: list[str],

@@ -48,16 +48,20 @@ def test_dckpt_save_at_2_load_at_1_and_3(tmp_path):
     exactly (resharded), the step, and the scheduler through its load_state_dict; the
     remainder is what was not asked for; a partial load (the model alone) returns the
     rest; strict load of a key the checkpoint lacks raises a KeyError
-    (dckpt's MissingKeyError), strict=False leaves it as it was. The folder verifies."""
+    (dckpt's MissingKeyError), strict=False leaves it as it was; fabric.load_raw loads
+    the model; a checkpoint saved with Fabric's ``filter`` (weights without biases,
+    refused by the stock strategy) loads with strict=False, biases left as they were.
+    The folders verify."""
     root = str(tmp_path)
-    assert run(root, "dckpt", 2, "save") == {"saved": True}
+    assert run(root, "dckpt", 2, "save") == {"saved": True, "filtered": "saved"}
     assert verify_checkpoint(os.path.join(root, "ckpt")).ok
+    assert verify_checkpoint(os.path.join(root, "ckpt-filtered")).ok
     for n in (1, 3):
         r = run(root, "dckpt", n, "load")
         assert r == {"equal": True, "step": 3, "sched_restored": True, "sched_type": "StepLR",
                      "remainder": ["note"], "partial_remainder": ["note", "sched", "step"],
                      "partial_model_equal": True, "strict_missing": "MissingKeyError",
-                     "nonstrict_missing": 1}, n
+                     "nonstrict_missing": 1, "load_raw": True, "filtered_load": True}, n
 
 
 def test_stock_save_at_2_load_at_3(tmp_path):
@@ -66,9 +70,10 @@ def test_stock_save_at_2_load_at_3(tmp_path):
     in ``state`` instead of being restored (its sharded path assigns
     ``state[key] = metadata.pop(key)``); dckpt's strategy calls load_state_dict."""
     root = str(tmp_path)
-    assert run(root, "stock", 2, "save") == {"saved": True}
+    assert run(root, "stock", 2, "save") == {"saved": True, "filtered": "NotImplementedError"}
     r = run(root, "stock", 3, "load")
     assert r["equal"] and r["step"] == 3 and r["remainder"] == ["note"]
     assert r["partial_remainder"] == ["note", "sched", "step"] and r["partial_model_equal"]
     assert r["strict_missing"] == "KeyError" and r["nonstrict_missing"] == 1
     assert not r["sched_restored"] and r["sched_type"] == "dict"
+    assert r["load_raw"] == "ValueError"  # load_raw takes only a single-file checkpoint

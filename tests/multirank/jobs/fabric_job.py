@@ -95,6 +95,12 @@ def main() -> None:
         if fabric.global_rank == 0:
             torch.save({**ref, "sched": sched.state_dict()}, os.path.join(args.root, "ref.pt"))
         out["saved"] = True
+        try:  # only the weights (no bias), as Fabric's filter documents
+            fabric.save(path + "-filtered", {"model": model, "step": 3},
+                        filter={"model": lambda k, v: "bias" not in k})
+            out["filtered"] = "saved"
+        except Exception as e:
+            out["filtered"] = type(e).__name__
     else:
         ref = torch.load(os.path.join(args.root, "ref.pt"))
         state = {"model": model, "optimizer": opt, "step": 0, "sched": sched}
@@ -118,6 +124,20 @@ def main() -> None:
         st = {"model": model2, "missing": 1}
         rest = fabric.load(path, st, strict=False)
         out["nonstrict_missing"] = st["missing"]
+        model3, opt3, _ = build(fabric)
+        try:
+            fabric.load_raw(path, model3)
+            out["load_raw"] = same({**full(model3, opt3), "optim": ref["optim"]}, ref)
+        except Exception as e:
+            out["load_raw"] = type(e).__name__
+        if os.path.exists(path + "-filtered"):
+            model4, opt4, _ = build(fabric)
+            before = full(model4, opt4)["model"]
+            fabric.load(path + "-filtered", {"model": model4}, strict=False)
+            after = full(model4, opt4)["model"]
+            out["filtered_load"] = all(
+                torch.equal(after[k], (before if "bias" in k else ref["model"])[k])
+                for k in after)
     if fabric.global_rank == 0:
         print("RESULT " + json.dumps(out), flush=True)
 
