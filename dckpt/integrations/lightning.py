@@ -138,7 +138,7 @@ class DckptModelParallelStrategy(ModelParallelStrategy):
         for i, opt in enumerate(self.optimizers):
             target[f"optimizer_{i}"] = lio.OptimizerState(self.model, opt)
         meta, _ = self._dckpt.load(target, path, strict=strict, modules=["state_dict"],
-                                   weights_only=weights_only, ignore_prefixes=("optimizer_",))
+                                   weights_only=weights_only)
         return meta
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -304,7 +304,7 @@ class Committer:
         parent, name = os.path.split(final)
         os.makedirs(parent, exist_ok=True)
         _sweep(parent, name)
-        if kind(final) == "dckpt":
+        if kind(final) == "dckpt" and not os.path.islink(final):  # never through a link
             return final, final, False
         return final, os.path.join(parent, f".{name}{PARTIAL}{uuid.uuid4().hex[:12]}"), True
 
@@ -333,8 +333,7 @@ class Committer:
 
     # ------------------------------------------------------------------ loading
     def load(self, target: dict, path: str, *, strict: bool, modules: list[str],
-             weights_only: bool | None = None,
-             ignore_prefixes: tuple[str, ...] = ()) -> tuple[Any, dict]:
+             weights_only: bool | None = None) -> tuple[Any, dict]:
         """Fill ``target`` ({key: ModelState | OptimizerState}) from the checkpoint at
         ``path`` and return (the Lightning metadata, its role table). Collective.
         ``strict``: the checkpoint must hold every key of ``target`` and every parameter
@@ -372,8 +371,13 @@ class Committer:
             found["meta"] = meta
             return {META_KEY: meta} if meta is not None else {}
 
-        load(target, path, storage_options=self.storage_options, strict=False,
-             allow_missing=not strict, extra=extra, ignore_prefixes=ignore_prefixes)
+        try:
+            load(target, path, storage_options=self.storage_options, strict=False,
+                 allow_missing=not strict, extra=extra)
+        except CheckpointError as e:  # every rank raised it in extra(): keep its type
+            if isinstance(e.__cause__, MissingKeyError):
+                raise MissingKeyError(str(e.__cause__)) from None
+            raise
         enc = found.get("meta")
         if enc is None:
             raise NotCommittedError(f"{path} is a dckpt checkpoint without Lightning's "

@@ -137,3 +137,68 @@ def test_async_save_commits_and_resumes(tmp_path):
     out = run(root, "dckpt", 2, "--max-steps", "7", "--ckpt-path", "last", "--async-save")
     assert "TRAIN START global_step=6" in out
     assert equal(ref(root, "resumed-2"), ref(root, "save-6"))
+
+
+# ---------------------------------------------------------------- one process, no launcher
+def test_metadata_codec_json_tensors_and_pickled_leftovers():
+    """Lightning's metadata: JSON-able values in the tree (int keys, tuples, NaN/inf
+    kept), tensors as dckpt tensors, no pickle unless some value needs it."""
+    import argparse
+    import math
+
+    from dckpt.errors import ManifestError
+    from dckpt.integrations import lightning_meta as lm
+
+    plain = {"epoch": 1, "loops": {"fit": {3: (1, "a")}}, "lr": [0.5, math.inf, math.nan],
+             "best": torch.tensor(2.5), "none": None}
+    enc = lm.encode(plain)
+    assert "pickle" not in enc and len(enc["tensors"]) == 1
+    back = lm.decode(enc, "x")
+    assert back["loops"] == {"fit": {3: (1, "a")}} and back["lr"][1] == math.inf
+    assert math.isnan(back["lr"][2]) and torch.equal(back["best"], torch.tensor(2.5))
+    enc = lm.encode({"hparams": argparse.Namespace(a=1)})
+    assert "pickle" in enc
+    assert lm.decode(enc, "x", weights_only=False)["hparams"].a == 1
+    with pytest.raises(Exception):  # torch's weights_only refuses a Namespace
+        lm.decode(enc, "x", weights_only=True)
+    with pytest.raises(ManifestError, match="ck1"):
+        lm.decode({"format": 1, "tree": '{"bogus": 1}', "tensors": []}, "ck1")
+    with pytest.raises(ManifestError, match="ck2"):
+        lm.decode({"format": 9, "tree": "{}", "tensors": []}, "ck2")
+
+
+def test_committer_places_overwrites_removes_and_checks_strictness(tmp_path):
+    """In one process: a new name appears only complete (no partial left), a second
+    save overwrites it in place, a strict load refuses a model with other parameters
+    (StateMismatchError) and a missing entry (MissingKeyError, a KeyError), a removal
+    takes the folder whole; bad options are CheckpointErrors."""
+    from torch import nn
+
+    from dckpt.errors import CheckpointError, StateMismatchError
+    from dckpt.integrations import lightning_io as lio
+
+    with pytest.raises(CheckpointError, match="compression"):
+        lio.Committer(compression="gzip")
+    with pytest.raises(CheckpointError, match="storage_options"):
+        lio.Committer(storage_options="s3")
+    io = lio.Committer()
+    model = nn.Linear(3, 2)
+    path = str(tmp_path / "ckpts" / "last.ckpt")
+    for step in (1, 2):
+        io.save({"state_dict": model.state_dict(),
+                 lio.META_KEY: lio.meta_entry({"global_step": step}, ["state_dict"], [])}, path)
+        assert os.listdir(tmp_path / "ckpts") == ["last.ckpt"]
+        assert lio.kind(path) == "dckpt" and verify_checkpoint(path).ok
+    fresh = nn.Linear(3, 2)
+    meta, _ = io.load({"state_dict": lio.ModelState(fresh)}, path, strict=True,
+                      modules=["state_dict"])
+    assert meta == {"global_step": 2} and torch.equal(fresh.weight, model.weight)
+    with pytest.raises(StateMismatchError):
+        io.load({"state_dict": lio.ModelState(nn.Linear(3, 2, bias=False))}, path,
+                strict=True, modules=["state_dict"])
+    with pytest.raises(KeyError, match="optimizer_0"):
+        io.load({"state_dict": lio.ModelState(fresh),
+                 "optimizer_0": lio.OptimizerState(fresh, torch.optim.SGD(fresh.parameters()))},
+                path, strict=True, modules=["state_dict"])
+    io.remove(path, is_rank0=True)
+    assert os.listdir(tmp_path / "ckpts") == [] and lio.kind(path) == "none"
