@@ -28,8 +28,8 @@ Differences from torchtitan's DCP manager, on purpose:
 - ``async_mode="async"`` is dckpt's fenced asynchronous save: ``save()`` returns
   once the state is captured (the dataloader's and schedulers' state, read in the
   call; the tensors are copied in the background) and the optimizers' next
-  ``step()`` waits for that copy, so ``maybe_wait_for_staging()`` costs nothing
-  more than that wait. ``"async_with_pinned_mem"`` is accepted as the same mode
+  ``step()`` (and a forward that writes a saved buffer) waits for that copy, so
+  ``maybe_wait_for_staging()`` costs nothing more than that wait. ``"async_with_pinned_mem"`` is accepted as the same mode
   (dckpt stages into reused, pinned on CUDA, buffers in both).
 - ``last_save_in_hf`` writes the final model-only checkpoint ``step-N`` (in the
   adapter's HF naming) and then exports it with dckpt's bounded-memory exporter,
@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -63,10 +64,18 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from ..errors import CheckpointError
 from ..manager.core import CheckpointManager
 from ..protocol.collectives import Comm, on_rank0
+from ..protocol.settings import agree_settings
 from . import titan_load
 
 ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
 HF_SUFFIX = "-hf"  # the HF export of step N goes to step-N-hf beside step-N
+# The Config fields that decide when each rank saves, what it saves and keeps, and what
+# it loads: a rank that differs would skip (or enter alone) a collective save or load,
+# a hang, or keep and load other steps. Agreed at construction (one all-gather).
+SHARED = ("interval", "keep_latest_k", "load_only", "enable_first_step_checkpoint",
+          "last_save_model_only", "last_save_in_hf", "export_dtype", "async_mode",
+          "exclude_from_loading", "initial_load_path", "initial_load_model_only",
+          "initial_load_in_hf", "initial_load_in_hf_quantized")
 
 
 class DckptCheckpointManager(BaseCheckpointManager):
@@ -78,14 +87,17 @@ class DckptCheckpointManager(BaseCheckpointManager):
     Checkpoints go to ``{base_folder}/{folder}/step-{N}``, one dckpt checkpoint per
     step (``dckpt ls``/``dckpt verify`` read them); ``keep_latest_k`` keeps the newest
     k committed steps. Raises ValueError for a bad config (as torchtitan's), and
-    CheckpointError (dckpt's) for a failed save or load, on every rank alike."""
+    CheckpointError (dckpt's) for a failed save or load, for config fields that
+    differ between ranks (at construction) and for a save after close(), on every
+    rank alike."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(BaseCheckpointManager.Config):
         async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
         """"disabled": save() returns after the commit; "async": once the state is
-        captured (the optimizers' next step waits for the copy); the pinned-memory
-        name of torchtitan's DCP manager is accepted as "async"."""
+        captured (the optimizers' next step, and forwards writing saved buffers, wait
+        for the copy); the pinned-memory name of torchtitan's DCP manager is accepted
+        as "async"."""
 
         local_root: str | None = None
         """A node-local directory (NVMe) for dckpt's fast tier: every save commits
@@ -166,6 +178,12 @@ class DckptCheckpointManager(BaseCheckpointManager):
         self.keep_latest_k = config.keep_latest_k
         self.save_future: Future | None = None
         self._closed = False
+        self.model_parts = list(model_parts)
+        shared = {f: getattr(config, f) for f in SHARED} | {"async_mode": self.async_mode}
+        shared["exclude_from_loading"] = sorted(map(str, self.exclude_from_loading))
+        agree_settings(Comm(None), {k: v if not isinstance(v, list) else ",".join(v)
+                                    for k, v in shared.items()},
+                       None, "DckptCheckpointManager settings (checkpoint config)")
         self.manager = CheckpointManager(
             self.folder, keep_last=config.keep_latest_k or None,
             async_save=self.async_mode == "async",
@@ -173,15 +191,14 @@ class DckptCheckpointManager(BaseCheckpointManager):
             capture_rng=False, local_root=config.local_root,
             durable_every_steps=config.durable_interval, replicas=config.replicas,
             incremental=config.incremental, compression=config.compression)
+        # close() once: called by close(), by the garbage collector, or at exit (atexit
+        # runs it before the interpreter tears its modules down, so the last async save
+        # commits and keep_latest_k's cleanup runs in a script that never closes; a late
+        # __del__ would meet half-torn-down modules).
+        self._finalizer = weakref.finalize(self, CheckpointManager.close, self.manager)
         logger.info("Checkpointing active (dckpt). Checkpoints will be loaded from and saved "
                     f"to {self.folder}" + (f", fast tier {config.local_root}"
                                            if config.local_root else ""))
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # pragma: no cover - interpreter shutdown
-            pass
 
     # ------------------------------------------------------------------ saving
     def _should_save(self, curr_step: int, last_step: bool = False) -> bool:
@@ -194,18 +211,24 @@ class DckptCheckpointManager(BaseCheckpointManager):
         return bool(last_step or curr_step % self.interval == 0)
 
     def _fence(self) -> list:
-        """The optimizers whose next step waits for an async save's copy: the
-        container's own (they change the parameters and their state)."""
+        """What waits for an async save's copy: the optimizers (the container's own:
+        they change the parameters and their state) at their next step, and the model
+        parts at the forwards that write saved tensors in place (persistent buffers:
+        BatchNorm's running stats, a load-balancing bias; dckpt.engine.fence), which
+        torchtitan's Trainer runs right after save() returns."""
         opts = self.optimizers
         inner = list(opts) if hasattr(opts, "__iter__") else []
         found = [o for o in [opts, *inner] if isinstance(o, torch.optim.Optimizer)]
-        return found
+        return found + [m for m in self.model_parts if isinstance(m, torch.nn.Module)]
 
     @torch.no_grad()
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         """Save ``curr_step`` when torchtitan's rule says so; returns whether it did.
         Collective. Sync: returns after the commit; async: once the state is
         captured. The last step is always synchronous (and flushes any async save)."""
+        if self._closed:  # its threads are stopped: nothing would flush this save
+            raise CheckpointError(f"save(step={curr_step}) after close(): the checkpoint "
+                                  "manager is closed; build a new one to save again")
         if not self._should_save(curr_step, last_step):
             return False
         begin = time.monotonic()
@@ -365,4 +388,6 @@ class DckptCheckpointManager(BaseCheckpointManager):
             return
         self._closed = True
         self.save_future = None
-        self.manager.close()
+        fin = getattr(self, "_finalizer", None)  # None: __init__ raised before the manager
+        if fin is not None:
+            fin()  # manager.close(), at most once
