@@ -73,7 +73,9 @@ def parse_dim(obj: Any, key: str, d: int, extent: int,
         # values inside [0, extent] first, so the differences cannot overflow; rising
         # strictly is checked here, not again per element in Python
         ok = not ((arr < 0).any() or (arr > extent).any() or (len(arr) > 1 and (np.diff(arr) <= 0).any()))
-        b = arr.tolist()
+        b = arr
     if not (ok and len(b) >= 2 and len(b) <= nfiles + 1 and b[0] == 0 and b[-1] == extent):
         raise ValueError(f"tensor {key!r}: grid of dim {d} must rise strictly from 0 to {extent}")
-    return tuple(b), arr
+    # a long dim stays the int64 array (Chunks.grid allows it): 131,072 Python ints per
+    # tensor were most of a manifest parse's time and memory at that scale
+    return (tuple(b) if arr is None else arr), arr

@@ -50,6 +50,7 @@ MAX_CHUNKS_PER_FILE = 1024
 # no "..", no scheme, no leading dot.
 SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}$")
 _I64_MAX = (1 << 63) - 1
+_EAGER_CELLS = 64  # grids of at most this many cells get their boxes at parse time
 _MAX_META_DEPTH = 32
 
 
@@ -89,20 +90,32 @@ def _encoded_tensors(entries: dict) -> dict:
     if owner is entries:
         return enc
     tensors = {}
+    memo: dict = {}  # id(array) -> its encoding: a derived plan shares arrays between tensors
     for key, t in entries.items():
         c = t.chunks
         if c.grid is not None:
             # fromiter: twice as fast as asarray on a tuple of 16,384 ints (FSDP at scale)
-            enc: dict[str, Any] = {"grid": [intarray.encode(np.fromiter(b, np.int64, len(b)))
-                                            for b in c.grid]}
+            enc: dict[str, Any] = {"grid": [_encode_memo(b, memo) for b in c.grid]}
         else:
             enc = {"offsets": c.offsets.tolist(), "sizes": c.sizes.tolist()}
-        enc["file"] = intarray.encode(c.file)
+        enc["file"] = _encode_memo(c.file, memo)
         tensors[key] = {"dtype": t.dtype, "shape": list(t.shape), "chunks": enc}
         if t.blocks is not None:
             tensors[key]["blocks"] = _blocks_json(t.blocks)
     _LAST_TENSORS = (entries, tensors)
     return tensors
+
+
+def _encode_memo(b, memo: dict):
+    """intarray.encode of one breakpoint or file array, once per array object (the
+    entries keep the arrays alive, so an id is not reused meanwhile)."""
+    if not isinstance(b, np.ndarray):
+        # fromiter: twice as fast as asarray on a tuple of 16,384 ints (FSDP at scale)
+        return intarray.encode(np.fromiter(b, np.int64, len(b)))
+    got = memo.get(id(b))
+    if got is None:
+        got = memo[id(b)] = intarray.encode(b)
+    return got
 
 
 def _blocks_json(blocks: tuple[ChunkBlocks, ...]) -> dict:
@@ -171,10 +184,13 @@ def _parse_chunks(key: str, shape: tuple[int, ...], obj: Any, nfiles: int) -> Ch
                 raise ValueError(f"tensor {key!r}: grid needs one breakpoint list per dim")
             dims = [_grid_dim(b, key, d, shape[d], cap) for d, b in enumerate(g)]
             grid = tuple(b for b, _ in dims)
-            if math.prod(len(b) - 1 for b in grid) > cap:
+            ncells = math.prod(len(b) - 1 for b in grid)
+            if ncells > cap:
                 raise ValueError(f"tensor {key!r}: grid has more cells than "
                                  f"{MAX_CHUNKS_PER_FILE} per file")
-            offsets, sizes = _cells(grid, [a for _, a in dims])
+            # cells are built on first use (Chunks.offsets): O(grid) here, not O(cells)
+            offsets, sizes = (None, None) if ncells > _EAGER_CELLS else \
+                _cells(grid, [a for _, a in dims])
         else:
             grid = None
             offsets, sizes = obj.get("offsets"), obj.get("sizes")
@@ -189,8 +205,9 @@ def _parse_chunks(key: str, shape: tuple[int, ...], obj: Any, nfiles: int) -> Ch
             sizes = np.asarray(sizes, dtype=np.int64).reshape(len(sizes), ndim)
     except (ValueError, TypeError, OverflowError) as e:
         raise ManifestError(str(e)) from None
-    if len(file) != len(offsets):
-        raise ManifestError(f"tensor {key!r}: {len(file)} file indexes for {len(offsets)} chunks")
+    nchunks = ncells if grid is not None else len(offsets)
+    if len(file) != nchunks:
+        raise ManifestError(f"tensor {key!r}: {len(file)} file indexes for {nchunks} chunks")
     if len(file) and (file.min() < 0 or file.max() >= nfiles):
         raise ManifestError(f"tensor {key!r}: chunk file index out of range")
     if grid is None:

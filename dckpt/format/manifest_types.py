@@ -40,13 +40,39 @@ class Chunks:
     ``file`` is (n,) int64 indexes into ``Manifest.files``. ``grid`` is the per-dim
     breakpoints when the boxes are the cells of a grid (C order), else None."""
 
-    offsets: np.ndarray
-    sizes: np.ndarray
+    _offsets: np.ndarray | None
+    _sizes: np.ndarray | None
     file: np.ndarray
-    grid: tuple[tuple[int, ...], ...] | None = None
+    # per dim: a tuple of ints, or an int64 array (a long dim: 131,072 Python ints per
+    # tensor cost more memory and time than the whole rest of a manifest)
+    grid: tuple | None = None
 
     def __len__(self) -> int:
         return len(self.file)
+
+    # A grid's cells are built on first use (None at construction): a parse or a derived
+    # plan at 131,072 ranks x 500 tensors would otherwise build 2 GB of boxes that a
+    # load reads a few of. Both are set at once; two threads may both build them.
+    @property
+    def offsets(self) -> np.ndarray:
+        if self._offsets is None:
+            self._cells()
+        return self._offsets
+
+    @property
+    def sizes(self) -> np.ndarray:
+        if self._sizes is None:
+            self._cells()
+        return self._sizes
+
+    def _cells(self) -> None:
+        from .grid import cells
+
+        if self.grid is None:
+            raise ValueError("chunks without boxes nor a grid")
+        o, s = cells(self.grid, [b if isinstance(b, np.ndarray) else None for b in self.grid])
+        object.__setattr__(self, "_offsets", o)
+        object.__setattr__(self, "_sizes", s)
 
 
 TABLE_COLS = 8  # file, offset, length, codec, anchor file, offset, length, codec

@@ -28,6 +28,9 @@ class LocalPlan:
     error: dict[str, str] | None = None  # {"type": ..., "message": ...}
     int_keys: list[str] = field(default_factory=list)  # see dckpt.state.flatten.Flat
     keys_json: bytes = b""  # set by decode: the raw key table, used as a cache key
+    # not encoded: the flattened tensors a save planned from, for a plan by rule
+    # (dckpt.protocol.rulesig builds its signature only when it is offered)
+    tensors: dict = field(default_factory=dict, repr=False)
 
 
 def encode(plan: LocalPlan) -> bytes:

@@ -29,8 +29,10 @@ class PlannedTensor:
     key: str
     dtype: str
     shape: tuple[int, ...]
-    offsets: np.ndarray  # (n, ndim) distinct non-empty boxes, grid C order when grid
-    sizes: np.ndarray
+    # (n, ndim) distinct non-empty boxes, grid C order when grid; None when ``grid`` is
+    # set and the boxes were never built (a derived plan: dckpt.layout.derive)
+    offsets: np.ndarray | None
+    sizes: np.ndarray | None
     writer: np.ndarray  # (n,) rank that writes each box
     grid: tuple[tuple[int, ...], ...] | None
 
@@ -45,6 +47,9 @@ class GlobalPlan:
     # lowest one (whose value is kept): a rank-local value saved under a shared key
     conflicts: dict = field(default_factory=dict)
     int_keys: list[str] = field(default_factory=list)  # union over ranks, sorted
+    # encode_writes' bytes, when the plan was built with them (a derived plan has no
+    # per-rank mask list: ``writes`` is empty)
+    packed_writes: bytes | None = None
 
 
 def _same(a, b) -> bool:
@@ -260,6 +265,8 @@ def plan_global(plans: list[LocalPlan]) -> GlobalPlan:
 
 def encode_writes(plan: GlobalPlan) -> bytes:
     """Pack every rank's write mask: int64 counts then packed bits. O(items)."""
+    if plan.packed_writes is not None:
+        return plan.packed_writes
     counts = np.array([len(w) for w in plan.writes], "<i8")
     bits = np.packbits(np.concatenate(plan.writes)) if plan.writes else np.zeros(0, np.uint8)
     return len(counts).to_bytes(8, "little") + counts.tobytes() + bits.tobytes()
@@ -308,8 +315,11 @@ def _reused_entries(gp: GlobalPlan, index: np.ndarray, missing_ok: bool) -> dict
 def _entries(gp: GlobalPlan, index: np.ndarray, missing_ok: bool) -> dict:
     global _LAST_ENTRIES
     tensors = {}
+    memo: dict = {}  # a derived plan shares writer arrays between tensors: and file arrays
     for k, t in gp.tensors.items():
-        fidx = index[t.writer]
+        fidx = memo.get(id(t.writer))
+        if fidx is None:
+            fidx = memo[id(t.writer)] = index[t.writer]
         if (fidx < 0).any() and not missing_ok:
             raise StateMismatchError(f"tensor {k!r}: rank {int(t.writer[fidx < 0][0])} was to "
                                      "write a chunk but reported no file")

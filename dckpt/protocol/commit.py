@@ -38,7 +38,7 @@ from ..state.flatten import flatten
 from ..state.tensors import as_bytes, describe_all
 from ..storage.fsspec_storage import make_storage
 from .collectives import Comm, error_payload, raise_gathered
-from . import plancache
+from . import plancache, rulesig
 from .coordinator import _Coordinator, _unpack
 from ..format.filenames import data_name
 
@@ -100,7 +100,8 @@ def save(state_dict: Any, path: str, *, process_group: Any = None,
         state_dict, path, storage_options, comm.rank,
         check=lambda: flag.__setitem__(0, codec.compression_flag(compression)))
     rcache, ccache = plancache.caches(id(comm.own or comm.group), comm.own or comm.group)
-    offer, full = rcache.offer(blob, lp, comm.rank)
+    offer, full = rcache.offer(blob, lp, comm.rank,
+                               lambda: rulesig.offer(lp.tensors, lp.int_keys, pieces, comm))
     blobs = comm.gather_bytes(offer)
 
     coord = _Coordinator(storage, root, overwrite, comm.size, ccache) if comm.rank == 0 else None
@@ -187,7 +188,7 @@ def local_plan(state_dict: Any, path: str, storage_options: dict | None,
         boxes = np.fromiter((x for p in pieces for x in (*p.box.offsets, *p.box.sizes)),
                             np.int64)
         local = localplan.LocalPlan([(p.key, p.dtype, p.shape) for p in pieces], boxes,
-                                    flat.values, int_keys=flat.int_keys)
+                                    flat.values, int_keys=flat.int_keys, tensors=flat.tensors)
         _faults.fault("plan", rank)
         blob = localplan.encode(local)
     except Exception as e:

@@ -19,7 +19,8 @@ from ..errors import AlreadyExistsError, CheckpointError, IntegrityError
 from ..format import manifest as mf
 from ..format.filenames import DATA_FILE, TEMP_MANIFEST
 from ..format.version import __version__
-from ..layout import delta, localplan, plan as gplan
+from ..format import codec
+from ..layout import delta, derive, localplan, plan as gplan, rules
 from ..engine.reader import file_path
 from ..storage.fsspec_storage import make_storage
 from .collectives import error_payload
@@ -85,6 +86,7 @@ class _Coordinator:
         self.storage, self.root, self.overwrite, self.world = storage, root, overwrite, world
         self.cache = cache
         self.awaiting: str | None = None  # the second message plan() expects
+        self._derived = False  # the values awaited complete a derived plan
         self.save_id = ""
         self.gp: gplan.GlobalPlan | None = None
         self.intent: Intent | None = None
@@ -100,6 +102,7 @@ class _Coordinator:
         manifest bytes and the write masks (none when cached: ranks keep theirs)."""
         try:
             cached, awaiting, self.awaiting = False, self.awaiting, None
+            derived, self._derived = self._derived, False
             if self.cache is None:
                 self.gp, errors = validate_plans(blobs, self.root)
             elif awaiting == "values":
@@ -107,10 +110,17 @@ class _Coordinator:
                 if self.gp is None:
                     self.awaiting = "full"
                     return _pack({"resend": "full"})
-                cached, errors = True, {}
+                cached, errors = not derived, {}
             else:
                 offers = [plancache.decode_offer(b) for b in blobs]
-                if any(o.cached for o in offers):
+                if any(o.rule for o in offers):
+                    gp = self._derive(offers)
+                    kind, got = self.cache.adopt(offers, gp) if gp is not None else ("full", None)
+                    if kind != "plan":
+                        self.awaiting, self._derived = kind, kind == "values"
+                        return _pack({"resend": kind, "ranks": got or []})
+                    self.gp, errors, derived = got, {}, True
+                elif any(o.cached for o in offers):
                     kind, got = self.cache.reuse(offers)
                     if kind != "plan":
                         self.awaiting = kind
@@ -139,10 +149,41 @@ class _Coordinator:
                               "cached": True}, base_bytes)
             doc = {"save_id": self.save_id, "base_len": len(base_bytes)}
             if self.cache is not None:  # every rank accepts this plan with this reply
-                doc["plan_id"] = self.cache.store(offers, self._plans, self.gp).hex()
+                doc["plan_id"] = (self.cache.plan_id if derived else  # adopted
+                                  self.cache.store(offers, self._plans, self.gp)).hex()
             return _pack(doc, base_bytes + gplan.encode_writes(self.gp))
         except Exception as e:
             return _pack({"errors": {0: error_payload(e)}})
+
+    def _derive(self, offers: list) -> gplan.GlobalPlan | None:
+        """The plan derived from the ranks' rule offers (values not yet added), or None
+        when the gathered path must plan: a rank offered its full plan, the signatures
+        differ, the layout is not derivable, or a rank's plan hash differs from the
+        hash of the boxes derived for it. The last is a fallback, not an error: the
+        gathered plan is checked from the boxes the ranks really hold, so a wrong
+        derivation can cost a second gather but never commit. O(ranks + tensors)
+        numpy passes (dckpt.layout.derive)."""
+        if not all(o.rule for o in offers):
+            return None  # a rank could not describe its plan by rule (or failed)
+        own = offers[0]
+        if any(o.sig_hash != own.sig_hash for o in offers) or own.values is None or \
+                codec._xxh().xxh3_128_digest(own.signature) != own.sig_hash:
+            log.debug("save to %s: the ranks' plan signatures differ; gathering plans", self.root)
+            return None
+        try:
+            d = derive.derive(rules.decode(own.signature), len(offers))
+        except (derive.NotDerivable, ValueError) as e:
+            log.debug("save to %s: plan not derivable (%s); gathering plans", self.root, e)
+            return None
+        bad = d.mismatch([o.plan_hash for o in offers])
+        if bad is not None:
+            log.warning("save to %s: the plan derived for rank %d differs from the boxes it "
+                        "holds (its plan hash); planning from the gathered plans instead",
+                        self.root, bad)
+            return None
+        if set(own.values) & set(d.plan.tensors):
+            return None  # a key that is both: the gathered path names it
+        return d.plan
 
     def begin(self, save_id: str) -> None:
         """Create the directory and take the save's lease (an intent file), before any

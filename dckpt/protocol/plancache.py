@@ -18,6 +18,14 @@ rank 0 answer "resend", and every rank sends its full plan (``b"F" | hashes | pl
 in a second gather of the same save: any difference falls back for everyone. Nothing
 about the commit changes: the manifest is still complete and written last.
 
+The first save of a process (nothing cached) offers a plan by rule instead of its full
+plan where it can (:mod:`dckpt.layout.rules`, issue 38): ``b"R" | structure | values |
+signature hash | plan hash`` (65 bytes), rank 0 adding its signature and values. Rank 0
+derives every rank's boxes (:mod:`dckpt.layout.derive`) and checks each rank's plan hash
+against the derived one; anything it cannot derive, and any mismatch, answers "resend"
+and the full plans are gathered as before. Set ``RULES = False`` (or the environment
+variable ``DCKPT_PLAN_RULES=0``) to always gather.
+
 Caches live per process group (a save's group and the async saver's own group), on
 every rank; they are updated only by a save whose plan every rank accepted.
 """
@@ -34,7 +42,8 @@ from ..format import codec
 from ..layout import localplan
 from ..layout import plan as gplan
 
-CACHED, FULL = b"C", b"F"
+CACHED, FULL, RULE = b"C", b"F", b"R"
+RULES = os.environ.get("DCKPT_PLAN_RULES", "1") != "0"  # offer plans by rule (issue 38)
 HASH = 16
 PLAN_ID = 8
 _NO_HASH = bytes(HASH)
@@ -68,6 +77,10 @@ class Offer:
     values: dict | None = None  # rank 0's own, in a cached offer
     blob: bytes = b""  # the full plan
     plan_id: bytes = b""  # the cached global plan the rank's mask belongs to
+    rule: bool = False  # a plan by rule: the hashes below, rank 0's signature
+    sig_hash: bytes = b""
+    plan_hash: bytes = b""
+    signature: bytes = b""
 
 
 def encode_offer(cached: bool, fp: tuple[bytes, bytes], blob: bytes,
@@ -78,8 +91,28 @@ def encode_offer(cached: bool, fp: tuple[bytes, bytes], blob: bytes,
     return FULL + fp[0] + fp[1] + blob
 
 
+def encode_rule(fp: tuple[bytes, bytes], rule: tuple[bytes, bytes, bytes],
+                values: dict | None = None) -> bytes:
+    """A plan by rule: the hashes, and (``values`` given: rank 0) the signature and
+    values."""
+    sig, sig_hash, plan_hash = rule
+    head = RULE + fp[0] + fp[1] + sig_hash + plan_hash
+    if values is None:
+        return head
+    return head + len(sig).to_bytes(8, "little") + sig + json.dumps(values, allow_nan=True).encode()
+
+
 def decode_offer(data: bytes) -> Offer:
     kind, s, v, rest = data[:1], data[1:1 + HASH], data[1 + HASH:1 + 2 * HASH], data[1 + 2 * HASH:]
+    if kind == RULE:
+        sh, ph, rest = rest[:HASH], rest[HASH:2 * HASH], rest[2 * HASH:]
+        if len(ph) != HASH:
+            raise ValueError("malformed planning message (short)")
+        sig, values = b"", None
+        if rest:
+            n = int.from_bytes(rest[:8], "little")
+            sig, values = rest[8:8 + n], json.loads(rest[8 + n:])
+        return Offer(False, s, v, values, rule=True, sig_hash=sh, plan_hash=ph, signature=sig)
     if kind == CACHED:
         pid, rest = rest[:PLAN_ID], rest[PLAN_ID:]
         return Offer(True, s, v, json.loads(rest) if rest else None, plan_id=pid)
@@ -97,8 +130,11 @@ class RankCache:
     plan_id: bytes = b""
     _offered: bytes = _NO_HASH  # the structure hash of the plan offered last
 
-    def offer(self, blob: bytes, plan: localplan.LocalPlan, rank: int) -> tuple[bytes, bytes]:
-        """(message to send, the full message to resend if asked)."""
+    def offer(self, blob: bytes, plan: localplan.LocalPlan, rank: int,
+              rule=None) -> tuple[bytes, bytes]:
+        """(message to send, the full message to resend if asked). ``rule()``, when
+        given, returns this rank's (signature, its hash, plan hash) or None: offered
+        when nothing is cached (see :data:`RULES`)."""
         if plan.error:
             fp = (_NO_HASH, _NO_HASH)
             full = encode_offer(False, fp, blob)
@@ -110,6 +146,9 @@ class RankCache:
         if self.structure is not None and self.structure == fp[0] and len(self.plan_id) == PLAN_ID:
             return encode_offer(True, fp, b"", plan.values if rank == 0 else None,
                                 self.plan_id), full
+        got = rule() if RULES and rule is not None else None
+        if got is not None:
+            return encode_rule(fp, got, plan.values if rank == 0 else None), full
         return full, full
 
     def accept(self, mask: np.ndarray, plan_id: bytes) -> None:
@@ -182,6 +221,32 @@ class CoordCache:
         self.values_hash = [h for h, _ in per_rank]
         self.values = {h: v for h, v in per_rank}
         return replace(self.gp, values=values, conflicts=conflicts)
+
+    def adopt(self, offers: list[Offer], gp: gplan.GlobalPlan) -> tuple[str, Any]:
+        """Cache a plan derived for these rule offers (``gp`` without values) as the
+        plan of their structures, under a new plan id. Returns ("plan", the plan with
+        the ranks' values), ("values", ranks) when those ranks' values differ from rank
+        0's (they send them: :meth:`with_values`), or ("full", None) when a value
+        clashes with a tensor (the gathered path reports it). O(ranks)."""
+        self.plan_id = os.urandom(PLAN_ID)
+        self.structures = [o.structure for o in offers]
+        self.values_hash, self.values, self.gp = [], {}, gp
+        own = offers[0]
+        per_rank: list[tuple[bytes, dict | None]] = []
+        need = []
+        for r, o in enumerate(offers):
+            same = o.values_hash == own.values_hash
+            per_rank.append((o.values_hash, own.values if same else None))
+            if not same:
+                need.append(r)
+        if need:
+            self._pending = per_rank
+            return "values", need
+        got = self._finish(per_rank)
+        if got is None:
+            self.gp = None
+            return "full", None
+        return "plan", got
 
     def store(self, offers: list[Offer], plans: list[localplan.LocalPlan],
               gp: gplan.GlobalPlan) -> bytes:
