@@ -261,8 +261,10 @@ def cached_offers(blobs: list[bytes], step: int) -> tuple[plancache.CoordCache, 
 def cached_coordinator(cache: plancache.CoordCache, offers: list[bytes], world: int) -> tuple[float, int]:
     """One timed cached-save coordinator pass: (seconds, offer bytes received)."""
     t0 = time.perf_counter()
-    kind, gp = cache.reuse([plancache.decode_offer(o) for o in offers])
-    assert kind == "plan", kind
+    gp = cache.reuse_uniform(offers)  # as the coordinator: the numpy path first
+    if gp is None:
+        kind, gp = cache.reuse([plancache.decode_offer(o) for o in offers])
+        assert kind == "plan", kind
     files = [mf.FileEntry(f"data-0123456789abcdef-{r:05d}.safetensors",
                           int(gp.bytes_per_rank[r]) + 4096, 4088, 12345, r) for r in range(world)]
     mf.to_json(gplan.to_manifest(gp, files, "0123456789abcdef", world, {"dckpt_version": "bench"}))

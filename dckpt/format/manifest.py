@@ -70,8 +70,8 @@ def to_json(m: Manifest) -> bytes:
         "world_size": m.world_size,
         "created": m.created,
         "meta": sealed.tag_floats(m.meta),
-        "files": [[f.name, f.size, f.header_len, f.header_crc32, f.rank] + ([f.dir] if f.dir else [])
-                  for f in m.files],
+        "files": [[f.name, f.size, f.header_len, f.header_crc32, f.rank, f.dir] if f.dir
+                  else [f.name, f.size, f.header_len, f.header_crc32, f.rank] for f in m.files],
         "tensors": tensors,
         "values": {k: sealed.tag_floats(v) for k, v in m.values.items()},
     }

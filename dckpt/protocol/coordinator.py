@@ -111,6 +111,8 @@ class _Coordinator:
                     self.awaiting = "full"
                     return _pack({"resend": "full"})
                 cached, errors = not derived, {}
+            elif (got := self.cache.reuse_uniform(blobs)) is not None:
+                self.gp, cached, errors = got, True, {}  # a later save, nothing changed
             else:
                 offers = [plancache.decode_offer(b) for b in blobs]
                 if any(o.rule for o in offers):

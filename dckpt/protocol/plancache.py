@@ -46,6 +46,7 @@ CACHED, FULL, RULE = b"C", b"F", b"R"
 RULES = os.environ.get("DCKPT_PLAN_RULES", "1") != "0"  # offer plans by rule (issue 38)
 HASH = 16
 PLAN_ID = 8
+_CACHED_LEN = 1 + 2 * HASH + PLAN_ID  # a cached offer without values (every rank but 0)
 _NO_HASH = bytes(HASH)
 
 
@@ -167,6 +168,42 @@ class CoordCache:
     gp: gplan.GlobalPlan | None = None
     plan_id: bytes = b""
     _pending: list | None = None  # per rank (values hash, values or None) awaiting values
+    _structs: tuple | None = None  # (structures list, its (ranks, HASH) uint8 array)
+
+    def reuse_uniform(self, blobs: list[bytes]) -> gplan.GlobalPlan | None:
+        """The common later save, in numpy: every rank offered its cached structure
+        under the current plan id with rank 0's values hash. Returns the plan (what
+        :meth:`reuse` returns with "plan") or None when anything else holds: then decode
+        the offers and call :meth:`reuse`, which decides. O(ranks) in C; 131,072
+        offers decoded one by one and compared in Python took 0.4-0.6 s (issue 38)."""
+        n = len(blobs)
+        if self.gp is None or n < 2 or n != len(self.structures):
+            return None
+        try:
+            own = decode_offer(blobs[0])
+        except ValueError:
+            return None  # the per-rank path reports it
+        if not own.cached or own.values is None or own.plan_id != self.plan_id \
+                or len(own.plan_id) != PLAN_ID or len(own.values_hash) != HASH \
+                or own.structure != self.structures[0]:
+            return None
+        rest = blobs[1:]
+        if set(map(len, rest)) != {_CACHED_LEN}:
+            return None
+        structs = self._structs
+        if structs is None or structs[0] is not self.structures:
+            joined = b"".join(self.structures)
+            if len(joined) != HASH * n:
+                return None
+            structs = self._structs = (self.structures,
+                                       np.frombuffer(joined, np.uint8).reshape(n, HASH))
+        a = np.frombuffer(b"".join(rest), np.uint8).reshape(n - 1, _CACHED_LEN)
+        row = np.frombuffer(CACHED + own.values_hash + self.plan_id, np.uint8)
+        if not ((a[:, 0] == row[0]).all() and np.array_equal(a[:, 1:1 + HASH], structs[1][1:])
+                and (a[:, 1 + HASH:] == row[1:]).all()):
+            return None
+        self._pending = None
+        return self._finish([(own.values_hash, own.values)] * n)
 
     def reuse(self, offers: list[Offer]) -> tuple[str, Any]:
         """What to do with these offers: ("plan", global plan) when every rank offered

@@ -93,3 +93,50 @@ def test_plans_are_cached_and_changes_fall_back(ranks, tmp_path):
                       True, True,                # rank-local values: sent, plan kept
                       True, True,                # per-rank value keys: values only
                       False, True, True]         # async: its own group's cache
+
+
+def test_reuse_uniform_is_reuse_or_defers():
+    """Rank 0's numpy path for a later save (issue 38) gives reuse's plan when every
+    rank offered its cached structure, plan id and rank 0's values; on any other offer
+    it defers (None) to the per-rank path, which decides."""
+    import numpy as np
+
+    from dckpt.layout import plan as gplan
+    from dckpt.protocol import plancache
+
+    n = 6
+    structs = [bytes([r + 1]) * plancache.HASH for r in range(n)]
+    vh = plancache.values_hash({"step": 1})
+    cache = plancache.CoordCache()
+    first = [plancache.Offer(False, s, vh) for s in structs]
+    gp = gplan.GlobalPlan({}, {}, [], np.zeros(n, np.int64), {}, [])
+    pid = cache.store(first, [type("P", (), {"values": {"step": 1}})()] * n, gp)
+
+    def offers(values=None, **bad):
+        out = []
+        for r in range(n):
+            s, v, p = structs[r], plancache.values_hash({"step": 2}), pid
+            if r == bad.get("rank"):
+                s, v, p = bad.get("s", s), bad.get("v", v), bad.get("p", p)
+            out.append(plancache.encode_offer(True, (s, v), b"", {"step": 2} if r == 0 else None, p))
+        return out
+
+    good = offers()
+    got = cache.reuse_uniform(good)
+    assert got is not None and got.values == {"step": 2} and got.tensors is gp.tensors
+    kind, want = cache.reuse([plancache.decode_offer(b) for b in good])
+    assert kind == "plan" and want.values == got.values and want.conflicts == got.conflicts
+    for r in (0, 1, n - 1):
+        for bad in ({"s": bytes(plancache.HASH)}, {"v": bytes(plancache.HASH)},
+                    {"p": bytes(plancache.PLAN_ID)}):
+            assert cache.reuse_uniform(offers(rank=r, **bad)) is None, (r, bad)
+    short = offers()
+    short[2] = short[2][:-1]
+    assert cache.reuse_uniform(short) is None
+    full = offers()
+    full[3] = plancache.encode_offer(False, (structs[3], vh), b"plan")
+    assert cache.reuse_uniform(full) is None
+    no_values = offers()
+    no_values[0] = plancache.encode_offer(True, (structs[0], vh), b"", None, pid)
+    assert cache.reuse_uniform(no_values) is None
+    assert cache.reuse_uniform(good[:-1]) is None  # another world size
