@@ -357,6 +357,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def main_rule(args) -> dict:
     """The plan-by-rule rows: first save, rank 0's peak memory, cached save, parse."""
+    import dckpt.protocol.coordinator  # noqa: F401 - imported before timing (torch: seconds)
     results = []
     print(f"plans by rule, median of {args.reps} (offers built untimed)\n"
           f"{'layout':>8}{'ranks':>7}{'tensors':>8}{'recv MB':>8}{'plan s':>8}{'manif s':>8}"

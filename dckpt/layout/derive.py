@@ -2,17 +2,19 @@
 plan :func:`dckpt.layout.plan.plan_global` would build from the gathered plans, built
 straight in grid form, without any rank's boxes.
 
-Per distinct (global shape, layout) pair, per tensor dim: the mesh dims that shard it
-give each combination of their coordinates one run of the dim (``torch.chunk`` nested
+Per layout and group of tensors whose sharded dims have the same lengths (the
+unsharded dims are one whole run, whatever their length), per tensor dim: the mesh dims
+that shard it give each combination of their coordinates one run of the dim (``torch.chunk`` nested
 in closed form for Shard; for ``_StridedShard`` an O(dim length) numpy pass that follows
 every index through the steps, as :mod:`.strided` describes them). The runs of all
 combinations partition the dim, so their starts are the grid's breakpoints; a cell's
 holders are the mesh positions with that combination, free over the Replicate mesh
 dims. Writers follow plan_global's rule exactly (one holder: itself; replicas: round
 robin per holder set, largest first, over all tensors in key order), so a derived plan
-and a gathered one write the same manifest. Cost: O(ranks + cells + dim lengths) per
-distinct layout, then O(ranks) numpy passes per tensor (the write masks and the
-check hashes); memory O(ranks x tensors) bits for the masks, never O(ranks x tensors)
+and a gathered one write the same manifest. Cost: O(ranks) once per layout and per (layout, ndim) (the holder sets),
+O(ranks + cells + sharded dim lengths) per group, O(ranks) per distinct shape (the box
+hashes) and per tensor (the write mask and the check hash); memory O(ranks x tensors)
+bits for the masks and O(ranks) per group alive, never O(ranks x tensors)
 boxes. Layouts that give a rank several boxes of a tensor, meshes with ranks outside the
 group, explicit (ShardedTensor) items and malformed signatures raise
 :class:`NotDerivable`: the caller takes the gathered path. Pure: numpy, no
@@ -38,17 +40,34 @@ class NotDerivable(Exception):
 
 
 @dataclass(frozen=True, eq=False)
-class _Boxes:
-    """One (global shape, layout) pair over every rank of the group."""
+class _Sets:
+    """One layout on tensors of one ndim over every rank of the group: which mesh dims
+    shard each tensor dim, and the holder sets. Shared by every tensor of that layout
+    and ndim."""
 
-    grid: tuple | None  # per dim: breakpoints (tuple, or int64 array when long)
-    cell_joint: np.ndarray  # (cells,) the holder set of each cell (C order)
-    cell_elems: np.ndarray  # (cells,) elements per cell
+    mg: np.ndarray  # (mesh positions,) the group rank at each
+    mdims: list  # per tensor dim: the mesh dims that shard it
+    combo: list  # per tensor dim: (mesh positions,) combination of those dims' coords
+    radix: list  # per tensor dim: the number of combinations
+    jstride: list
     holders: np.ndarray  # (sets, H) group ranks holding each set's cells, ascending
     fp: np.ndarray  # (sets,) int64: plan_global's fingerprint of each holder set
+
+
+@dataclass(frozen=True, eq=False)
+class _Boxes:
+    """One layout on tensors whose sharded dims have the same lengths (the others any
+    length: they are one run, whole), over every rank of the group. A tensor's grid,
+    cell bytes and box hashes follow from it and its shape (:func:`_lanes`)."""
+
+    sets: _Sets
+    runs: list  # per dim: (starts, sizes) of each combination (None: unsharded dim)
+    grid: list  # per dim: breakpoints (tuple, int64 array when long; None: unsharded)
+    cell_joint: np.ndarray  # (cells,) the holder set of each cell (C order)
+    cell_elems: np.ndarray  # (cells,) elements per cell over the sharded dims
     rank_cell: np.ndarray  # (ranks,) the cell each rank holds, -1: nothing
-    lanes: np.ndarray  # (ranks, 2) uint64: rules.box_lanes of each rank's box
     writer1: np.ndarray | None  # (cells,) writer when H == 1 (no replicas)
+    empty: bool  # the tensors have no elements: no cells, every box empty
 
 
 def _chunk(length: np.ndarray, parts: int, index: np.ndarray):
@@ -110,47 +129,33 @@ def _dim_combos(length: int, steps: list[tuple[tuple, int]]) -> tuple[np.ndarray
     return start, cnt.astype(np.int64)
 
 
-def _boxes(shape: tuple[int, ...], lay: rules.Layout, group_ranks: np.ndarray,
-           salt: np.ndarray) -> _Boxes:
+def _mesh(lay: rules.Layout, group_ranks: np.ndarray) -> np.ndarray:
+    """The group rank at each mesh position. O(ranks), once per layout."""
     world = len(group_ranks)
-    nd = len(shape)
     mranks = np.asarray(lay.ranks, np.int64)
     top = int(max(mranks.max(initial=0), group_ranks.max(initial=0))) + 1
     inv = np.full(top, -1, np.int64)
     inv[group_ranks] = np.arange(world)
-    mg = inv[mranks]  # group rank at each mesh position
-    if (mg < 0).any() or len(np.unique(mg)) != len(mg):
+    mg = inv[mranks]
+    if (mg < 0).any() or np.bincount(mg, minlength=world).max(initial=0) > 1:
         raise NotDerivable("a mesh holds ranks outside the save's group, or one twice")
-    if nd == 0 and len(mg) < world:  # a 0-d box is never empty: outsiders count as holders
-        raise NotDerivable("a 0-d DTensor on a mesh of part of the group")
-    coords = np.unravel_index(np.arange(len(mg)), lay.shape)
+    return mg
+
+
+def _sets(lay: rules.Layout, mg: np.ndarray, nd: int, salt: np.ndarray) -> _Sets:
+    """The holder sets of ``lay`` on ``nd``-d tensors. O(ranks), once per (layout, nd)."""
     for p in lay.placements:
         if p[0] != "R" and not p[1] < nd:
             raise NotDerivable(f"placement {p!r} on a {nd}-d tensor")
-    numel = math.prod(shape)
-    starts, sizes, combo, radix = [], [], [], []
+    coords = np.unravel_index(np.arange(len(mg)), lay.shape)
+    mdims, combo, radix = [], [], []
     for d in range(nd):
-        mdims = [i for i, p in enumerate(lay.placements) if p[0] != "R" and p[1] == d]
-        ms = [lay.shape[i] for i in mdims]
-        if numel == 0:  # every box is empty (and hashes as the zero box)
-            st = sz = np.zeros(math.prod(ms), np.int64)
-        else:
-            st, sz = _dim_combos(int(shape[d]), [(lay.placements[i], lay.shape[i]) for i in mdims])
-        starts.append(st)
-        sizes.append(sz)
-        combo.append(np.ravel_multi_index([coords[i] for i in mdims], ms) if mdims
+        md = [i for i, p in enumerate(lay.placements) if p[0] != "R" and p[1] == d]
+        ms = [lay.shape[i] for i in md]
+        mdims.append(md)
+        combo.append(np.ravel_multi_index([coords[i] for i in md], ms) if md
                      else np.zeros(len(mg), np.int64))
         radix.append(math.prod(ms))
-    # per dim: the non-empty runs sorted by start (the grid's rows), each combo's row
-    rows, ridx = [], []
-    for st, sz in zip(starts, sizes):
-        nz = np.flatnonzero(sz > 0)
-        nz = nz[np.argsort(st[nz], kind="stable")]
-        r = np.full(len(st), -1, np.int64)
-        r[nz] = np.arange(len(nz))
-        rows.append(nz)
-        ridx.append(r)
-    # the holder set (joint combination) of every mesh position, and each set's holders
     jstride = [math.prod(radix[d + 1:]) for d in range(nd)]
     joint = np.zeros(len(mg), np.int64)
     for d in range(nd):
@@ -160,39 +165,87 @@ def _boxes(shape: tuple[int, ...], lay: rules.Layout, group_ranks: np.ndarray,
     per = len(mg) // nsets
     holders = mg[order].reshape(nsets, per)
     fp = salt[holders].sum(1) if per else np.zeros(nsets, np.int64)
-    # each rank's box and cell
-    boxo = np.zeros((world, nd), np.int64)
-    boxs = np.zeros((world, nd), np.int64)
-    rank_cell = np.full(world, -1, np.int64)
+    return _Sets(mg, mdims, combo, radix, jstride, holders, fp)
+
+
+def _boxes(shape: tuple[int, ...], lay: rules.Layout, sets: _Sets, world: int) -> _Boxes:
+    """The cells, holders and writers of ``lay`` on tensors of ``shape``'s sharded dim
+    lengths. O(ranks + cells + sharded dim lengths)."""
+    nd = len(shape)
+    mg = sets.mg
+    numel = math.prod(shape)
+    runs, rows, ridx = [], [], []
+    for d in range(nd):
+        if not sets.mdims[d]:
+            runs.append(None)
+            rows.append(np.zeros(1, np.int64))
+            ridx.append(np.zeros(1, np.int64))
+            continue
+        if numel == 0:  # every box is empty (and hashes as the zero box)
+            st = sz = np.zeros(sets.radix[d], np.int64)
+        else:
+            st, sz = _dim_combos(int(shape[d]), [(lay.placements[i], lay.shape[i])
+                                                 for i in sets.mdims[d]])
+        runs.append((st, sz))
+        # the non-empty runs sorted by start (the grid's rows), each combo's row
+        nz = np.flatnonzero(sz > 0)
+        nz = nz[np.argsort(st[nz], kind="stable")]
+        r = np.full(len(st), -1, np.int64)
+        r[nz] = np.arange(len(nz))
+        rows.append(nz)
+        ridx.append(r)
+    per = sets.holders.shape[1]
+    e = np.zeros(0, np.int64)
+    if numel == 0:
+        return _Boxes(sets, runs, [None] * nd, e, e, np.full(world, -1, np.int64), e, True)
     ncnt = [len(r) for r in rows]
     cstride = [math.prod(ncnt[d + 1:]) for d in range(nd)]
     cell = np.zeros(len(mg), np.int64)
     ok = np.ones(len(mg), bool)
     for d in range(nd):
-        boxo[mg, d] = starts[d][combo[d]]
-        boxs[mg, d] = sizes[d][combo[d]]
-        ri = ridx[d][combo[d]]
+        if runs[d] is None:
+            continue
+        ri = ridx[d][sets.combo[d]]
         ok &= ri >= 0
         cell += np.maximum(ri, 0) * cstride[d]
-    if numel:
-        rank_cell[mg[ok]] = cell[ok]
-    lanes = rules.box_lanes(boxo, boxs)
-    if numel == 0:
-        e = np.zeros(0, np.int64)
-        return _Boxes(None, e, e, holders, fp, rank_cell, lanes, e)
+    rank_cell = np.full(world, -1, np.int64)
+    rank_cell[mg[ok]] = cell[ok]
     ncells = math.prod(ncnt)
     cid = np.arange(ncells, dtype=np.int64)
     cell_joint = np.zeros(ncells, np.int64)
     elems = np.ones(ncells, np.int64)
-    grid = []
+    grid: list = []
     for d in range(nd):
+        if runs[d] is None:
+            grid.append(None)
+            continue
+        st, sz = runs[d]
         i = cid // cstride[d] % ncnt[d] if ncnt[d] > 1 else np.zeros(ncells, np.int64)
-        cell_joint += rows[d][i] * jstride[d]
-        elems *= sizes[d][rows[d]][i]
-        bp = np.append(starts[d][rows[d]], shape[d])
+        cell_joint += rows[d][i] * sets.jstride[d]
+        elems *= sz[rows[d]][i]
+        bp = np.append(st[rows[d]], shape[d])
         grid.append(tuple(bp.tolist()) if len(bp) <= _SMALL else bp)
-    writer1 = holders[cell_joint, 0] if per == 1 else None
-    return _Boxes(tuple(grid), cell_joint, elems, holders, fp, rank_cell, lanes, writer1)
+    writer1 = sets.holders[cell_joint, 0] if per == 1 else None
+    return _Boxes(sets, runs, grid, cell_joint, elems, rank_cell, writer1, False)
+
+
+def _lanes(b: _Boxes, shape: tuple[int, ...], world: int) -> np.ndarray:
+    """(ranks, 2): rules.box_lanes of every rank's box of a tensor of ``shape``
+    (ranks off the mesh: the all-zero box). O(ranks x ndim)."""
+    nd = len(shape)
+    boxo = np.zeros((world, nd), np.int64)
+    boxs = np.zeros((world, nd), np.int64)
+    mg = b.sets.mg
+    for d in range(nd):
+        if b.empty:
+            continue  # every box empty
+        if b.runs[d] is None:
+            boxs[mg, d] = shape[d]
+        else:
+            st, sz = b.runs[d]
+            boxo[mg, d] = st[b.sets.combo[d]]
+            boxs[mg, d] = sz[b.sets.combo[d]]
+    return rules.box_lanes(boxo, boxs)
 
 
 @dataclass(frozen=True, eq=False)
@@ -227,39 +280,67 @@ def derive(sig: rules.Signature, world: int) -> Derived:
         raise NotDerivable("a key listed twice")
     salt = np.random.default_rng(0).integers(1, 1 << 62, max(world, 1), dtype=np.int64)
     plain = rules.Layout(tuple(group_ranks.tolist()), (world,), (("R",),))
-    memo: dict = {}
     ranks = np.arange(world, dtype=np.int64)
     nkeys = len(sig.items)
-    mask = np.zeros((world, nkeys), bool)
+    mask = np.zeros((nkeys, world), bool)  # key-major: a row per tensor, transposed once
     hashes = np.zeros((world, 2), np.uint64)
     bytes_per_rank = np.zeros(world, np.int64)
-    per_key = []
+    # Tensors of one layout whose sharded dims have the same lengths share their cells,
+    # holders and writers (_boxes); only their box hashes and bytes differ. FSDP's 500
+    # tensors have ~170 distinct dim-0 lengths but 230 shapes: one O(ranks) pass per
+    # group, one per shape (the hashes), the rest per tensor. Groups are built one at a
+    # time and dropped (unless replicated): memory O(ranks) per group alive.
+    meshes: dict = {}
+    setss: dict = {}
+    groups: dict = {}  # (layout, ndim, empty, sharded lengths) -> {shape: [key index]}
+    for k, (key, dt, shape, lid) in enumerate(sig.items):
+        if dt not in ITEMSIZE or len(shape) > tiling.MAX_NDIM:
+            raise NotDerivable(f"tensor {key!r}")
+        lay = plain if lid == rules.PLAIN else sig.layouts[lid]
+        nd = len(shape)
+        mg = meshes.get(lid)
+        if mg is None:
+            mg = meshes[lid] = _mesh(lay, group_ranks)
+        if nd == 0 and len(mg) < world:  # a 0-d box is never empty: outsiders count as holders
+            raise NotDerivable("a 0-d DTensor on a mesh of part of the group")
+        sets = setss.get((lid, nd))
+        if sets is None:
+            sets = setss[(lid, nd)] = _sets(lay, mg, nd, salt)
+        skey = (lid, nd, math.prod(shape) == 0,
+                tuple(x if sets.mdims[d] else -1 for d, x in enumerate(shape)))
+        groups.setdefault(skey, {}).setdefault(tuple(shape), []).append(k)
+    per_key: list = [None] * nkeys
     rep = []  # (key index, its boxes, cell bytes): replicated cells, assigned below
     with np.errstate(over="ignore"):
-        for k, (key, dt, shape, lid) in enumerate(sig.items):
-            if dt not in ITEMSIZE or len(shape) > tiling.MAX_NDIM:
-                raise NotDerivable(f"tensor {key!r}")
+        for (lid, nd, _, _), shapes in groups.items():
             lay = plain if lid == rules.PLAIN else sig.layouts[lid]
-            b = memo.get((shape, lid))
-            if b is None:
-                b = memo[(shape, lid)] = _boxes(tuple(shape), lay, group_ranks, salt)
-            hashes += rules.key_lanes(b.lanes, k)
-            gbytes = b.cell_elems * ITEMSIZE[dt]
-            if b.writer1 is not None or not len(b.cell_joint):
-                w = b.writer1
-                mask[:, k] = b.rank_cell >= 0
-                bw = memo.get((id(b), dt))
-                if bw is None:
-                    bw = memo[(id(b), dt)] = np.bincount(w, weights=gbytes, minlength=world).astype(np.int64)
-                bytes_per_rank += bw
-            else:
-                w = None
-                rep.append((k, b, gbytes))
-            per_key.append((key, dt, tuple(shape), b, w))
+            b = _boxes(next(iter(shapes)), lay, setss[(lid, nd)], world)
+            held = b.rank_cell >= 0
+            bw = None
+            for shape, ks in shapes.items():
+                lanes = _lanes(b, shape, world)
+                factor = math.prod(x for d, x in enumerate(shape) if b.runs[d] is None)
+                grid = None if b.empty else tuple(
+                    (0, shape[d]) if g is None else g for d, g in enumerate(b.grid))
+                for k in ks:
+                    key, dt = sig.items[k][:2]
+                    hashes += rules.key_lanes(lanes, k)
+                    if b.writer1 is not None or not len(b.cell_joint):
+                        w = b.writer1
+                        mask[k] = held
+                        if bw is None:
+                            bw = np.bincount(w, weights=b.cell_elems, minlength=world).astype(np.int64)
+                        bytes_per_rank += bw * (factor * ITEMSIZE[dt])
+                    else:
+                        w = None
+                        rep.append((k, b, b.cell_elems * (factor * ITEMSIZE[dt])))
+                    per_key[k] = (key, dt, shape, w, grid)
+                del lanes
     if rep:  # plan_global's round robin per holder set, largest first, over all tensors
-        fp = np.concatenate([b.fp[b.cell_joint] for _, b, _ in rep])
+        rep.sort(key=lambda x: x[0])  # in key order
+        fp = np.concatenate([b.sets.fp[b.cell_joint] for _, b, _ in rep])
         gb = np.concatenate([g for _, _, g in rep])
-        cnt = np.concatenate([np.full(len(b.cell_joint), b.holders.shape[1], np.int64)
+        cnt = np.concatenate([np.full(len(b.cell_joint), b.sets.holders.shape[1], np.int64)
                               for _, b, _ in rep])
         by = np.lexsort((-gb, fp))
         first = np.ones(len(by), bool)
@@ -271,23 +352,23 @@ def derive(sig: rules.Signature, world: int) -> Derived:
         at = 0
         for k, b, g in rep:
             n = len(b.cell_joint)
-            w = b.holders[b.cell_joint, pick[at:at + n]]
+            w = b.sets.holders[b.cell_joint, pick[at:at + n]]
             at += n
-            key, dt, shape, _, _ = per_key[k]
-            per_key[k] = (key, dt, shape, b, w)
+            key, dt, shape, _, grid = per_key[k]
+            per_key[k] = (key, dt, shape, w, grid)
             held = b.rank_cell >= 0
-            mask[held, k] = w[b.rank_cell[held]] == ranks[held]
+            mask[k, held] = w[b.rank_cell[held]] == ranks[held]
             bytes_per_rank += np.bincount(w, weights=g, minlength=world).astype(np.int64)
     tensors = {}
-    for key, dt, shape, b, w in per_key:
-        if b.grid is None:  # no elements: no chunks
+    for key, dt, shape, w, grid in per_key:
+        if grid is None:  # no elements: no chunks
             z = np.zeros((0, len(shape)), np.int64)
             tensors[key] = PlannedTensor(key, dt, shape, z, z.copy(), np.zeros(0, np.int64), None)
         else:
-            tensors[key] = PlannedTensor(key, dt, shape, None, None, w, b.grid)
+            tensors[key] = PlannedTensor(key, dt, shape, None, None, w, grid)
     counts = np.full(world, nkeys, "<i8")
     packed = (world.to_bytes(8, "little") + counts.tobytes()
-              + np.packbits(mask.reshape(-1)).tobytes())
+              + np.packbits(mask.T.reshape(-1)).tobytes())
     gp = GlobalPlan(tensors, {}, [], bytes_per_rank, {}, sorted(set(sig.int_keys)),
                     packed_writes=packed)
     return Derived(gp, hashes)

@@ -35,6 +35,11 @@ def cases(draw):
                 pls.append(("S", d) if kind == "S" else ("SS", d, draw(st.integers(1, 4))))
         plain = draw(st.booleans())
         tensors.append((f"t{i}", draw(st.sampled_from(["F32", "BF16"])), shape, plain, tuple(pls)))
+    for i in range(draw(st.integers(0, 2))):  # siblings: one layout, other unsharded dims
+        key, dt, shape, plain, pls = tensors[draw(st.integers(0, len(tensors) - 1))]
+        split = {p[1] for p in pls if p[0] != "R"} if not plain else set()
+        shape = tuple(x if d in split else draw(st.integers(0, 13)) for d, x in enumerate(shape))
+        tensors.append((f"s{i}", draw(st.sampled_from(["F32", "BF16"])), shape, plain, pls))
     return mesh, world, tuple(group), tuple(mesh_ranks), tensors
 
 
