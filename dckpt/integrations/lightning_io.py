@@ -35,6 +35,7 @@ import torch
 
 from ..errors import CheckpointError, NotCommittedError, StateMismatchError
 from ..format.manifest import MANIFEST_NAME
+from ..storage.local import _fsync_dir  # fsync of a directory entry (the rename is durable)
 from ..protocol.async_save import SaveHandle, async_save
 from ..protocol.collectives import Comm, agree
 from ..protocol.commit import save
@@ -121,14 +122,6 @@ def _renameat2(src: str, dst: str, flags: int) -> bool:
     if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
         return False
     raise OSError(err, os.strerror(err), dst)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _rm(path: str) -> None:
