@@ -178,6 +178,7 @@ class DckptCheckpointManager(BaseCheckpointManager):
         self.keep_latest_k = config.keep_latest_k
         self.save_future: Future | None = None
         self._closed = False
+        self._prepared = False  # async: the staging buffers are allocated (see _save)
         self.model_parts = list(model_parts)
         shared = {f: getattr(config, f) for f in SHARED} | {"async_mode": self.async_mode}
         shared["exclude_from_loading"] = sorted(map(str, self.exclude_from_loading))
@@ -230,6 +231,13 @@ class DckptCheckpointManager(BaseCheckpointManager):
             raise CheckpointError(f"save(step={curr_step}) after close(): the checkpoint "
                                   "manager is closed; build a new one to save again")
         if not self._should_save(curr_step, last_step):
+            if self.async_mode == "async" and not self._prepared and not self.load_only:
+                # The first async save's staging buffers, allocated and touched now, after
+                # an optimizer step (not in load(): a fresh optimizer's state_dict() runs a
+                # zero-lr step, Adam's count would be off by one), so the first save
+                # blocks no longer than later ones. Collective, as this call is.
+                self._prepared = True
+                self.manager._prepare(dict(self.states))
             return False
         begin = time.monotonic()
         if last_step:
@@ -310,6 +318,7 @@ class DckptCheckpointManager(BaseCheckpointManager):
             # does (exclude_from_loading; per-rank keys of ranks gone after a resize)
             got = self.manager.restore(self._states_to_load(),
                                        step=None if step == -1 else step, strict=False)
+            self._prepared = True  # the restore prepared the whole state's buffers
         logger.info(f"Loaded the checkpoint of step {got} ({self.manager.restored_from}) "
                     f"from {self.folder} in {time.monotonic() - begin:.2f} seconds.")
         return got is not None
