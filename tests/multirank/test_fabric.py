@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
 
@@ -16,28 +13,14 @@ pytest.importorskip("lightning_fabric")
 
 from dckpt.catalog.verify import verify_checkpoint  # noqa: E402
 
+from .lightning_run import run_job  # noqa: E402
+
 JOB = os.path.join(os.path.dirname(__file__), "jobs", "fabric_job.py")
 pytestmark = pytest.mark.slow
 
 
 def run(root: str, strategy: str, devices: int, mode: str, timeout: float = 240) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, JOB, "--strategy", strategy, "--devices",
-                             str(devices), "--root", root, mode],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"job timed out after {timeout} s:\n{out[-4000:]}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert proc.returncode == 0, out[-4000:]
+    out = run_job(JOB, root, strategy, devices, mode, timeout=timeout)
     lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
     assert lines, out[-4000:]
     return json.loads(lines[-1][len("RESULT "):])

@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,6 +15,8 @@ pytest.importorskip("pytorch_lightning")
 
 from dckpt.catalog.verify import verify_checkpoint  # noqa: E402
 
+from .lightning_run import run_job  # noqa: E402
+
 JOB = os.path.join(os.path.dirname(__file__), "jobs", "lightning_job.py")
 pytestmark = pytest.mark.slow
 
@@ -25,28 +24,7 @@ pytestmark = pytest.mark.slow
 def run(root: str, strategy: str, devices: int, *args: str, timeout: float = 240,
         killed: bool = False) -> str:
     """Run the job; return its output. ``killed``: it must end by SIGKILL."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("DCKPT_FAULT", None)
-    proc = subprocess.Popen([sys.executable, JOB, "--strategy", strategy, "--devices",
-                             str(devices), "--root", root, *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"job timed out after {timeout} s:\n{out[-4000:]}")
-    finally:
-        try:  # Lightning's other ranks are children of rank 0: none may outlive it
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    if killed:
-        assert proc.returncode == -signal.SIGKILL, out[-4000:]
-    else:
-        assert proc.returncode == 0, out[-4000:]
-    return out
+    return run_job(JOB, root, strategy, devices, *args, timeout=timeout, killed=killed)
 
 
 def ref(root: str, name: str) -> dict:
