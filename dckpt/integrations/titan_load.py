@@ -4,10 +4,7 @@ checkpoint, or from a Hugging Face safetensors directory through the model's sta
 dict adapter. Imports torch's DCP only for a DCP source; never imports torchtitan."""
 from __future__ import annotations
 
-import os
 from typing import Any
-
-from ..errors import CheckpointError
 
 MODEL = "model"
 DCP_METADATA = ".metadata"  # what makes a folder a DCP checkpoint
@@ -64,7 +61,5 @@ def load_hf_model(model: Any, adapter: Any, path: str, quantized: bool) -> None:
     else:
         from ..interop.hf_load import load_hf
 
-        if not os.path.isdir(path) and "://" not in path:
-            raise CheckpointError(f"{path}: not a directory of Hugging Face safetensors")
         load_hf(hf_sd, path)
     model.load_state_dict(adapter.from_hf(hf_sd))

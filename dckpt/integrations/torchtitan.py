@@ -218,8 +218,11 @@ class DckptCheckpointManager(BaseCheckpointManager):
         BatchNorm's running stats, a load-balancing bias; dckpt.engine.fence), which
         torchtitan's Trainer runs right after save() returns."""
         opts = self.optimizers
-        inner = list(opts) if hasattr(opts, "__iter__") else []
-        found = [o for o in [opts, *inner] if isinstance(o, torch.optim.Optimizer)]
+        # The container's step calls each inner optimizer's: hooking those is enough (a
+        # hook on the container too armed and ran a second wait per save).
+        inner = [o for o in (opts if hasattr(opts, "__iter__") else [])
+                 if isinstance(o, torch.optim.Optimizer)]
+        found = inner or ([opts] if isinstance(opts, torch.optim.Optimizer) else [])
         return found + [m for m in self.model_parts if isinstance(m, torch.nn.Module)]
 
     @torch.no_grad()
