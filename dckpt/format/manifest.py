@@ -3,6 +3,8 @@
 Pure (numpy, no torch.distributed). See docs/FORMAT.md for the schema. Version 2 carries
 a CRC32 of its own bytes, so a flipped bit anywhere in it (a stored step or learning rate
 included) is refused rather than loaded; version 1 manifests (no checksum) still load.
+Version 3 adds references to sibling files and block tables, version 4 the columnar file
+table (:mod:`.filetable`); each is written only when a manifest needs it.
 Parsing validates everything a hostile manifest could abuse: file names stay inside the
 checkpoint, sizes and shapes are bounded integers, chunks lie inside their tensor and
 tile it, and malformed JSON of any kind raises ManifestError, never another exception.
@@ -11,15 +13,15 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import math
-import re
 import sys
 from typing import Any
 
 import numpy as np
 
 from ..errors import ManifestError
-from . import tiling
+from . import filetable, tiling
 from . import intarray, sealed
 from .grid import grid_cells  # noqa: F401  (public here: readers and tools use it)
 from .grid import cells as _cells, parse_dim as _grid_dim
@@ -28,12 +30,14 @@ from . import codec
 from .dtypes import ITEMSIZE
 # The data model lives in .manifest_types; it is public here, where callers import it.
 from .manifest_types import (  # noqa: F401
-    TABLE_COLS, ChunkBlocks, Chunks, FileEntry, JsonLeaf, Manifest, TensorEntry)
+    TABLE_COLS, ChunkBlocks, Chunks, FileEntry, FileTable, JsonLeaf, Manifest, TensorEntry)
+from .filetable import SAFE_NAME  # noqa: F401  (public here, as before)
 from .shards import MAX_HEADER
 
 FORMAT = "dckpt"
 VERSION = 3  # written when a manifest references sibling files or has block tables
-READABLE_VERSIONS = (1, 2, 3)
+TABLE_VERSION = 4  # written when its files are a table (filetable.use_table)
+READABLE_VERSIONS = (1, 2, 3, 4)
 MANIFEST_NAME = "manifest.json"
 # Values a CheckpointManager records about the timeline (the save id a commit continues,
 # the newest commit time its manager had seen): bookkeeping, not state. A load never
@@ -46,9 +50,6 @@ MAX_NDIM = tiling.MAX_NDIM
 # is several boxes; dckpt's save refuses more), so a tensor has at most this many
 # chunks per file: the cap on what a hostile manifest's grid can make a reader allocate.
 MAX_CHUNKS_PER_FILE = 1024
-# A file reference is one plain name inside the checkpoint directory: no separators,
-# no "..", no scheme, no leading dot.
-SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}$")
 _I64_MAX = (1 << 63) - 1
 _EAGER_CELLS = 64  # grids of at most this many cells get their boxes at parse time
 _MAX_META_DEPTH = 32
@@ -57,38 +58,47 @@ _MAX_META_DEPTH = 32
 # ----------------------------------------------------------------------------- writing
 
 def to_json(m: Manifest) -> bytes:
-    """Serialise a manifest as version 2 (checksummed, strict JSON: non-finite floats in
-    ``values`` and ``meta`` are tagged objects). Cost: O(tensors + chunk-table size), no
-    I/O. Raises ValueError when ``created`` is not finite, TypeError when ``meta`` holds
-    something JSON cannot encode."""
-    tensors = _encoded_tensors(m.tensors)
-    new = any(f.dir for f in m.files) or any(t.blocks is not None for t in m.tensors.values())
-    doc = {
-        "format": FORMAT,
-        "version": VERSION if new else 2,  # older readers still read plain checkpoints
-        "save_id": m.save_id,
-        "world_size": m.world_size,
-        "created": m.created,
-        "meta": sealed.tag_floats(m.meta),
-        "files": [[f.name, f.size, f.header_len, f.header_crc32, f.rank, f.dir] if f.dir
-                  else [f.name, f.size, f.header_len, f.header_crc32, f.rank] for f in m.files],
-        "tensors": tensors,
-        "values": {k: sealed.tag_floats(v) for k, v in m.values.items()},
-    }
-    return sealed.seal(doc)
+    """Serialise a manifest, checksummed (strict JSON: non-finite floats in ``values``
+    and ``meta`` are tagged objects), as the lowest version that holds it: 2, 3 with
+    references or block tables, 4 when its files are written as a table
+    (:func:`.filetable.use_table`: older readers still read the rest). Cost:
+    O(tensors + chunk-table size + files), no I/O; a later manifest of the same tensor
+    entries (a cached plan) reuses their JSON text, so costs O(files) numpy. Raises
+    ValueError when ``created`` is not finite, TypeError when ``meta`` holds something
+    JSON cannot encode."""
+    files = filetable.to_json_obj(m.files, m.save_id, m.world_size)
+    version = TABLE_VERSION if isinstance(files, dict) else VERSION if (
+        m.files.references or any(t.blocks is not None for t in m.tensors.values())) else 2
+    parts = [("format", _dumps(FORMAT)), ("version", _dumps(version)),
+             ("save_id", _dumps(m.save_id)), ("world_size", _dumps(m.world_size)),
+             ("created", _dumps(m.created)), ("meta", _dumps(sealed.tag_floats(m.meta))),
+             ("files", _dumps(files)), ("tensors", _tensors_json(m.tensors)),
+             ("values", _dumps({k: sealed.tag_floats(v) for k, v in m.values.items()}))]
+    # what json.dumps of the whole document writes, byte for byte, by parts
+    return sealed.seal_body(("{" + ",".join(f'"{k}":{v}' for k, v in parts) + "}").encode())
 
 
-# The JSON form of the last manifest's tensor table, by the identity of that table: a
+def _dumps(x: Any) -> str:
+    return json.dumps(x, separators=(",", ":"), allow_nan=False)
+
+
+# The JSON text of the last manifest's tensor table, by the identity of that table: a
 # steady-state save whose plan was cached reuses the same (immutable) entries, so its
 # manifest is serialised without encoding the chunk tables again.
-_LAST_TENSORS: tuple = (None, None)
+_LAST_TENSORS: tuple = (None, "")
+
+
+def _tensors_json(entries: dict) -> str:
+    global _LAST_TENSORS
+    owner, text = _LAST_TENSORS  # one read: another thread may swap the pair meanwhile
+    if owner is entries:
+        return text
+    text = _dumps(_encoded_tensors(entries))
+    _LAST_TENSORS = (entries, text)
+    return text
 
 
 def _encoded_tensors(entries: dict) -> dict:
-    global _LAST_TENSORS
-    owner, enc = _LAST_TENSORS  # one read: another thread may swap the pair meanwhile
-    if owner is entries:
-        return enc
     tensors = {}
     memo: dict = {}  # id(array) -> its encoding: a derived plan shares arrays between tensors
     for key, t in entries.items():
@@ -102,7 +112,6 @@ def _encoded_tensors(entries: dict) -> dict:
         tensors[key] = {"dtype": t.dtype, "shape": list(t.shape), "chunks": enc}
         if t.blocks is not None:
             tensors[key]["blocks"] = _blocks_json(t.blocks)
-    _LAST_TENSORS = (entries, tensors)
     return tensors
 
 
@@ -133,40 +142,7 @@ def _blocks_json(blocks: tuple[ChunkBlocks, ...]) -> dict:
 # ----------------------------------------------------------------------------- parsing
 # Helpers raise ManifestError naming the field; parse() prefixes the file (``where``).
 
-def _int(x: Any, what: str, lo: int = 0, hi: int = _I64_MAX) -> int:
-    if type(x) is not int or not lo <= x <= hi:
-        raise ManifestError(f"{what} must be an integer in [{lo}, {hi}], got {sealed.short(x)}")
-    return x
-
-
-def _plain_name(x: Any) -> bool:
-    return isinstance(x, str) and bool(SAFE_NAME.fullmatch(x)) and ".." not in x
-
-
-def _parse_file(i: int, f: Any, version: int) -> FileEntry:
-    if not (isinstance(f, list) and (len(f) == 5 or (len(f) == 6 and version >= 3))):
-        raise ManifestError(f"files[{i}] must be [name, size, header_len, crc, rank] "
-                            "(and, from version 3, a sibling directory)")
-    name = f[0]
-    if not _plain_name(name):
-        raise ManifestError(
-            f"files[{i}] name {sealed.short(name)} is not a plain file name inside the "
-            "checkpoint (absolute paths, '..', separators and URLs are refused)")
-    d = f[5] if len(f) == 6 else ""
-    if len(f) == 6 and not _plain_name(d):
-        raise ManifestError(
-            f"files[{i}] {name}: directory {sealed.short(d)} is not a sibling checkpoint "
-            "in the same parent (only a plain directory name is allowed: absolute paths, "
-            "'..', separators, URLs and other roots are refused)")
-    size = _int(f[1], f"files[{i}].size")
-    hlen = _int(f[2], f"files[{i}].header_len", 1)
-    if hlen + 8 > size:
-        raise ManifestError(f"files[{i}] {name}: header_len {hlen} exceeds size {size}")
-    if hlen > MAX_HEADER:  # refused before any reader allocates a buffer that large
-        raise ManifestError(f"files[{i}] {name}: header_len {hlen} is over the "
-                            f"{MAX_HEADER}-byte limit for shard headers")
-    return FileEntry(name, size, hlen, _int(f[3], f"files[{i}].header_crc32", 0, 0xFFFFFFFF),
-                     _int(f[4], f"files[{i}].rank"), d)
+_int = filetable._int  # raises ManifestError naming the field
 
 
 def _parse_chunks(key: str, shape: tuple[int, ...], obj: Any, nfiles: int) -> Chunks:
@@ -349,15 +325,12 @@ def _parse_doc(data: bytes, at: list[str]) -> Manifest:
     if version >= 2 and constants:
         raise ManifestError(f"holds {constants[0]}, which is not JSON (version 2 writes "
                             'non-finite floats as {"$float": ...})')
-    files_raw = _field(doc, "files", list)
+    files_raw = _field(doc, "files", dict if version >= TABLE_VERSION and
+                       isinstance(doc.get("files"), dict) else list)
     tensors_raw = _field(doc, "tensors", dict)
     values_raw = _field(doc, "values", dict)
-    files = []
-    for i, f in enumerate(files_raw):
-        at[0] = f"files[{i}]"
-        files.append(_parse_file(i, f, version))
-    if len({(f.dir, f.name) for f in files}) != len(files):
-        raise ManifestError("a file is listed twice")
+    world_size = _int(doc.get("world_size"), "world_size", 1)
+    files = filetable.parse(files_raw, version, doc.get("save_id", ""), world_size, at)
     tensors: dict[str, TensorEntry] = {}
     for key, t in tensors_raw.items():
         at[0] = f"tensor {key!r}"
@@ -382,9 +355,9 @@ def _parse_doc(data: bytes, at: list[str]) -> Manifest:
     at[0] = "meta"
     return Manifest(
         save_id=save_id,
-        world_size=_int(doc.get("world_size"), "world_size", 1),
+        world_size=world_size,
         created=float(created),
-        files=tuple(files),
+        files=files,
         tensors=tensors,
         values=values,
         meta={k: _parse_meta(v, 1) for k, v in meta.items()},  # meta itself stays a dict

@@ -12,26 +12,13 @@ from typing import Any
 import numpy as np
 
 from .dtypes import ITEMSIZE
+# The files' model lives in .filetable (with its JSON forms); public here, as before.
+from .filetable import FileEntry, FileTable  # noqa: F401
 
 # A value of Manifest.values: a JSON scalar, or a bytes value kept as its
 # {"$bytes": "<base64>"} tag, as the manifest and the save plans hold it (decode with
 # dckpt.format.sealed.user_value; dckpt.load and dckpt.open hand the user bytes).
 JsonLeaf = None | bool | int | float | str | dict[str, str]
-
-
-@dataclass(frozen=True)
-class FileEntry:
-    """One data file: its name (relative to the checkpoint), total size, and the length
-    and CRC32 of its safetensors header (which holds the chunk checksums)."""
-
-    name: str
-    size: int
-    header_len: int
-    header_crc32: int
-    rank: int
-    # "" for a file of this checkpoint; else the sibling checkpoint directory (same
-    # parent) holding it: an incremental save references its base's files.
-    dir: str = ""
 
 
 @dataclass(frozen=True, eq=False)
@@ -114,22 +101,28 @@ class TensorEntry:
 @dataclass(frozen=True)
 class Manifest:
     """A parsed, validated manifest. Construct with :func:`parse` or :func:`build`.
-    ``values``: key -> :data:`JsonLeaf` (bytes values as their {"$bytes"} tag)."""
+    ``values``: key -> :data:`JsonLeaf` (bytes values as their {"$bytes"} tag).
+    ``files``: a :class:`FileTable` (a ``Sequence[FileEntry]``); any other sequence of
+    FileEntry given here is converted to one (O(files) Python)."""
 
     save_id: str
     world_size: int
     created: float
-    files: tuple[FileEntry, ...]
+    files: FileTable
     tensors: dict[str, TensorEntry]
     values: dict[str, JsonLeaf]
     meta: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.files, FileTable):
+            object.__setattr__(self, "files", FileTable.from_entries(self.files, self.save_id))
+
     @property
     def total_bytes(self) -> int:
-        """Bytes of this checkpoint's own files (not those it references)."""
-        return sum(f.size for f in self.files if not f.dir)
+        """Bytes of this checkpoint's own files (not those it references). O(files) numpy."""
+        return self.files.own_bytes()
 
     @property
     def referenced_bytes(self) -> int:
         """Bytes of the sibling checkpoints' files this one references."""
-        return sum(f.size for f in self.files if f.dir)
+        return self.files.referenced_bytes()

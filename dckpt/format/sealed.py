@@ -58,8 +58,15 @@ def seal(doc: dict[str, Any]) -> bytes:
     JSON of the document without its opening brace, which the CRC32 covers. For tools
     and tests that rewrite a manifest on purpose. O(size), no I/O. Raises ValueError on
     NaN/infinity (JSON has none), TypeError on values JSON cannot encode."""
-    body = json.dumps({k: v for k, v in doc.items() if k != "checksum"},
-                      separators=(",", ":"), allow_nan=False).encode()
+    return seal_body(json.dumps({k: v for k, v in doc.items() if k != "checksum"},
+                                separators=(",", ":"), allow_nan=False).encode())
+
+
+def seal_body(body: bytes) -> bytes:
+    """:func:`seal` of a document already serialised as compact JSON (``body``, an
+    object without a "checksum" key): the manifest writer assembles it by parts, its
+    tensor table's text reused between saves. O(len(body)) (one CRC32). Raises
+    ValueError for an empty object."""
     rest = body[1:]
     if rest == b"}":
         raise ValueError("an empty manifest document cannot be sealed")

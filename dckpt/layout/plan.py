@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 
@@ -281,22 +282,24 @@ def decode_writes(data: bytes, rank: int) -> np.ndarray:
     return bits[start:start + int(counts[rank])].astype(bool)
 
 
-def to_manifest(gp: GlobalPlan, files: list[mf.FileEntry], save_id: str, world: int,
+def to_manifest(gp: GlobalPlan, files: Sequence[mf.FileEntry], save_id: str, world: int,
                 meta: dict | None = None, missing_ok: bool = False) -> mf.Manifest:
     """Assemble the manifest from the plan and the files the ranks reported
-    (``files[i].rank`` wrote file i). Pure, O(chunks). With ``missing_ok``, a chunk
-    whose writer reported no file gets file -1 (an incremental save referenced it:
-    :func:`dckpt.layout.delta.attach` fills it in)."""
+    (``files[i].rank`` wrote file i; a :class:`dckpt.format.manifest.FileTable` or any
+    sequence of FileEntry). Pure, O(chunks + files) numpy (reused tensor entries: O(files)).
+    With ``missing_ok``, a chunk whose writer reported no file gets file -1 (an
+    incremental save referenced it: :func:`dckpt.layout.delta.attach` fills it in)."""
+    if not isinstance(files, mf.FileTable):
+        files = mf.FileTable.from_entries(files, save_id)
     index = np.full(world, -1, np.int64)
-    for i, f in enumerate(files):
-        index[f.rank] = i
+    index[files.rank] = np.arange(len(files))  # a rank's last file, as a loop would
     tensors = _reused_entries(gp, index, missing_ok)
     if tensors is None:
         tensors = _entries(gp, index, missing_ok)
     meta = dict(meta or {})
     if gp.int_keys:
         meta["int_keys"] = gp.int_keys
-    return mf.Manifest(save_id, world, time.time(), tuple(files), tensors, gp.values, meta)
+    return mf.Manifest(save_id, world, time.time(), files, tensors, gp.values, meta)
 
 
 # The last manifest's tensor entries, by the plan's tensors and the file index they
