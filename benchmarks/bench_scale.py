@@ -29,8 +29,22 @@ not the derivation). ``--path gathered`` is the path before (every rank's boxes)
 "rank0 MB" is tracemalloc's peak over the timed coordinator step in a separate pass
 (what rank 0 receives as Python bytes plus everything it builds; not the simulation).
 
-Reports the median of ``--reps`` runs. Target: R=4096 x T=500 total < 5 s, manifest
-< 64 MB. ``--profile`` prints a cProfile of one coordinator pass at the largest R.
+In the rule path (benchmarks/scale_rule.py), the "manif s" part of the first save and
+the cached save also time what rank 0 does with the votes every save: every rank's vote
+(its file's size, header length and header CRC32, random per rank; built untimed with
+``dckpt.protocol.votes.encode``, as each rank sends it: a 20-byte record) is decoded
+(``votes.decode``) into the manifest's file table, and the manifest is built and
+serialised (``to_manifest`` + ``to_json``), as ``_Coordinator.commit`` does before its
+I/O. Not timed: the gathers themselves, the listing that checks the files exist, the
+manifest's write. "recv MB" / "c.recv MB" are the bytes rank 0 receives per first /
+cached save: offers plus votes. First save, parse and cached save are each the median
+of ``--reps`` passes; the first of the cached passes follows the memory pass, whose
+plan is another object, so it rebuilds the tensor entries (a real cached save reuses
+them): the median is of the steady passes when ``--reps`` >= 3.
+
+Reports the median of ``--reps`` runs. Target (gathered path): R=4096 x T=500 total
+< 5 s, manifest < 64 MB. ``--profile`` prints a cProfile of one coordinator pass at the
+largest R (rule path: of the first save, the cached save and the parse, per layout).
 
     python benchmarks/bench_scale.py [--ranks 64 256 1024 4096] [--tensors 500]
         [--layouts fsdp fsdp_tp] [--json OUT]
@@ -159,68 +173,6 @@ def coordinator(blobs: list[bytes], world: int) -> tuple[float, float, float, by
     return t1 - t0, t2 - t1, t3 - t2, data
 
 
-def rule_offers(world: int, specs: list, layout: str) -> list[bytes]:
-    """Every rank's plan-by-rule offer (untimed): rank 0's with the signature."""
-    from dckpt.format import codec
-    from dckpt.layout import rules
-    from dckpt.layout.strided import local_boxes
-
-    if layout == "fsdp":
-        lay = rules.Layout(tuple(range(world)), (world,), (("S", 0),))
-        sig = rules.Signature(tuple(range(world)), [lay], [(k, d, s, 0) for k, d, s in specs])
-    else:
-        mesh = (world // TP, TP)
-        lays = [rules.Layout(tuple(range(world)), mesh, PLACEMENTS_2D[st]) for st in ("col", "row", "norm")]
-        sig = rules.Signature(tuple(range(world)), lays,
-                              [(k, d, s, ("col", "row", "norm").index(st)) for k, d, s, st in specs])
-    data = rules.encode(sig)
-    sh = codec._xxh().xxh3_128_digest(data)
-    hashes = np.zeros((world, 2), np.uint64)
-    r = np.arange(world, dtype=np.int64)
-    memo: dict = {}
-    for k, (_, _, shape, lid) in enumerate(sig.items):
-        got = memo.get((shape, lid))
-        if got is None:
-            offs = np.zeros((world, len(shape)), np.int64)
-            sizes = np.tile(np.asarray(shape, np.int64), (world, 1))
-            if layout == "fsdp":  # torch.chunk, per rank
-                step = -(-shape[0] // world)
-                offs[:, 0] = np.minimum(r * step, shape[0])
-                sizes[:, 0] = np.minimum(step, shape[0] - offs[:, 0])
-            else:
-                for q in range(world):
-                    lb = local_boxes(shape, mesh, (q // TP, q % TP), sig.layouts[lid].placements)
-                    assert len(lb) == 1
-                    offs[q], sizes[q] = lb.offsets[0], lb.sizes[0]
-            got = memo[(shape, lid)] = rules.box_lanes(offs, sizes)
-        with np.errstate(over="ignore"):
-            hashes += rules.key_lanes(got, k)
-    hb = hashes.astype("<u8").tobytes()
-    fp = (bytes(16), bytes(16))
-    return [plancache.encode_rule(fp, (data, sh, hb[16 * q:16 * q + 16]),
-                                  {"step": 1} if q == 0 else None) for q in range(world)]
-
-
-def rule_coordinator(offers: list[bytes], world: int) -> tuple[float, float, bytes, plancache.CoordCache]:
-    """One timed plan-by-rule coordinator pass: (plan s, manifest s, manifest, cache)."""
-    from dckpt.protocol.coordinator import _Coordinator
-
-    t0 = time.perf_counter()
-    cache = plancache.CoordCache()
-    coord = _Coordinator(None, "bench", True, world, cache)
-    decoded = [plancache.decode_offer(o) for o in offers]
-    gp = coord._derive(decoded)
-    assert gp is not None, "not derived"
-    kind, gp = cache.adopt(decoded, gp)
-    assert kind == "plan", kind
-    gplan.encode_writes(gp)
-    t1 = time.perf_counter()
-    files = [mf.FileEntry(f"data-0123456789abcdef-{r:05d}.safetensors",
-                          int(gp.bytes_per_rank[r]) + 4096, 4088, 12345, r) for r in range(world)]
-    data = mf.to_json(gplan.to_manifest(gp, files, "0123456789abcdef", world, {"dckpt_version": "bench"}))
-    return t1 - t0, time.perf_counter() - t1, data, cache
-
-
 def rank0_peak_mb(fn) -> float:
     """tracemalloc's peak (MB) while ``fn()`` runs (numpy reports its buffers to it)."""
     import tracemalloc
@@ -259,7 +211,9 @@ def cached_offers(blobs: list[bytes], step: int) -> tuple[plancache.CoordCache, 
 
 
 def cached_coordinator(cache: plancache.CoordCache, offers: list[bytes], world: int) -> tuple[float, int]:
-    """One timed cached-save coordinator pass: (seconds, offer bytes received)."""
+    """One timed cached-save coordinator pass of the gathered path's table: (seconds,
+    offer bytes received); the files are one FileEntry per rank (the rule path's
+    ``scale_rule.cached_coordinator`` decodes the votes instead)."""
     t0 = time.perf_counter()
     gp = cache.reuse_uniform(offers)  # as the coordinator: the numpy path first
     if gp is None:
@@ -300,6 +254,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="rule: plans by rule (signatures + hashes); gathered: every rank's boxes")
     args = p.parse_args(argv)
     if args.path == "rule":
+        from scale_rule import main_rule  # noqa: PLC0415 - beside this script
+
         return main_rule(args)
 
     results = []
@@ -349,49 +305,6 @@ def main(argv: list[str] | None = None) -> dict:
         prof = profile(blobs, args.ranks[-1], args.top)
         print(f"\ncProfile of one coordinator pass at R={args.ranks[-1]} ({args.layouts[-1]}):\n{prof}")
         out["profile"] = prof
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-    return out
-
-
-def main_rule(args) -> dict:
-    """The plan-by-rule rows: first save, rank 0's peak memory, cached save, parse."""
-    import dckpt.protocol.coordinator  # noqa: F401 - imported before timing (torch: seconds)
-    results = []
-    print(f"plans by rule, median of {args.reps} (offers built untimed)\n"
-          f"{'layout':>8}{'ranks':>7}{'tensors':>8}{'recv MB':>8}{'plan s':>8}{'manif s':>8}"
-          f"{'first s':>8}{'rank0 MB':>9}{'manif MB':>9}{'parse s':>8}{'cached s':>9}")
-    for layout, world in [(lay, w) for lay in args.layouts for w in args.ranks]:
-        specs = (tensor_specs(world, args.tensors) if layout == "fsdp"
-                 else [(k, d, s, st) for k, d, s, st in tensor_specs_2d(args.tensors)])
-        offers = rule_offers(world, specs, layout)
-        recv = sum(map(len, offers)) / 1e6
-        runs = []
-        for _ in range(args.reps):
-            gc.collect()
-            runs.append(rule_coordinator(offers, world))
-        plan_s = statistics.median(r[0] for r in runs)
-        man_s = statistics.median(r[1] for r in runs)
-        data, cache = runs[-1][2], runs[-1][3]
-        peak = rank0_peak_mb(lambda: rule_coordinator(offers, world))
-        t = time.perf_counter()
-        parsed = mf.parse(data)
-        parse_s = time.perf_counter() - t
-        assert len(parsed.tensors) == args.tensors
-        later = [plancache.encode_offer(True, (bytes(16), plancache.values_hash({"step": 2})), b"",
-                                        {"step": 2} if q == 0 else None, cache.plan_id)
-                 for q in range(world)]
-        cached_s = statistics.median(cached_coordinator(cache, later, world)[0] for _ in range(args.reps))
-        row = {"layout": layout, "ranks": world, "tensors": args.tensors, "recv_mb": recv,
-               "plan_s": plan_s, "manifest_s": man_s, "first_s": plan_s + man_s,
-               "rank0_peak_mb": peak, "manifest_mb": len(data) / 1e6, "parse_s": parse_s,
-               "cached_s": cached_s, "cached_recv_mb": sum(map(len, later)) / 1e6}
-        results.append(row)
-        print(f"{layout:>8}{world:7d}{args.tensors:8d}{recv:8.2f}{plan_s:8.3f}{man_s:8.3f}"
-              f"{row['first_s']:8.3f}{peak:9.1f}{row['manifest_mb']:9.3f}{parse_s:8.3f}"
-              f"{cached_s:9.3f}", flush=True)
-    out = {"results": results, "args": vars(args)}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -32,7 +32,7 @@ from .dtypes import ITEMSIZE
 from .manifest_types import (  # noqa: F401
     TABLE_COLS, ChunkBlocks, Chunks, FileEntry, FileTable, JsonLeaf, Manifest, TensorEntry)
 from .filetable import SAFE_NAME  # noqa: F401  (public here, as before)
-from .shards import MAX_HEADER
+from .shards import MAX_HEADER  # noqa: F401  (public here, as before)
 
 FORMAT = "dckpt"
 VERSION = 3  # written when a manifest references sibling files or has block tables

@@ -39,6 +39,7 @@ from ..state.tensors import as_bytes, describe_all
 from ..storage.fsspec_storage import make_storage
 from .collectives import Comm, error_payload, raise_gathered
 from . import plancache, rulesig
+from .votes import encode as vote_bytes
 from .coordinator import _Coordinator, _unpack
 from ..format.filenames import data_name
 
@@ -141,10 +142,11 @@ def save(state_dict: Any, path: str, *, process_group: Any = None,
         except Exception as e:
             vote = {"error": error_payload(e)}
             log.debug("rank %d: write failed", comm.rank, exc_info=True)
-        votes = comm.gather_bytes(json.dumps(vote).encode())
+        # a 20-byte record in the common case (dckpt.protocol.votes), else JSON
+        votes = comm.gather_bytes(vote_bytes(vote, save_id, comm.rank))
 
-        # 4. commit
-        outcome = coord.commit([json.loads(v) for v in votes], t0) if coord else None
+        # 4. commit (a malformed vote is its rank's error: inside commit, broadcast)
+        outcome = coord.commit(votes, t0) if coord else None
         result, _ = _unpack(comm.broadcast_bytes(outcome))
     finally:
         if coord is not None:

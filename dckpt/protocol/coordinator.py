@@ -12,7 +12,9 @@ import re
 import struct
 import time
 import uuid
-from typing import Any
+from typing import Any, Sequence
+
+import numpy as np
 
 from .. import _faults
 from ..errors import AlreadyExistsError, CheckpointError, IntegrityError
@@ -24,7 +26,7 @@ from ..layout import delta, derive, localplan, plan as gplan, rules
 from ..engine.reader import file_path
 from ..storage.fsspec_storage import make_storage
 from .collectives import error_payload
-from . import plancache
+from . import plancache, votes as votes_mod
 from .intent import Intent
 
 log = logging.getLogger(__name__)
@@ -199,23 +201,30 @@ class _Coordinator:
             f"{self.root} already holds a committed checkpoint; pass overwrite=True "
             "to replace it (the old one stays intact until the new one commits)")
 
-    def commit(self, votes: list[dict], t0: float, meta: dict | None = None,
-               created: float | None = None) -> bytes:
+    def commit(self, votes: "Sequence[bytes] | Sequence[dict] | votes_mod.VoteTable",
+               t0: float, meta: dict | None = None, created: float | None = None) -> bytes:
         """Write the manifest if every rank wrote its file and every file is still
         there; else remove this save's files. After a commit, remove the files of the
-        checkpoint it replaced, and nothing else. ``meta``, ``created``: more manifest
-        meta and the commit time to record (a staged copy's: its local commit's)."""
-        errors = {r: v["error"] for r, v in enumerate(votes) if v.get("error")}
-        if errors:
-            return _pack({"errors": errors})
+        checkpoint it replaced, and nothing else. ``votes``: as gathered (bytes,
+        :mod:`dckpt.protocol.votes`), JSON-decoded, or a VoteTable; a malformed one
+        fails the save as its rank's error. ``meta``, ``created``: more manifest meta
+        and the commit time to record (a staged copy's: its local commit's). Cost at
+        rank 0: O(world) numpy for the votes and the file table, plus the I/O."""
+        try:
+            table = votes_mod.table(votes, self.save_id)
+        except CheckpointError as e:  # a malformed vote: its rank's failure, everywhere
+            return _pack({"errors": {r: {"type": "CheckpointError", "message": m}
+                                     for r, m in e.failures.items()} or {0: error_payload(e)}})
+        if table.errors:
+            return _pack({"errors": table.errors})
         try:
             meta = {**(meta or {}), "dckpt_version": dckpt_version(),
                     "save_seconds": round(time.perf_counter() - t0, 3)}
             reports = {r: [delta.ChunkReport.from_json(x) for x in v["chunks"]]
-                       for r, v in enumerate(votes) if "chunks" in v}
+                       for r, v in table.docs.items() if "chunks" in v}
             if self.base is not None:
                 meta["base"] = self.base_dir
-            m = gplan.to_manifest(self.gp, vote_files(votes), self.save_id, self.world, meta,
+            m = gplan.to_manifest(self.gp, table.files(), self.save_id, self.world, meta,
                                   missing_ok=bool(reports))
             if reports:
                 m = delta.attach(m, reports, self.base, self.base_dir)
@@ -232,7 +241,7 @@ class _Coordinator:
         try:
             data = mf.to_json(m)
             _faults.fault("commit", 0)
-            _check_files(st, root, list(m.files))
+            _check_files(st, root, m.files)
             replaced = _current_files(st, root) if self.overwrite else set()
             if replaced:  # an incremental sibling may still reference them
                 replaced -= referenced_by_siblings(st, root)
@@ -243,7 +252,7 @@ class _Coordinator:
                 raise self._exists() from None
             self.committed = True
             _faults.fault("committed", 0)
-            keep = {f.name for f in m.files}
+            keep = set(m.files.names)
             _remove_files(st, root, lambda n: n in replaced and n not in keep)
             return _pack({"bytes": m.total_bytes, "files": len(m.files),
                           "seconds": time.perf_counter() - t0})
@@ -283,27 +292,47 @@ def vote_files(votes: list[dict]) -> list[mf.FileEntry]:
             for r, v in enumerate(votes) if v.get("file")]
 
 
-def _check_files(storage, root: str, files: list) -> None:
+def _check_files(storage, root: str, files: Sequence[mf.FileEntry]) -> None:
     """Every file the manifest will name is there with the size its rank reported (one
-    listing). Raises IntegrityError naming the file and rank: something removed or
-    rewrote it after it was written (a concurrent gc or save)."""
+    listing per directory; the own files compared in one numpy pass). Raises
+    IntegrityError naming the file and rank: something removed or rewrote it after it
+    was written (a concurrent gc or save)."""
+    table = files if isinstance(files, mf.FileTable) else mf.FileTable.from_entries(files)
+    own = table.own_mask()
+    if own.any():
+        try:
+            sizes = {e.name: e.size for e in storage.listdir(root)}
+        except FileNotFoundError:
+            sizes = {}
+        idx = np.flatnonzero(own)
+        names = table.names
+        got = np.fromiter((-1 if (n := sizes.get(names[i])) is None else n
+                           for i in idx.tolist()), np.int64, len(idx))
+        bad = idx[got != table.size[idx]]
+        if len(bad):
+            _check_one(storage, root, table[int(bad[0])], sizes)
     listings: dict[str, dict[str, int]] = {}
-    for f in files:
+    for i in np.flatnonzero(~own).tolist():
+        f = table[i]
         d = file_path(storage, root, f).rpartition("/")[0] if f.dir else root
         if d not in listings:
             try:
                 listings[d] = {e.name: e.size for e in storage.listdir(d)}
             except FileNotFoundError:
                 listings[d] = {}
-        sizes = listings[d]
-        if sizes.get(f.name) != f.size:
-            whose = f"referenced in {f.dir}" if f.dir else f"rank {f.rank}"
-            what = "is missing" if f.name not in sizes else (
-                f"holds {sizes[f.name]} bytes, not the {f.size} expected")
-            raise IntegrityError(
-                f"{file_path(storage, root, f)} ({whose}) {what} at commit time: "
-                "another process removed or rewrote it (a concurrent dckpt gc or save?); "
-                "nothing was committed")
+        _check_one(storage, root, f, listings[d])
+
+
+def _check_one(storage, root: str, f: mf.FileEntry, sizes: dict[str, int]) -> None:
+    """Raise IntegrityError unless ``f`` is listed in ``sizes`` with its size."""
+    if sizes.get(f.name) != f.size:
+        whose = f"referenced in {f.dir}" if f.dir else f"rank {f.rank}"
+        what = "is missing" if f.name not in sizes else (
+            f"holds {sizes[f.name]} bytes, not the {f.size} expected")
+        raise IntegrityError(
+            f"{file_path(storage, root, f)} ({whose}) {what} at commit time: "
+            "another process removed or rewrote it (a concurrent dckpt gc or save?); "
+            "nothing was committed")
 
 
 def _current_files(storage, root: str) -> set[str]:
@@ -318,7 +347,7 @@ def _current_files(storage, root: str) -> set[str]:
             log.warning("replacing %s, whose manifest cannot be read (%s): its data files "
                         "are left for dckpt gc", root, e)
         return set()
-    return {f.name for f in m.files}
+    return set(m.files.names)
 
 
 def _remove_files(storage, root: str, select) -> int:
