@@ -38,9 +38,9 @@ serialised (``to_manifest`` + ``to_json``), as ``_Coordinator.commit`` does befo
 I/O. Not timed: the gathers themselves, the listing that checks the files exist, the
 manifest's write. "recv MB" / "c.recv MB" are the bytes rank 0 receives per first /
 cached save: offers plus votes. First save, parse and cached save are each the median
-of ``--reps`` passes; the first of the cached passes follows the memory pass, whose
-plan is another object, so it rebuilds the tensor entries (a real cached save reuses
-them): the median is of the steady passes when ``--reps`` >= 3.
+of ``--reps`` passes; the cached saves reuse the plan of the last first-save pass (the
+memory pass), and with it its manifest entries and their JSON, as a real later save
+reuses those of the save before.
 
 Reports the median of ``--reps`` runs. Target (gathered path): R=4096 x T=500 total
 < 5 s, manifest < 64 MB. ``--profile`` prints a cProfile of one coordinator pass at the
