@@ -180,3 +180,66 @@ def test_committer_places_overwrites_removes_and_checks_strictness(tmp_path):
                 path, strict=True, modules=["state_dict"])
     io.remove(path, is_rank0=True)
     assert os.listdir(tmp_path / "ckpts") == [] and lio.kind(path) == "none"
+
+
+# ---------------------------------------------------------------- the fast tier (local_root)
+def slots(local: str) -> list[str]:
+    return sorted(e for e in os.listdir(local) if e.startswith("lightning-"))
+
+
+def test_local_root_saves_copies_trims_and_resumes_from_the_fast_tier(tmp_path):
+    """``local_root``: saves commit node-locally and are copied to their names in the
+    background; after the fit the names are the stock set (top 2 + last), whole and
+    verified, and the fast tier keeps at most keep_last_local (2) checkpoints. A resume
+    at 2 reads last.ckpt from the fast tier (its log says so), one of a copy of the
+    folder at 3 from the durable name: both at step 6 with step 6's state. (A resume at
+    another device count of the same names: test_local_root_killed_before_the_copy.)"""
+    root, local = str(tmp_path / "run"), str(tmp_path / "local")
+    run(root, "dckpt", 2, "--max-steps", "6", "--every", "2", "--local-root", local)
+    assert ckpts(root) == ["last.ckpt", "step=4.ckpt", "step=6.ckpt"]
+    for name in ckpts(root):
+        assert verify_checkpoint(os.path.join(root, "ckpts", name)).ok
+    assert 1 <= len(slots(local)) <= 2, slots(local)
+    copy = str(tmp_path / "resume3")  # another folder: its names are not in the fast tier
+    shutil.copytree(root, copy)
+    out = run(copy, "dckpt", 3, "--max-steps", "7", "--ckpt-path", "last", "--local-root", local)
+    assert "TRAIN START global_step=6" in out and "from the fast tier" not in out
+    assert equal(ref(copy, "resumed-3"), ref(root, "save-6"))
+    out = run(root, "dckpt", 2, "--max-steps", "7", "--ckpt-path", "last", "--local-root", local)
+    assert "TRAIN START global_step=6" in out and "from the fast tier" in out
+    assert equal(ref(root, "resumed-2"), ref(root, "save-6"))
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_local_root_killed_before_the_copy(tmp_path, devices):
+    """Every rank is SIGKILLed after the saves of step 4 committed in the fast tier and
+    before their durable copies: last.ckpt's durable copy is step 2's. The restart
+    with ``ckpt_path="last"`` at the same 2 devices resumes step 4 from the fast tier;
+    at 3 devices (no rank layout to read it with) step 2 from the durable name. No
+    partial folder of the killed copies remains after the restart's first save."""
+    root, local = str(tmp_path / "run"), str(tmp_path / "local")
+    run(root, "dckpt", 2, "--max-steps", "8", "--every", "2", "--local-root", local,
+        "--kill-before-copy", "4", killed=True)
+    assert verify_checkpoint(os.path.join(root, "ckpts", "last.ckpt")).ok
+    out = run(root, "dckpt", devices, "--max-steps", "6", "--ckpt-path", "last",
+              "--local-root", local)
+    step = 4 if devices == 2 else 2
+    assert f"TRAIN START global_step={step}" in out
+    assert equal(ref(root, f"resumed-{devices}"), ref(root, f"save-{step}"))
+    assert not [e for e in os.listdir(os.path.join(root, "ckpts")) if e.startswith(".")]
+    for name in ckpts(root):
+        assert verify_checkpoint(os.path.join(root, "ckpts", name)).ok
+
+
+def test_local_root_async(tmp_path):
+    """``local_root`` with ``async_save``: the same checkpoints, verified; resume."""
+    root, local = str(tmp_path / "run"), str(tmp_path / "local")
+    run(root, "dckpt", 2, "--max-steps", "6", "--every", "2", "--local-root", local,
+        "--async-save")
+    assert ckpts(root) == ["last.ckpt", "step=4.ckpt", "step=6.ckpt"]
+    for name in ckpts(root):
+        assert verify_checkpoint(os.path.join(root, "ckpts", name)).ok
+    out = run(root, "dckpt", 2, "--max-steps", "7", "--ckpt-path", "last",
+              "--local-root", local, "--async-save")
+    assert "TRAIN START global_step=6" in out
+    assert equal(ref(root, "resumed-2"), ref(root, "save-6"))
