@@ -243,3 +243,87 @@ def test_local_root_async(tmp_path):
               "--local-root", local, "--async-save")
     assert "TRAIN START global_step=6" in out
     assert equal(ref(root, "resumed-2"), ref(root, "save-6"))
+
+
+def _tiny_save(io, model, path: str, step: int) -> None:
+    from dckpt.integrations import lightning_io as lio
+
+    with torch.no_grad():
+        model.weight.fill_(float(step))
+    io.save({"state_dict": model.state_dict(),
+             lio.META_KEY: lio.meta_entry({"global_step": step}, ["state_dict"], [])},
+            path, step=step)
+
+
+def _tiny_load(io, path: str):
+    from torch import nn
+
+    from dckpt.integrations import lightning_io as lio
+
+    fresh = nn.Linear(3, 2)
+    meta, _ = io.load({"state_dict": lio.ModelState(fresh)}, path, strict=True,
+                      modules=["state_dict"])
+    return meta["global_step"], float(fresh.weight[0, 0].detach())
+
+
+def test_fast_tier_one_process(tmp_path, monkeypatch, caplog):
+    """The fast tier in one process: bad options are CheckpointErrors; a failed copy
+    leaves the name in the fast tier only, and a load reads it there; a newer commit of
+    the name by someone else (another run, no fast tier) wins over the older local one
+    (never an older step resurrected); a save of a name whose copy has not begun drops
+    that copy; too many copies waiting make a save wait (logged); keep_last_local
+    bounds the fast tier; a removal takes the name and its local copy."""
+    import logging
+
+    from torch import nn
+
+    from dckpt.errors import CheckpointError
+    from dckpt.integrations import lightning_io as lio
+
+    with pytest.raises(CheckpointError, match="local_root"):
+        lio.Committer(local_root="s3://bucket/x")
+    with pytest.raises(CheckpointError, match="keep_last_local"):
+        lio.Committer(local_root=str(tmp_path / "l"), keep_last_local=0)
+    caplog.set_level(logging.INFO, logger="dckpt")
+    local = str(tmp_path / "local")
+    io = lio.Committer(local_root=local, keep_last_local=2)
+    model = nn.Linear(3, 2)
+    ck = tmp_path / "ckpts"
+    last = str(ck / "last.ckpt")
+    _tiny_save(io, model, last, 1)
+    io.finish(drain=True)
+    assert lio.kind(last) == "dckpt" and verify_checkpoint(last).ok
+
+    monkeypatch.setenv("DCKPT_FAULT", "stage:*:raise")  # the durable store fails
+    _tiny_save(io, model, last, 2)
+    io.finish(drain=True)
+    monkeypatch.delenv("DCKPT_FAULT")
+    assert "durable copy of" in caplog.text and "failed" in caplog.text
+    assert _tiny_load(io, last) == (2, 2.0)  # the fast tier's, newer than the name's
+    assert _tiny_load(lio.Committer(), last) == (1, 1.0)  # the name still holds step 1
+
+    with torch.no_grad():
+        model.weight.fill_(7.0)
+    lio.Committer().save(  # another run (no fast tier) saves the name
+{"state_dict": model.state_dict(), lio.META_KEY: lio.meta_entry(
+        {"global_step": 7}, ["state_dict"], [])}, last)
+    assert _tiny_load(io, last) == (7, 7.0)
+
+    caplog.clear()
+    monkeypatch.setenv("DCKPT_FAULT", "stage:*:sleep=0.5")  # a slow durable store
+    for i, name in enumerate(["a", "b", "b", "c", "d", "e", "f"]):
+        _tiny_save(io, model, str(ck / f"{name}.ckpt"), 10 + i)
+    io.finish(drain=True)
+    monkeypatch.delenv("DCKPT_FAULT")
+    assert "skipped: a newer save replaced it" in caplog.text
+    assert "durable copies are waiting" in caplog.text
+    assert _tiny_load(lio.Committer(), str(ck / "b.ckpt")) == (12, 12.0)  # the second save
+    slots_left = [e for e in os.listdir(local) if e.startswith("lightning-")]
+    assert len(slots_left) == 2, slots_left
+    for name in "abcdef":
+        assert verify_checkpoint(str(ck / f"{name}.ckpt")).ok
+
+    io.remove(str(ck / "f.ckpt"), is_rank0=True)
+    io.finish(drain=True)
+    assert lio.kind(str(ck / "f.ckpt")) == "none"
+    assert len([e for e in os.listdir(local) if e.startswith("lightning-")]) == 1
