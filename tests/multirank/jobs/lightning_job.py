@@ -42,6 +42,7 @@ p.add_argument("--kill-last-at", type=int, default=None)
 p.add_argument("--async-save", action="store_true")
 p.add_argument("--hidden", type=int, default=16)
 p.add_argument("--local-root", default=None)  # dckpt's fast tier
+p.add_argument("--dirpath", default=None)  # ModelCheckpoint's (default ROOT/ckpts)
 p.add_argument("--kill-before-copy", type=int, default=None)
 args = p.parse_args()
 
@@ -140,7 +141,8 @@ def main() -> None:
                                               local_root=args.local_root)
     else:
         strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
-    ckpt = ModelCheckpoint(dirpath=os.path.join(args.root, "ckpts"), monitor="score",
+    ckpt = ModelCheckpoint(dirpath=args.dirpath or os.path.join(args.root, "ckpts"),
+                           monitor="score",
                            mode="max", save_top_k=args.top_k, save_last=True,
                            every_n_train_steps=args.every,
                            filename="{step}")
