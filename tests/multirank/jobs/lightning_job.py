@@ -43,6 +43,7 @@ p.add_argument("--async-save", action="store_true")
 p.add_argument("--hidden", type=int, default=16)
 p.add_argument("--local-root", default=None)  # dckpt's fast tier
 p.add_argument("--dirpath", default=None)  # ModelCheckpoint's (default ROOT/ckpts)
+p.add_argument("--tp", type=int, default=1)  # tensor parallel size (devices = dp x tp)
 p.add_argument("--kill-before-copy", type=int, default=None)
 args = p.parse_args()
 
@@ -56,6 +57,12 @@ class Net(pl.LightningModule):
     def configure_model(self) -> None:
         from torch.distributed.fsdp import fully_shard
 
+        if args.tp > 1:  # Megatron-style: colwise then rowwise, then FSDP2 over dp
+            from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                           parallelize_module)
+
+            parallelize_module(self.net, self.device_mesh["tensor_parallel"],
+                               {"0": ColwiseParallel(), "2": RowwiseParallel()})
         mesh = self.device_mesh["data_parallel"]
         for layer in self.net:
             if isinstance(layer, nn.Linear):
@@ -135,12 +142,13 @@ def main() -> None:
     if args.strategy == "dckpt":
         from dckpt.integrations.lightning import DckptModelParallelStrategy
 
-        strategy = DckptModelParallelStrategy(data_parallel_size=args.devices,
-                                              tensor_parallel_size=1,
+        strategy = DckptModelParallelStrategy(data_parallel_size=args.devices // args.tp,
+                                              tensor_parallel_size=args.tp,
                                               async_save=args.async_save,
                                               local_root=args.local_root)
     else:
-        strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
+        strategy = ModelParallelStrategy(data_parallel_size=args.devices // args.tp,
+                                         tensor_parallel_size=args.tp)
     ckpt = ModelCheckpoint(dirpath=args.dirpath or os.path.join(args.root, "ckpts"),
                            monitor="score",
                            mode="max", save_top_k=args.top_k, save_last=True,
