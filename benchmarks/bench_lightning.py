@@ -18,6 +18,12 @@ also removes the previous one), then a second fit that resumes from it
   and the optimizer and returns the metadata), from a cold page cache (dropped between
   the two fits when run as root: the restart case).
 
+``dckpt-local``: dckpt's with ``local_root`` in ``$BENCH_LOCAL`` (default /dev/shm, a
+node-local tier): the save's time is the node-local commit (the copy to the checkpoint's
+name runs in the background, and the fit's end waits for it); the resume reads the
+node-local copy (not dropped with the page cache: /dev/shm is memory), as a restart on
+the same nodes does.
+
 Strategies alternate run by run; the medians over runs and their ratios (dckpt / stock)
 are printed and written as JSON. The checkpoint bytes (DCP's files vs dckpt's) and the
 disk's write speed (one fsynced 256 MiB file) are printed as the physical reference.
@@ -42,7 +48,9 @@ p.add_argument("--layers", type=int, default=6)
 p.add_argument("--steps", type=int, default=8)
 p.add_argument("--every", type=int, default=2)
 p.add_argument("--json", default=None)
-p.add_argument("--job", choices=["stock", "dckpt", "dckpt-async"], default=None)
+p.add_argument("--job", choices=["stock", "dckpt", "dckpt-async", "dckpt-local"], default=None)
+p.add_argument("--local-root", default=None)
+p.add_argument("--kinds", nargs="+", default=["stock", "dckpt", "dckpt-async", "dckpt-local"])
 p.add_argument("--root", default=None)
 p.add_argument("--resume", action="store_true")
 args = p.parse_args()
@@ -83,6 +91,8 @@ def job() -> None:
     else:
         from dckpt.integrations.lightning import DckptModelParallelStrategy as base
         kw = {"async_save": args.job == "dckpt-async"}
+        if args.job == "dckpt-local":
+            kw["local_root"] = args.local_root
     times = {"save": [], "load": []}
 
     handles: list = []  # dckpt-async: (handle, its blocking seconds at the call)
@@ -163,7 +173,8 @@ def disk_write_mbps(where: str, mib: int = 256) -> float:
 
 
 def driver() -> None:
-    kinds = ["stock", "dckpt", "dckpt-async"]
+    kinds = args.kinds
+    assert kinds[0] == "stock", "the ratios are against the stock strategy: list it first"
     res: dict = {k: {"save": [], "load": [], "bytes": []} for k in kinds}
     env = dict(os.environ, OMP_NUM_THREADS="1")
     base = tempfile.mkdtemp(prefix="bench-lightning-", dir=os.environ.get("BENCH_DIR"))
@@ -172,7 +183,9 @@ def driver() -> None:
     for r in range(args.runs):
         for kind in (kinds if r % 2 == 0 else kinds[::-1]):
             root = os.path.join(base, f"{kind}-{r}")
+            local = os.path.join(os.environ.get("BENCH_LOCAL", "/dev/shm"), f"bench-pl-{os.getpid()}-{r}")
             common = [sys.executable, os.path.abspath(__file__), "--job", kind, "--root", root,
+                      "--local-root", local,
                       "--devices", str(args.devices), "--width", str(args.width),
                       "--layers", str(args.layers), "--steps", str(args.steps),
                       "--every", str(args.every)]
@@ -195,6 +208,7 @@ def driver() -> None:
                   f"resume load {resume['load'][0]:.3f} s ({'cold' if cold else 'WARM'}), "
                   f"checkpoint {res[kind]['bytes'][-1] / 2**20:.1f} MiB", flush=True)
             shutil.rmtree(root, ignore_errors=True)
+            shutil.rmtree(local, ignore_errors=True)
     med = {k: {m: statistics.median(v[m]) for m in ("save", "load", "bytes")} for k, v in res.items()}
     out = {"args": vars(args), "runs": res, "median": med, "ratio": {
         k: {m: med[k][m] / med["stock"][m] for m in ("save", "load")} for k in kinds[1:]}}

@@ -58,8 +58,10 @@ class DckptModelParallelStrategy(ModelParallelStrategy):
     """Fabric's ``ModelParallelStrategy`` with dckpt checkpoints: the same constructor,
     plus (keyword-only) ``storage_options`` (fsspec's, a dict), ``async_save`` (bool:
     ``fabric.save`` returns after the snapshot; the next save, load or the strategy's
-    teardown waits for the commit) and ``compression`` (None, "zstd", "lz4"). Raises
-    CheckpointError for a bad option."""
+    teardown waits for the commit), ``compression`` (None, "zstd", "lz4"),
+    ``local_root`` (a node-local directory: ``fabric.save`` commits there and returns,
+    the copy to ``path`` runs in the background, see :mod:`.lightning_tier`) and
+    ``keep_last_local``. Raises CheckpointError for a bad option."""
 
     def __init__(self, parallelize_fn: Callable[[Any, Any], Any],
                  data_parallel_size: Literal["auto"] | int = "auto",
@@ -68,12 +70,14 @@ class DckptModelParallelStrategy(ModelParallelStrategy):
                  process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, *,
                  storage_options: dict | None = None, async_save: bool = False,
-                 compression: str | None = None) -> None:
+                 compression: str | None = None, local_root: str | None = None,
+                 keep_last_local: int = 2) -> None:
         super().__init__(parallelize_fn, data_parallel_size=data_parallel_size,
                          tensor_parallel_size=tensor_parallel_size,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
-        self._dckpt = lio.Committer(storage_options, async_save, compression)
+        self._dckpt = lio.Committer(storage_options, async_save, compression,
+                                    local_root, keep_last_local)
 
     def save_checkpoint(self, path: Any, state: dict[str, Any],
                         storage_options: Any | None = None,
@@ -118,10 +122,9 @@ class DckptModelParallelStrategy(ModelParallelStrategy):
             raise lio.BadStateError(
                 f"load of {path}: give the state to restore, with at least the model: "
                 "fabric.load(path, {'model': model, ...})")
-        spath = self.broadcast(str(path))
-        found = self.broadcast(lio.kind(spath, self._dckpt.storage_options)
-                               if self.global_rank == 0 else None)
-        if found == "other":
+        src = self._dckpt.resolve(str(path))
+        spath = src.path
+        if src.kind == "other":
             return super().load_checkpoint(path, state, strict, weights_only)
         if isinstance(state, Optimizer):
             raise lio.BadStateError(f"load of {path}: loading an optimizer alone is not "
@@ -137,8 +140,8 @@ class DckptModelParallelStrategy(ModelParallelStrategy):
             elif isinstance(obj, Optimizer):
                 target[key] = lio.OptimizerState(module, obj)
         if whole:
-            target = {_saved_module_key(spath, self._dckpt.storage_options): target[None]}
-        meta, _ = self._dckpt.load(target, spath, strict=strict, modules=list(target)[:1]
+            target = {_saved_module_key(src): target[None]}
+        meta, _ = self._dckpt.load(target, src, strict=strict, modules=list(target)[:1]
                                    if whole else [module_key], weights_only=weights_only)
         if whole:
             return {}
@@ -161,7 +164,7 @@ class DckptModelParallelStrategy(ModelParallelStrategy):
     def teardown(self) -> None:
         """Wait for the asynchronous save in flight, then the stock teardown."""
         try:
-            self._dckpt.finish()
+            self._dckpt.finish(drain=True)
         finally:
             super().teardown()
 
@@ -180,19 +183,17 @@ def _the_module(state: dict[Any, Any], path: Any) -> tuple[Any, Module]:
     return found[0]
 
 
-def _saved_module_key(path: str, storage_options: dict | None) -> str:
-    """The key under which the checkpoint at ``path`` holds its module (rank 0 reads
-    the metadata; every rank gets it). Collective."""
+def _saved_module_key(src: "lio.Source") -> str:
+    """The key under which the checkpoint ``src`` holds its module (rank 0 reads the
+    metadata; every rank gets it). Collective."""
     import json
 
-    from ..view.open import open as dopen
-
     comm = Comm()
+    path = src.path
     key, err = None, None
     if comm.rank == 0:
         try:
-            with dopen(path, storage_options) as ck:
-                tree = json.loads(ck[lio.META_KEY + ".tree"])
+            tree = json.loads(src.manifest(0).values[lio.META_KEY + ".tree"])
             key = dict(tree["dict"])["modules"]["list"][0]
         except Exception as e:
             err = lio.CheckpointError(f"{path}: no module recorded in its Lightning "

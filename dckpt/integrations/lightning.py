@@ -31,8 +31,12 @@ What changes against the stock strategy (read from pytorch_lightning 2.6's
   after the save in flight has committed.
 - ``storage_options`` (fsspec's, for ``s3://`` and other URLs, or ``{"direct_io":
   False}``), ``async_save`` (the save returns after the snapshot; the optimizers' next
-  ``step()`` waits for the copy; commit, rename and removals run in the background) and
-  ``compression`` ("zstd" / "lz4", ``pip install "dckpt[compress]"``).
+  ``step()`` waits for the copy; commit, rename and removals run in the background),
+  ``compression`` ("zstd" / "lz4", ``pip install "dckpt[compress]"``) and
+  ``local_root`` (a node-local directory: a save commits there and returns, the copy to
+  the checkpoint's name runs in the background; a load reads the node-local copy when
+  every rank holds it and it is not older than the name's; ``keep_last_local`` of them
+  kept).
 
 ``save_distributed_checkpoint=False`` keeps the stock single-file behaviour.
 Requires ``pip install "dckpt[lightning]"``; importing :mod:`dckpt` never imports
@@ -62,8 +66,10 @@ class DckptModelParallelStrategy(ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` with dckpt checkpoints; the same
     constructor, plus (keyword-only) ``storage_options`` (a dict for fsspec, used by
     every save, load and removal), ``async_save`` (bool) and ``compression`` (None,
-    "zstd", "lz4"). Raises CheckpointError for a bad option. See the module docstring
-    for what each checkpoint method does differently."""
+    "zstd", "lz4"), ``local_root`` (a node-local directory: the fast tier, see
+    :mod:`.lightning_tier`) and ``keep_last_local`` (its checkpoints kept per rank).
+    Raises CheckpointError for a bad option. See the module docstring for what each
+    checkpoint method does differently."""
 
     def __init__(self, data_parallel_size: Literal["auto"] | int = "auto",
                  tensor_parallel_size: Literal["auto"] | int = "auto",
@@ -71,12 +77,14 @@ class DckptModelParallelStrategy(ModelParallelStrategy):
                  process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, *,
                  storage_options: dict | None = None, async_save: bool = False,
-                 compression: str | None = None) -> None:
+                 compression: str | None = None, local_root: str | None = None,
+                 keep_last_local: int = 2) -> None:
         super().__init__(data_parallel_size=data_parallel_size,
                          tensor_parallel_size=tensor_parallel_size,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
-        self._dckpt = lio.Committer(storage_options, async_save, compression)
+        self._dckpt = lio.Committer(storage_options, async_save, compression,
+                                    local_root, keep_last_local)
 
     # The states dump_checkpoint puts in the checkpoint dict: the live sharded tensors
     # (the stock strategy offloads copies to the CPU; dckpt copies what it writes
@@ -118,7 +126,8 @@ class DckptModelParallelStrategy(ModelParallelStrategy):
         if self.global_rank == 0:  # the stock strategy writes rank 0's meta.pt
             tree[lio.META_KEY] = lio.meta_entry(checkpoint, ["state_dict"], optimizers)
         fence = [*self.optimizers, self.model] if self.optimizers else None
-        self._dckpt.save(tree, str(filepath), fence=fence, storage_options=storage_options)
+        self._dckpt.save(tree, str(filepath), fence=fence, storage_options=storage_options,
+                         step=int(checkpoint.get("global_step", 0) or 0))
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load the model and the optimizers from the checkpoint at ``checkpoint_path``
@@ -127,17 +136,15 @@ class DckptModelParallelStrategy(ModelParallelStrategy):
         the stock code. Raises NotCommittedError (nothing complete there), dckpt's
         CheckpointErrors (MissingKeyError, StateMismatchError with
         ``strict_loading``, IntegrityError), on every rank alike."""
-        path = self.broadcast(str(checkpoint_path))
-        found = self.broadcast(lio.kind(path, self._dckpt.storage_options)
-                               if self.global_rank == 0 else None)
-        if found == "other":
+        src = self._dckpt.resolve(str(checkpoint_path))
+        if src.kind == "other":
             return super().load_checkpoint(checkpoint_path, weights_only)
         assert self.lightning_module is not None and self.model is not None
         strict = self.lightning_module.strict_loading
         target: dict[str, Any] = {"state_dict": lio.ModelState(self.model, strict)}
         for i, opt in enumerate(self.optimizers):
             target[f"optimizer_{i}"] = lio.OptimizerState(self.model, opt)
-        meta, _ = self._dckpt.load(target, path, strict=strict, modules=["state_dict"],
+        meta, _ = self._dckpt.load(target, src, strict=strict, modules=["state_dict"],
                                    weights_only=weights_only)
         return meta
 
@@ -153,7 +160,7 @@ class DckptModelParallelStrategy(ModelParallelStrategy):
         """Wait for the asynchronous save in flight (committed and placed), then the
         stock teardown. Its error, if any, is logged (the run is over)."""
         try:
-            self._dckpt.finish()
+            self._dckpt.finish(drain=True)
         except Exception as e:
             log.error("the last asynchronous checkpoint save failed: %s", e)
         super().teardown()

@@ -19,34 +19,36 @@ already holds a committed dckpt checkpoint (``last.ckpt``, overwritten on every 
 is overwritten in place by dckpt's own atomic overwrite (the old manifest stays until
 the new one commits). On object stores (no rename) the save goes to the name itself:
 the manifest is the commit, a load of an uncommitted prefix raises NotCommittedError.
+The file-system side of this is :mod:`.lightning_place`.
+
+With ``local_root`` (:mod:`.lightning_tier`), a save commits on every node's own disk
+and its copy to the name runs in the background; a load reads the node-local copy
+when every rank holds it and it is not older than the name's durable copy.
 """
 from __future__ import annotations
 
-import ctypes
-import errno
 import logging
 import os
-import shutil
 import threading
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..errors import CheckpointError, NotCommittedError, StateMismatchError
-from ..format.manifest import MANIFEST_NAME
-from ..storage.local import _fsync_dir  # fsync of a directory entry (the rename is durable)
 from ..protocol.async_save import SaveHandle, async_save
-from ..protocol.collectives import Comm, agree
+from ..protocol.collectives import Comm, agree, on_rank0
 from ..protocol.commit import save
 from ..protocol.restore import load
 from ..view.open import MissingKeyError
 from . import lightning_meta
+from .lightning_place import (PARTIAL, durable_name, is_url, kind,  # noqa: F401
+                              local_path, place, remove_whole, stamp, sweep)
+from .lightning_tier import LocalTier
 
 log = logging.getLogger(__name__)
 META_KEY = "__lightning__"
-PARTIAL = ".dckpt-partial-"
-REMOVING = ".dckpt-removing-"
 
 
 class BadStateError(CheckpointError, ValueError):
@@ -101,113 +103,6 @@ class OptimizerState:
         set_optimizer_state_dict(self.module, self.optimizer, optim_state_dict=sd)
 
 
-def is_url(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
-
-
-def _local(path: str) -> str:
-    return path[len("file://"):] if path.startswith("file://") else path
-
-
-def _renameat2(src: str, dst: str, flags: int) -> bool:
-    """Linux renameat2(2): True when done, False when the call or flag is unsupported
-    (then the caller falls back). Raises OSError otherwise."""
-    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
-    if fn is None:
-        return False
-    at_fdcwd = -100
-    if fn(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst), flags) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, os.strerror(err), dst)
-
-
-def _rm(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.lexists(path):
-        os.remove(path)
-
-
-def _sweep(parent: str, name: str) -> None:
-    """Remove what killed saves and removals of ``name`` left in ``parent``."""
-    try:
-        entries = os.listdir(parent)
-    except FileNotFoundError:
-        return
-    for e in entries:
-        if e.startswith(f".{name}{PARTIAL}") or (e.startswith(".") and REMOVING in e):
-            _rm(os.path.join(parent, e))
-
-
-def place(tmp: str, final: str) -> None:
-    """Move the committed checkpoint ``tmp`` to ``final`` in one step: a rename when
-    nothing is there, an atomic exchange (renameat2) with what is there (a stock
-    checkpoint, a file) and then its removal. Local paths; blocking I/O (one rename and
-    a directory fsync, plus the removal of what was replaced)."""
-    parent = os.path.dirname(final) or "."
-    if not os.path.lexists(final):
-        if not _renameat2(tmp, final, 1):  # RENAME_NOREPLACE
-            os.rename(tmp, final)
-    elif _renameat2(tmp, final, 2):  # RENAME_EXCHANGE: the old one is now at tmp
-        _rm(tmp)
-    else:
-        trash = os.path.join(parent, f".{os.path.basename(final)}{REMOVING}{uuid.uuid4().hex[:8]}")
-        os.rename(final, trash)
-        os.rename(tmp, final)
-        _rm(trash)
-    _fsync_dir(parent)
-
-
-def remove_whole(path: str, storage_options: dict | None = None) -> None:
-    """Remove the checkpoint at ``path`` whole (rank 0's job). Local: renamed to a
-    hidden name first (one step: no half-removed folder ever carries the name), then
-    deleted. Object stores: the manifest first (the rest is then an uncommitted
-    leftover no load takes), then the prefix. Missing: nothing. Blocking I/O."""
-    if is_url(path):
-        from fsspec.core import url_to_fs
-
-        fs, p = url_to_fs(path, **(storage_options or {}))
-        man = p.rstrip("/") + "/" + MANIFEST_NAME
-        if fs.exists(man):
-            fs.rm(man)
-        if fs.exists(p):
-            fs.rm(p, recursive=True)
-        return
-    path = _local(path)
-    if not os.path.lexists(path):
-        return
-    if os.path.isdir(path) and not os.path.islink(path):
-        parent, name = os.path.split(os.path.abspath(path))
-        trash = os.path.join(parent, f".{name}{REMOVING}{uuid.uuid4().hex[:8]}")
-        os.rename(path, trash)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.remove(path)
-    log.debug("removed checkpoint %s", path)
-
-
-def kind(path: str, storage_options: dict | None = None) -> str:
-    """"dckpt" (a committed dckpt checkpoint), "other" (a file, or a folder holding
-    Lightning's ``meta.pt``: a stock checkpoint) or "none" (nothing complete: missing,
-    or a dckpt save that never committed). Blocking I/O (a few stats)."""
-    if is_url(path):
-        from fsspec.core import url_to_fs
-
-        fs, p = url_to_fs(path, **(storage_options or {}))
-        p = p.rstrip("/")
-        if fs.exists(p + "/" + MANIFEST_NAME):
-            return "dckpt"
-        return "other" if fs.isfile(p) or fs.exists(p + "/meta.pt") else "none"
-    path = _local(path)
-    if os.path.isfile(os.path.join(path, MANIFEST_NAME)):
-        return "dckpt"
-    return "other" if os.path.isfile(path) or os.path.isfile(os.path.join(path, "meta.pt")) \
-        else "none"
-
-
 class Committer:
     """Saves, loads and removes dckpt checkpoints under the names Lightning gives; one
     per strategy. ``async_save``: a save returns once its snapshot is started (the
@@ -216,7 +111,8 @@ class Committer:
     commit, so an older checkpoint is never deleted before a newer one exists."""
 
     def __init__(self, storage_options: dict | None = None, async_save: bool = False,
-                 compression: str | None = None) -> None:
+                 compression: str | None = None, local_root: str | None = None,
+                 keep_last_local: int = 2) -> None:
         if storage_options is not None and not isinstance(storage_options, dict):
             raise CheckpointError(f"storage_options must be a dict, got {storage_options!r}")
         if compression not in (None, "zstd", "lz4"):
@@ -229,18 +125,29 @@ class Committer:
         self._lock = threading.Lock()
         self._pending: list[str] = []  # removals waiting for the save in flight
         self._error: BaseException | None = None  # rank 0's error placing/removing
+        # the fast tier: saves commit node-locally, copies to the names run behind
+        self.tier = (LocalTier(local_root, keep_last_local, storage_options, compression)
+                     if local_root is not None else None)
 
     # ------------------------------------------------------------------ saving
     def save(self, tree: dict, path: str, *, fence: list | None = None,
-             storage_options: dict | None = None) -> None:
+             storage_options: dict | None = None, step: int = 0) -> None:
         """Commit ``tree`` (a dckpt state) as the checkpoint ``path`` (rank 0's path is
         used). Collective. Synchronous: returns after the commit and the rename into
         place; asynchronous: after the snapshot (see the class). Raises the commit's
         CheckpointError on every rank alike (an asynchronous save's error is raised by
-        the next :meth:`save` or :meth:`finish`); nothing is placed then."""
+        the next :meth:`save` or :meth:`finish`); nothing is placed then. With the fast
+        tier: returns after the local commit (asynchronous: after copying the state to
+        host buffers); the copy to ``path`` runs behind (``step``: recorded in the
+        local commit)."""
         self.finish()
         comm = Comm()
         opts = {**(self.storage_options or {}), **(storage_options or {})} or None
+        if self.tier is not None:
+            final = _broadcast(comm, durable_name(path) if comm.rank == 0 else None)
+            self.tier.save(tree, final, step, lambda: self._plan(final, opts),
+                           async_=self.async_save, storage_options=opts)
+            return
         plan, err = None, None
         if comm.rank == 0:
             try:
@@ -293,18 +200,23 @@ class Committer:
         """Rank 0: (final, where to save, staged?). Sweeps leftovers of this name."""
         if is_url(path):
             return path, path, False
-        final = os.path.abspath(_local(path))
+        final = os.path.abspath(local_path(path))
         parent, name = os.path.split(final)
         os.makedirs(parent, exist_ok=True)
-        _sweep(parent, name)
+        sweep(parent, name)
         if kind(final) == "dckpt" and not os.path.islink(final):  # never through a link
             return final, final, False
         return final, os.path.join(parent, f".{name}{PARTIAL}{uuid.uuid4().hex[:12]}"), True
 
-    def finish(self) -> None:
+    def finish(self, drain: bool = False) -> None:
         """Wait for the asynchronous save in flight (its commit and placement) and raise
         its error, or a placement's or removal's, on every rank. Collective when a save
-        was in flight (every rank has one then); else a no-op."""
+        was in flight (every rank has one then); else a no-op. With the fast tier: the
+        local commit in flight, and with ``drain`` every copy and removal queued too
+        (a copy's failure is logged, not raised: that name stays local only)."""
+        if self.tier is not None:
+            (self.tier.drain if drain else self.tier.wait_local)()
+            return
         h, self._handle = self._handle, None
         if h is None:
             return
@@ -315,7 +227,13 @@ class Committer:
 
     def remove(self, path: str, is_rank0: bool) -> None:
         """Remove the checkpoint at ``path`` whole, on rank 0 (others: no-op). With a
-        save in flight, after it commits. Not collective; blocking I/O."""
+        save in flight, after it commits. Not collective; blocking I/O. With the fast
+        tier (every rank calls it, as Lightning does): this rank's part of the local
+        copy too, in the copy thread after the copies queued before; not blocking."""
+        if self.tier is not None:
+            self.tier.remove(durable_name(path), (lambda: remove_whole(
+                path, self.storage_options)) if is_rank0 else None)
+            return
         if not is_rank0:
             return
         with self._lock:
@@ -325,6 +243,34 @@ class Committer:
         remove_whole(path, self.storage_options)
 
     # ------------------------------------------------------------------ loading
+    def resolve(self, path: str) -> "Source":
+        """Where the checkpoint named ``path`` (rank 0's) is read from. Collective (a
+        broadcast; with the fast tier an all-gather too). Waits for the saves in flight
+        (copies included) first. Blocking I/O on rank 0 (a few stats; with the fast
+        tier the name's manifest). Raises what they raise, on every rank alike."""
+        self.finish(drain=True)
+        comm = Comm()
+        opts = self.storage_options
+
+        def durable() -> list:
+            found = kind(path, opts)
+            return [found, stamp(path, opts) if found == "dckpt" and self.tier else None]
+
+        found, dstamp = on_rank0(comm, durable, f"look up the checkpoint {path}")
+        spath = _broadcast(comm, str(path) if comm.rank == 0 else None)
+        if self.tier is None or found == "other":
+            return Source(found, spath, opts)
+        held = self.tier.held(_broadcast(comm, durable_name(spath) if comm.rank == 0
+                                         else None), comm)
+        # the node-local copy unless the name holds another, newer commit (a run on
+        # other nodes saved it since): never an older step resurrected over a newer one
+        if held is not None and (dstamp is None or dstamp[0] == held.save_id
+                                 or held.created > dstamp[1]):
+            if comm.rank == 0:
+                log.info("loading %s from the fast tier %s", spath, held.slot)
+            return Source("dckpt", held.slot, None, _view_name(comm.rank))
+        return Source(found, spath, opts)
+
     def load(self, target: dict, path: str, *, strict: bool, modules: list[str],
              weights_only: bool | None = None) -> tuple[Any, dict]:
         """Fill ``target`` ({key: ModelState | OptimizerState}) from the checkpoint at
@@ -335,8 +281,10 @@ class Committer:
         is, and extra parameters are ignored. Keys of the checkpoint not asked for are
         ignored (a partial load). Raises on every rank alike: NotCommittedError (no
         committed checkpoint there), MissingKeyError (a requested key the checkpoint
-        lacks), StateMismatchError (parameters, shapes, dtypes), IntegrityError."""
-        self.finish()
+        lacks), StateMismatchError (parameters, shapes, dtypes), IntegrityError.
+        ``path`` may be a :class:`Source` from :meth:`resolve`."""
+        src = path if isinstance(path, Source) else self.resolve(path)
+        path = src.path
         found: dict[str, Any] = {}
 
         def extra(m) -> dict:
@@ -365,8 +313,8 @@ class Committer:
             return {META_KEY: meta} if meta is not None else {}
 
         try:
-            load(target, path, storage_options=self.storage_options, strict=False,
-                 allow_missing=not strict, extra=extra)
+            load(target, path, storage_options=src.storage_options, strict=False,
+                 allow_missing=not strict, extra=extra, manifest_name=src.manifest_name)
         except CheckpointError as e:  # every rank raised it in extra(): keep its type
             if isinstance(e.__cause__, MissingKeyError):
                 raise MissingKeyError(str(e.__cause__)) from None
@@ -379,6 +327,34 @@ class Committer:
         if not isinstance(doc, dict) or not isinstance(doc.get("meta"), dict):
             raise CheckpointError(f"{path}: Lightning metadata is not a dict")
         return doc["meta"], doc
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a load reads: ``kind`` as :func:`kind` says of the name ("dckpt",
+    "other": a stock checkpoint, "none"), the path, its fsspec options, and the
+    manifest each rank reads (None: ``manifest.json``; the fast tier: its own view)."""
+
+    kind: str
+    path: str
+    storage_options: dict | None = None
+    manifest_name: str | None = None
+
+    def manifest(self, rank: int) -> Any:
+        """This source's manifest as ``rank`` reads it (parsed). Blocking I/O."""
+        from ..format import manifest as mf
+        from ..protocol.restore import read_manifest_bytes
+        from ..storage.fsspec_storage import make_storage
+
+        storage, root = make_storage(self.path, self.storage_options)
+        name = self.manifest_name or mf.MANIFEST_NAME
+        return mf.parse(read_manifest_bytes(storage, root, name), f"{self.path}/{name}")
+
+
+def _view_name(rank: int) -> str:
+    from ..tiers.local import view_name
+
+    return view_name(rank)
 
 
 def _broadcast(comm: Comm, obj: Any) -> Any:

@@ -19,8 +19,11 @@ JOB = os.path.join(os.path.dirname(__file__), "jobs", "fabric_job.py")
 pytestmark = pytest.mark.slow
 
 
-def run(root: str, strategy: str, devices: int, mode: str, timeout: float = 240) -> dict:
-    out = run_job(JOB, root, strategy, devices, mode, timeout=timeout)
+def run(root: str, strategy: str, devices: int, mode: str, *args: str,
+        timeout: float = 240, output: list | None = None) -> dict:
+    out = run_job(JOB, root, strategy, devices, mode, *args, timeout=timeout)
+    if output is not None:
+        output.append(out)
     lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
     assert lines, out[-4000:]
     return json.loads(lines[-1][len("RESULT "):])
@@ -60,3 +63,24 @@ def test_stock_save_at_2_load_at_3(tmp_path):
     assert r["strict_missing"] == "KeyError" and r["nonstrict_missing"] == 1
     assert not r["sched_restored"] and r["sched_type"] == "dict"
     assert r["load_raw"] == "ValueError"  # load_raw takes only a single-file checkpoint
+
+
+def test_dckpt_local_root_save_at_2_load_from_the_fast_tier_and_at_3(tmp_path):
+    """``local_root``: fabric.save commits node-locally and the copy to the path runs
+    behind (the path is whole and verifies once the job ends); every load at 2 (full,
+    partial, strict, load_raw) reads the fast tier, and at 3 the durable copy, with the
+    same results as without the fast tier."""
+    root, local = str(tmp_path / "run"), str(tmp_path / "local")
+    os.makedirs(root)
+    assert run(root, "dckpt", 2, "save", "--local-root", local) == {"saved": True,
+                                                                     "filtered": "saved"}
+    assert verify_checkpoint(os.path.join(root, "ckpt")).ok
+    assert verify_checkpoint(os.path.join(root, "ckpt-filtered")).ok
+    want = {"equal": True, "step": 3, "sched_restored": True, "sched_type": "StepLR",
+            "remainder": ["note"], "partial_remainder": ["note", "sched", "step"],
+            "partial_model_equal": True, "strict_missing": "MissingKeyError",
+            "nonstrict_missing": 1, "load_raw": True, "filtered_load": True}
+    for n in (2, 3):
+        out: list = []
+        assert run(root, "dckpt", n, "load", "--local-root", local, output=out) == want, n
+        assert ("from the fast tier" in out[0]) == (n == 2), n

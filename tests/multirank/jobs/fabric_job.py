@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 
 import torch
@@ -26,6 +27,7 @@ p.add_argument("--strategy", choices=["dckpt", "stock"], required=True)
 p.add_argument("--devices", type=int, default=2)
 p.add_argument("--root", required=True)
 p.add_argument("mode", choices=["save", "load"])
+p.add_argument("--local-root", default=None)  # dckpt's fast tier
 args = p.parse_args()
 
 
@@ -70,13 +72,17 @@ def same(a: dict, b: dict) -> bool:
 
 
 def main() -> None:
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("dckpt").setLevel(logging.INFO)  # the tests read where loads came from
+    kw = {}
     if args.strategy == "dckpt":
         from dckpt.integrations.fabric import DckptModelParallelStrategy as S
+        kw = {"local_root": args.local_root}
     else:
         S = ModelParallelStrategy
     fabric = Fabric(accelerator="cpu", devices=args.devices,
                     strategy=S(parallelize_fn=parallelize, data_parallel_size=args.devices,
-                               tensor_parallel_size=1))
+                               tensor_parallel_size=1, **kw))
     fabric.launch()
     model, opt, sched = build(fabric)
     path = os.path.join(args.root, "ckpt")

@@ -9,11 +9,15 @@ Rank 0 writes ROOT/refs/save-<step>.pt (the full model and optimizer state at ea
 save, gathered) and ROOT/refs/resumed-<devices>.pt (the state at the start of training,
 after a resume, and its global step). ``--kill-last-at S``: the save of last.ckpt at
 step S is SIGKILLed after the shard files are written, before the commit (dckpt: at
-its vote; stock: in DCP's finish, before .metadata and meta.pt).
+its vote; stock: in DCP's finish, before .metadata and meta.pt). ``--local-root DIR``:
+dckpt's fast tier there; ``--kill-before-copy S``: the durable copies of the saves at
+step S stall (the copies before are awaited first), and every rank is SIGKILLed at the
+next batch: the fast tier holds step S, the durable names hold step S - every.
 """
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -37,6 +41,10 @@ p.add_argument("--ckpt-path", default=None)
 p.add_argument("--kill-last-at", type=int, default=None)
 p.add_argument("--async-save", action="store_true")
 p.add_argument("--hidden", type=int, default=16)
+p.add_argument("--local-root", default=None)  # dckpt's fast tier
+p.add_argument("--dirpath", default=None)  # ModelCheckpoint's (default ROOT/ckpts)
+p.add_argument("--tp", type=int, default=1)  # tensor parallel size (devices = dp x tp)
+p.add_argument("--kill-before-copy", type=int, default=None)
 args = p.parse_args()
 
 
@@ -49,6 +57,12 @@ class Net(pl.LightningModule):
     def configure_model(self) -> None:
         from torch.distributed.fsdp import fully_shard
 
+        if args.tp > 1:  # Megatron-style: colwise then rowwise, then FSDP2 over dp
+            from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                           parallelize_module)
+
+            parallelize_module(self.net, self.device_mesh["tensor_parallel"],
+                               {"0": ColwiseParallel(), "2": RowwiseParallel()})
         mesh = self.device_mesh["data_parallel"]
         for layer in self.net:
             if isinstance(layer, nn.Linear):
@@ -92,6 +106,13 @@ class Refs(Callback):
             torch.save(st, os.path.join(args.root, "refs", f"save-{step}.pt"))
         if args.kill_last_at == step and self.saves[step] == 2:  # the save of last.ckpt
             arm_kill()
+        if args.kill_before_copy == step and self.saves[step] == 1:
+            trainer.strategy._dckpt.finish(drain=True)  # the copies before: done
+            os.environ["DCKPT_FAULT"] = "stage:*:sleep=600"  # read by the copy thread
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if args.kill_before_copy is not None and trainer.global_step == args.kill_before_copy:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def on_train_start(self, trainer, pl_module) -> None:
         st = full_state(trainer, pl_module)
@@ -113,18 +134,23 @@ def arm_kill() -> None:
 
 
 def main() -> None:
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("dckpt").setLevel(logging.INFO)  # the tests read where loads came from
     os.makedirs(os.path.join(args.root, "refs"), exist_ok=True)
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(64, 8), torch.randn(64, 4))
     if args.strategy == "dckpt":
         from dckpt.integrations.lightning import DckptModelParallelStrategy
 
-        strategy = DckptModelParallelStrategy(data_parallel_size=args.devices,
-                                              tensor_parallel_size=1,
-                                              async_save=args.async_save)
+        strategy = DckptModelParallelStrategy(data_parallel_size=args.devices // args.tp,
+                                              tensor_parallel_size=args.tp,
+                                              async_save=args.async_save,
+                                              local_root=args.local_root)
     else:
-        strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
-    ckpt = ModelCheckpoint(dirpath=os.path.join(args.root, "ckpts"), monitor="score",
+        strategy = ModelParallelStrategy(data_parallel_size=args.devices // args.tp,
+                                         tensor_parallel_size=args.tp)
+    ckpt = ModelCheckpoint(dirpath=args.dirpath or os.path.join(args.root, "ckpts"),
+                           monitor="score",
                            mode="max", save_top_k=args.top_k, save_last=True,
                            every_n_train_steps=args.every,
                            filename="{step}")

@@ -1,0 +1,153 @@
+"""Where a Lightning/Fabric dckpt checkpoint lives on disk: its placement under the name
+Lightning chose (written under a hidden sibling, renamed into place after the commit),
+its whole removal, and what a name holds. Rank 0's jobs; blocking file-system I/O, no
+collective.
+
+Lightning takes a folder for a checkpoint as soon as its name exists
+(``ModelCheckpoint._find_last_checkpoints`` picks the newest ``last*.ckpt`` by mtime and
+checks only that it exists), so a name must never exist before its checkpoint is
+complete. Object stores have no rename: there the manifest is the commit.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import shutil
+import uuid
+
+from ..format.manifest import MANIFEST_NAME
+from ..storage.local import _fsync_dir  # fsync of a directory entry (the rename is durable)
+
+log = logging.getLogger(__name__)
+PARTIAL = ".dckpt-partial-"
+REMOVING = ".dckpt-removing-"
+
+
+def is_url(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
+def local_path(path: str) -> str:
+    return path[len("file://"):] if path.startswith("file://") else path
+
+
+def _renameat2(src: str, dst: str, flags: int) -> bool:
+    """Linux renameat2(2): True when done, False when the call or flag is unsupported
+    (then the caller falls back). Raises OSError otherwise."""
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if fn is None:
+        return False
+    at_fdcwd = -100
+    if fn(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), dst)
+
+
+def _rm(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def sweep(parent: str, name: str) -> None:
+    """Remove what killed saves and removals of ``name`` left in ``parent``."""
+    try:
+        entries = os.listdir(parent)
+    except FileNotFoundError:
+        return
+    for e in entries:
+        if e.startswith(".") and (PARTIAL in e or REMOVING in e):
+            _rm(os.path.join(parent, e))
+
+
+def place(tmp: str, final: str) -> None:
+    """Move the committed checkpoint ``tmp`` to ``final`` in one step: a rename when
+    nothing is there, an atomic exchange (renameat2) with what is there (a stock
+    checkpoint, a file) and then its removal. Local paths; blocking I/O (one rename and
+    a directory fsync, plus the removal of what was replaced)."""
+    parent = os.path.dirname(final) or "."
+    if not os.path.lexists(final):
+        if not _renameat2(tmp, final, 1):  # RENAME_NOREPLACE
+            os.rename(tmp, final)
+    elif _renameat2(tmp, final, 2):  # RENAME_EXCHANGE: the old one is now at tmp
+        _rm(tmp)
+    else:
+        trash = os.path.join(parent, f".{os.path.basename(final)}{REMOVING}{uuid.uuid4().hex[:8]}")
+        os.rename(final, trash)
+        os.rename(tmp, final)
+        _rm(trash)
+    _fsync_dir(parent)
+
+
+def remove_whole(path: str, storage_options: dict | None = None) -> None:
+    """Remove the checkpoint at ``path`` whole (rank 0's job). Local: renamed to a
+    hidden name first (one step: no half-removed folder ever carries the name), then
+    deleted. Object stores: the manifest first (the rest is then an uncommitted
+    leftover no load takes), then the prefix. Missing: nothing. Blocking I/O."""
+    if is_url(path):
+        from fsspec.core import url_to_fs
+
+        fs, p = url_to_fs(path, **(storage_options or {}))
+        man = p.rstrip("/") + "/" + MANIFEST_NAME
+        if fs.exists(man):
+            fs.rm(man)
+        if fs.exists(p):
+            fs.rm(p, recursive=True)
+        return
+    path = local_path(path)
+    if not os.path.lexists(path):
+        return
+    if os.path.isdir(path) and not os.path.islink(path):
+        parent, name = os.path.split(os.path.abspath(path))
+        trash = os.path.join(parent, f".{name}{REMOVING}{uuid.uuid4().hex[:8]}")
+        os.rename(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.remove(path)
+    log.debug("removed checkpoint %s", path)
+
+
+def kind(path: str, storage_options: dict | None = None) -> str:
+    """"dckpt" (a committed dckpt checkpoint), "other" (a file, or a folder holding
+    Lightning's ``meta.pt``: a stock checkpoint) or "none" (nothing complete: missing,
+    or a dckpt save that never committed). Blocking I/O (a few stats)."""
+    if is_url(path):
+        from fsspec.core import url_to_fs
+
+        fs, p = url_to_fs(path, **(storage_options or {}))
+        p = p.rstrip("/")
+        if fs.exists(p + "/" + MANIFEST_NAME):
+            return "dckpt"
+        return "other" if fs.isfile(p) or fs.exists(p + "/meta.pt") else "none"
+    path = local_path(path)
+    if os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+        return "dckpt"
+    return "other" if os.path.isfile(path) or os.path.isfile(os.path.join(path, "meta.pt")) \
+        else "none"
+
+
+def durable_name(path: str) -> str:
+    """The name a checkpoint is known by: an absolute local path, or the URL without
+    a trailing slash. Pure (but for the working directory)."""
+    return path.rstrip("/") if is_url(path) else os.path.abspath(local_path(path))
+
+
+def stamp(path: str, storage_options: dict | None = None) -> list | None:
+    """[save id, commit time] of the committed dckpt checkpoint at ``path``, None when
+    none is committed there. Blocking I/O: reads and parses its manifest. Raises its
+    CheckpointError (an unreadable or invalid manifest) or OSError."""
+    from ..format import manifest as mf
+    from ..protocol.restore import read_manifest_bytes
+    from ..storage.fsspec_storage import make_storage
+
+    if kind(path, storage_options) != "dckpt":
+        return None
+    storage, root = make_storage(path, storage_options)
+    m = mf.parse(read_manifest_bytes(storage, root, MANIFEST_NAME), f"{path}/{MANIFEST_NAME}")
+    return [m.save_id, float(m.created)]
