@@ -40,7 +40,9 @@ from ..errors import CheckpointError, NotCommittedError, StateMismatchError
 from ..protocol.async_save import SaveHandle, async_save
 from ..protocol.collectives import Comm, agree, on_rank0
 from ..protocol.commit import save
+from ..manager.restore import failure_causes
 from ..protocol.restore import load
+from ..tiers.fast import fallback_worthy
 from ..view.open import MissingKeyError
 from . import lightning_meta
 from .lightning_place import (PARTIAL, durable_name, is_url, kind,  # noqa: F401
@@ -268,7 +270,8 @@ class Committer:
                                  or held.created > dstamp[1]):
             if comm.rank == 0:
                 log.info("loading %s from the fast tier %s", spath, held.slot)
-            return Source("dckpt", held.slot, None, _view_name(comm.rank))
+            durable_src = Source(found, spath, opts) if found == "dckpt" else None
+            return Source("dckpt", held.slot, None, _view_name(comm.rank), durable_src)
         return Source(found, spath, opts)
 
     def load(self, target: dict, path: str, *, strict: bool, modules: list[str],
@@ -284,6 +287,18 @@ class Committer:
         lacks), StateMismatchError (parameters, shapes, dtypes), IntegrityError.
         ``path`` may be a :class:`Source` from :meth:`resolve`."""
         src = path if isinstance(path, Source) else self.resolve(path)
+        try:
+            return self._load(target, src, strict, modules, weights_only)
+        except Exception as e:  # raised on every rank alike: every rank falls back
+            if src.fallback is None or not fallback_worthy(e):
+                raise
+            if Comm().rank == 0:
+                log.warning("the fast tier's copy of %s could not be loaded (%s): loading "
+                            "its durable copy", src.fallback.path, failure_causes(e))
+            return self._load(target, src.fallback, strict, modules, weights_only)
+
+    def _load(self, target: dict, src: "Source", strict: bool, modules: list[str],
+              weights_only: bool | None) -> tuple[Any, dict]:
         path = src.path
         found: dict[str, Any] = {}
 
@@ -333,12 +348,15 @@ class Committer:
 class Source:
     """Where a load reads: ``kind`` as :func:`kind` says of the name ("dckpt",
     "other": a stock checkpoint, "none"), the path, its fsspec options, and the
-    manifest each rank reads (None: ``manifest.json``; the fast tier: its own view)."""
+    manifest each rank reads (None: ``manifest.json``; the fast tier: its own view), and
+    for the fast tier the name's durable copy (None: none committed), read when the
+    fast tier's cannot be (a file damaged or missing on some node, found at read time)."""
 
     kind: str
     path: str
     storage_options: dict | None = None
     manifest_name: str | None = None
+    fallback: "Source | None" = None
 
     def manifest(self, rank: int) -> Any:
         """This source's manifest as ``rank`` reads it (parsed). Blocking I/O."""

@@ -35,6 +35,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -55,7 +56,9 @@ log = logging.getLogger(__name__)
 SLOT_PREFIX = "lightning-"
 MAX_QUEUED = 2  # durable copies waiting (not running) before a save waits
 
-_LIVE: "set[LocalTier]" = set()
+# the tiers whose saves are drained at exit; weak: a dropped strategy (a sweep of trials
+# in one process) frees its host buffers and threads
+_LIVE: "weakref.WeakSet[LocalTier]" = weakref.WeakSet()
 
 
 def _drain_at_exit() -> None:
@@ -114,6 +117,7 @@ class LocalTier:
         self._lock = threading.Lock()
         self._jobs: list[CopyJob] = []  # queued or running, in order
         self._busy: set[str] = set()  # slots being written locally
+        self._gen: dict[str, int] = {}  # saves of each name begun (a removal's reference)
         self._local_job: SaveHandle | None = None
         self._errors: list[BaseException] = []  # the asynchronous local saves'
         self._world: Any = None  # the default group the groups below were made for
@@ -162,6 +166,7 @@ class LocalTier:
         self._make_room(final)
         with self._lock:
             self._busy.add(slot)
+            self._gen[final] = self._gen.get(final, 0) + 1
         if not async_:
             try:
                 self._commit(tree, final, step, slot, plan, comm, storage_options)
@@ -267,19 +272,23 @@ class LocalTier:
     def remove(self, final: str, remove_durable: Callable[[], None] | None) -> None:
         """Remove ``final``'s local slot (this rank's part) and, on rank 0
         (``remove_durable`` given), its durable copy: in the copy thread, after the
-        copies queued before. A queued copy of ``final`` is dropped. Not collective;
-        never raises (errors are logged)."""
+        copies queued before. A queued copy of ``final`` is dropped. A save of
+        ``final`` begun after this call keeps its local commit (and its copy then
+        recreates the name). Not collective; never raises (errors are logged)."""
         with self._lock:
             for job in self._jobs:
                 if job.final == final and not job.started:
                     job.superseded = True
+            gen = self._gen.get(final, 0)
         rank = Comm().rank if dist.is_available() and dist.is_initialized() else 0
 
         def run() -> None:
             try:
                 if remove_durable is not None:
                     remove_durable()
-                tlocal.drop_step(self.storage, self.slot(final), rank)
+                with self._lock:  # held: a new save of the name waits for the drop
+                    if self._gen.get(final, 0) == gen:
+                        tlocal.drop_step(self.storage, self.slot(final), rank)
             except Exception as e:
                 log.error("removing checkpoint %s: %s", final, e)
 

@@ -1,0 +1,92 @@
+"""Adversarial review of the Lightning/Fabric fast tier (``local_root``, issue 37):
+each test proves one defect found in review (and stays as its regression test)."""
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import weakref
+
+import pytest
+import torch
+
+pytest.importorskip("pytorch_lightning")
+
+from .test_lightning import _tiny_load, _tiny_save  # noqa: E402
+
+
+def _lio():
+    from dckpt.integrations import lightning_io as lio
+
+    return lio
+
+
+def test_corrupt_fast_tier_file_falls_back_to_the_durable_copy(tmp_path, caplog):
+    """A local data file damaged after its commit (same size: a flipped byte, found only
+    by the checksums at read time) must not make the checkpoint unloadable when its
+    durable copy is whole: the load falls back to the durable copy, with a warning."""
+    from torch import nn
+
+    lio = _lio()
+    io = lio.Committer(local_root=str(tmp_path / "local"))
+    model = nn.Linear(3, 2)
+    last = str(tmp_path / "ckpts" / "last.ckpt")
+    _tiny_save(io, model, last, 3)
+    io.finish(drain=True)
+    slot = io.tier.slot(lio.durable_name(last))
+    data = [f for f in os.listdir(slot) if f.startswith("data-")]
+    assert data
+    p = os.path.join(slot, data[0])
+    with open(p, "r+b") as f:
+        f.seek(-4, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-4, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0xFF]))
+    assert _tiny_load(io, last) == (3, 3.0)
+    assert "fast tier" in caplog.text
+
+
+def test_remove_then_resave_of_a_name_keeps_the_new_save(tmp_path, monkeypatch):
+    """ModelCheckpoint removes a name and later saves the same name again while the copy
+    thread is busy: the queued removal must not take the newer local commit (nor its
+    copy): the name ends up holding the new save, durably."""
+    from torch import nn
+
+    lio = _lio()
+    io = lio.Committer(local_root=str(tmp_path / "local"))
+    model = nn.Linear(3, 2)
+    ck = tmp_path / "ckpts"
+    n = str(ck / "n.ckpt")
+    monkeypatch.setenv("DCKPT_FAULT", "stage:*:sleep=1")  # the copy thread is busy
+    _tiny_save(io, model, str(ck / "m.ckpt"), 1)
+    _tiny_save(io, model, n, 2)
+    io.remove(n, is_rank0=True)
+    _tiny_save(io, model, n, 3)
+    io.finish(drain=True)
+    monkeypatch.delenv("DCKPT_FAULT")
+    assert _tiny_load(lio.Committer(), n) == (3, 3.0)  # the durable copy
+    assert _tiny_load(io, n) == (3, 3.0)
+
+
+def test_a_dropped_committer_is_freed(tmp_path):
+    """Strategies made and dropped one after another in one process (a sweep of trials)
+    must not keep their fast tier alive: its host staging buffers (a copy of the
+    shards, with ``async_save``) and its threads."""
+    from torch import nn
+
+    lio = _lio()
+    before = threading.active_count()
+    refs = []
+    for i in range(3):
+        io = lio.Committer(local_root=str(tmp_path / "local"), async_save=True)
+        _tiny_save(io, nn.Linear(3, 2), str(tmp_path / "ckpts" / f"t{i}.ckpt"), 1)
+        io.finish(drain=True)
+        refs.append(weakref.ref(io.tier))
+        del io
+    gc.collect()
+    assert all(r() is None for r in refs)
+    for _ in range(50):
+        if threading.active_count() <= before:
+            break
+        threading.Event().wait(0.1)
+    assert threading.active_count() <= before, threading.enumerate()
