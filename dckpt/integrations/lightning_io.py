@@ -38,7 +38,7 @@ import torch
 
 from ..errors import CheckpointError, NotCommittedError, StateMismatchError
 from ..protocol.async_save import SaveHandle, async_save
-from ..protocol.collectives import Comm, agree, on_rank0
+from ..protocol.collectives import Comm, agree, on_rank0, rank0_bytes
 from ..protocol.commit import save
 from ..manager.restore import failure_causes
 from ..protocol.restore import load
@@ -147,6 +147,7 @@ class Committer:
         opts = {**(self.storage_options or {}), **(storage_options or {})} or None
         if self.tier is not None:
             final = _broadcast(comm, durable_name(path) if comm.rank == 0 else None)
+            tree = _share_meta(comm, tree)
             self.tier.save(tree, final, step, lambda: self._plan(final, opts),
                            async_=self.async_save, storage_options=opts)
             return
@@ -381,6 +382,30 @@ def _broadcast(comm: Comm, obj: Any) -> Any:
 
     data = comm.broadcast_bytes(json.dumps(obj).encode() if comm.rank == 0 else None)
     return json.loads(data)
+
+
+def _share_meta(comm: Comm, tree: dict) -> dict:
+    """``tree`` with rank 0's ``__lightning__`` entry on every rank (one broadcast), for
+    a fast-tier save: every rank then holds the metadata (ModelCheckpoint's score
+    tensors, the pickled leftovers) in its own node's files, as a replica, and a load
+    from the fast tier reads it there (with a local_root per node, rank 0's files are
+    on rank 0's node only). The durable copy is unchanged: one copy, written by one
+    rank. Raises rank 0's error on every rank alike."""
+    import io
+
+    if comm.size == 1:
+        return tree
+
+    def encode() -> bytes:
+        buf = io.BytesIO()
+        torch.save(tree.get(META_KEY), buf)
+        return buf.getvalue()
+
+    data = rank0_bytes(comm, encode, "share the Lightning metadata")
+    if comm.rank == 0:
+        return tree
+    entry = torch.load(io.BytesIO(data), weights_only=True)  # tensors, str, int: no pickle
+    return tree if entry is None else {**tree, META_KEY: entry}
 
 
 def meta_entry(meta: dict, modules: list[str], optimizers: list[str]) -> dict:

@@ -90,3 +90,26 @@ def test_a_dropped_committer_is_freed(tmp_path):
             break
         threading.Event().wait(0.1)
     assert threading.active_count() <= before, threading.enumerate()
+
+
+def test_local_root_per_node_resumes_from_the_fast_tier(tmp_path):
+    """Each rank with its own local_root (as ranks on separate nodes: no rank sees
+    another's files), killed after step 4 committed locally and before its copies: the
+    restart at the same 2 devices resumes step 4 from the fast tier, as with one shared
+    local_root. (Lightning's metadata, ModelCheckpoint's score tensors among it, was
+    held by rank 0's files only: rank 1 could not read it from its own node.)"""
+    from dckpt.catalog.verify import verify_checkpoint
+
+    from .test_lightning import equal, ref, run
+
+    root, local = str(tmp_path / "run"), str(tmp_path / "local-{rank}")
+    run(root, "dckpt", 2, "--max-steps", "8", "--every", "2", "--local-root", local,
+        "--kill-before-copy", "4", killed=True)
+    assert os.path.isdir(str(tmp_path / "local-1"))
+    out = run(root, "dckpt", 2, "--max-steps", "6", "--ckpt-path", "last",
+              "--local-root", local)
+    assert "TRAIN START global_step=4" in out, out[-3000:]
+    assert "from the fast tier" in out and "could not be loaded" not in out
+    assert equal(ref(root, "resumed-2"), ref(root, "save-4"))
+    for name in os.listdir(os.path.join(root, "ckpts")):
+        assert verify_checkpoint(os.path.join(root, "ckpts", name)).ok
