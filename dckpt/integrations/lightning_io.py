@@ -42,6 +42,7 @@ from ..protocol.collectives import Comm, agree, on_rank0, rank0_bytes
 from ..protocol.commit import save
 from ..manager.restore import failure_causes
 from ..protocol.restore import load
+from ..protocol.settings import agree_settings
 from ..tiers.fast import fallback_worthy
 from ..view.open import MissingKeyError
 from . import lightning_meta
@@ -127,6 +128,7 @@ class Committer:
         self._lock = threading.Lock()
         self._pending: list[str] = []  # removals waiting for the save in flight
         self._error: BaseException | None = None  # rank 0's error placing/removing
+        self._agreed: Any = None  # the default group the settings were agreed in
         # the fast tier: saves commit node-locally, copies to the names run behind
         self.tier = (LocalTier(local_root, keep_last_local, storage_options, compression)
                      if local_root is not None else None)
@@ -142,8 +144,9 @@ class Committer:
         tier: returns after the local commit (asynchronous: after copying the state to
         host buffers); the copy to ``path`` runs behind (``step``: recorded in the
         local commit)."""
-        self.finish()
         comm = Comm()
+        self._agree(comm)
+        self.finish()
         opts = {**(self.storage_options or {}), **(storage_options or {})} or None
         if self.tier is not None:
             final = _broadcast(comm, durable_name(path) if comm.rank == 0 else None)
@@ -199,6 +202,21 @@ class Committer:
 
         handle.add_done_callback(done)
 
+    def _agree(self, comm: Comm) -> None:
+        """On the first collective call (and after a new default group): the settings
+        that shape the collectives (the fast tier on or off, ``async_save``,
+        ``compression``) are the same on every rank, or every rank raises the same
+        CheckpointError naming them, instead of entering different collectives (a
+        hang) or staging copies that never commit. One all-gather."""
+        world = _world()
+        if self._agreed is not None and world is self._agreed:
+            return
+        agree_settings(comm, {"local_root given": self.tier is not None,
+                              "async_save": self.async_save,
+                              "compression": self.compression}, None,
+                       "dckpt's Lightning/Fabric strategy")
+        self._agreed = world
+
     def _plan(self, path: str, opts: dict | None) -> tuple[str, str, bool]:
         """Rank 0: (final, where to save, staged?). Sweeps leftovers of this name."""
         if is_url(path):
@@ -251,8 +269,9 @@ class Committer:
         broadcast; with the fast tier an all-gather too). Waits for the saves in flight
         (copies included) first. Blocking I/O on rank 0 (a few stats; with the fast
         tier the name's manifest). Raises what they raise, on every rank alike."""
-        self.finish(drain=True)
         comm = Comm()
+        self._agree(comm)
+        self.finish(drain=True)
         opts = self.storage_options
 
         def durable() -> list:
@@ -368,6 +387,13 @@ class Source:
         storage, root = make_storage(self.path, self.storage_options)
         name = self.manifest_name or mf.MANIFEST_NAME
         return mf.parse(read_manifest_bytes(storage, root, name), f"{self.path}/{name}")
+
+
+def _world() -> Any:
+    """The default process group (None without one), to notice a new one."""
+    import torch.distributed as dist
+
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
 def _view_name(rank: int) -> str:

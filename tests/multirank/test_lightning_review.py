@@ -113,3 +113,47 @@ def test_local_root_per_node_resumes_from_the_fast_tier(tmp_path):
     assert equal(ref(root, "resumed-2"), ref(root, "save-4"))
     for name in os.listdir(os.path.join(root, "ckpts")):
         assert verify_checkpoint(os.path.join(root, "ckpts", name)).ok
+
+
+# ------------------------------------------------ settings that differ between ranks
+DEADLINE = 60
+
+
+def _save_with(base: str, kw_by_rank: dict) -> str:
+    """Every rank makes a Committer with its own settings and saves one checkpoint
+    (a Lightning-like tree: its own tensor, the metadata on rank 0), then drains.
+    Returns "no error" or the error's type and message."""
+    import torch.distributed as dist
+
+    from dckpt.integrations import lightning_io as lio
+
+    r = dist.get_rank()
+    kw = {k: (v.replace("{rank}", str(r)) if isinstance(v, str) else v)
+          for k, v in kw_by_rank.get(r, kw_by_rank.get("*", {})).items()}
+    try:
+        io = lio.Committer(**kw)
+        tree = {f"w{r}": torch.full((4,), float(r))}
+        if r == 0:
+            tree[lio.META_KEY] = lio.meta_entry({"global_step": 1}, [], [])
+        io.save(tree, os.path.join(base, "ckpts", "last.ckpt"), step=1)
+        io.finish(drain=True)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.parametrize("case", ["local_root", "async_save", "compression"])
+def test_ranks_disagreeing_on_committer_settings_fail_alike(ranks, tmp_path, case):
+    """A setting that shapes the collectives (the fast tier on or off, asynchronous
+    saves, compression of the durable copies) given differently on some rank (a
+    per-node environment variable, say): every rank raises the same CheckpointError
+    naming it, within the deadline, instead of entering different collectives."""
+    local = str(tmp_path / "local-{rank}")
+    kw = {"local_root": ({0: {"local_root": local}, 1: {}}),
+          "async_save": ({0: {"local_root": local, "async_save": True},
+                          1: {"local_root": local}}),
+          "compression": ({0: {"local_root": local, "compression": "zstd"},
+                           1: {"local_root": local}})}[case]
+    out = ranks(2).run(_save_with, str(tmp_path), kw, timeout=DEADLINE)
+    assert len(set(out)) == 1, out
+    assert out[0].startswith("CheckpointError") and case in out[0], out[0]
