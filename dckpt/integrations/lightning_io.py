@@ -46,64 +46,13 @@ from ..protocol.settings import agree_settings
 from ..tiers.fast import fallback_worthy
 from ..view.open import MissingKeyError
 from . import lightning_meta
+from .lightning_state import BadStateError, ModelState, OptimizerState  # noqa: F401
 from .lightning_place import (PARTIAL, durable_name, is_url, kind,  # noqa: F401
                               local_path, place, remove_whole, stamp, sweep)
 from .lightning_tier import LocalTier
 
 log = logging.getLogger(__name__)
 META_KEY = "__lightning__"
-
-
-class BadStateError(CheckpointError, ValueError):
-    """A state that cannot be saved or loaded as asked (no distributed module, two of
-    them, a reserved key); a ValueError as Lightning's own check is."""
-
-
-def _options(strict: bool = True):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(strict=strict)
-
-
-class ModelState:
-    """A (FSDP2/TP) module as a dckpt Stateful: torch's ``get_model_state_dict`` (the
-    live sharded parameters, no copy) and ``set_model_state_dict``. ``state_dict()`` is
-    computed once per object (the load's strictness check and its fill share it)."""
-
-    def __init__(self, module: torch.nn.Module, strict: bool = True) -> None:
-        self.module, self.strict = module, strict
-        self._sd: dict | None = None
-
-    def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        if self._sd is None:
-            self._sd = get_model_state_dict(self.module)
-        return self._sd
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-        set_model_state_dict(self.module, sd, options=_options(self.strict))
-
-
-class OptimizerState:
-    """An optimizer of a (FSDP2/TP) module as a dckpt Stateful: its state keyed by
-    parameter name (torch's ``get_optimizer_state_dict``; a fresh optimizer's state is
-    initialised first, by a zero-learning-rate step) and ``set_optimizer_state_dict``."""
-
-    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.module, self.optimizer = module, optimizer
-
-    def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        return get_optimizer_state_dict(self.module, self.optimizer)
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-        set_optimizer_state_dict(self.module, self.optimizer, optim_state_dict=sd)
 
 
 class Committer:
@@ -417,20 +366,13 @@ def _share_meta(comm: Comm, tree: dict) -> dict:
     from the fast tier reads it there (with a local_root per node, rank 0's files are
     on rank 0's node only). The durable copy is unchanged: one copy, written by one
     rank. Raises rank 0's error on every rank alike."""
-    import io
-
     if comm.size == 1:
         return tree
-
-    def encode() -> bytes:
-        buf = io.BytesIO()
-        torch.save(tree.get(META_KEY), buf)
-        return buf.getvalue()
-
-    data = rank0_bytes(comm, encode, "share the Lightning metadata")
+    data = rank0_bytes(comm, lambda: lightning_meta.to_bytes(tree.get(META_KEY)),
+                       "share the Lightning metadata")
     if comm.rank == 0:
         return tree
-    entry = torch.load(io.BytesIO(data), weights_only=True)  # tensors, str, int: no pickle
+    entry = lightning_meta.from_bytes(data)
     return tree if entry is None else {**tree, META_KEY: entry}
 
 

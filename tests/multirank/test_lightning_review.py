@@ -157,3 +157,29 @@ def test_ranks_disagreeing_on_committer_settings_fail_alike(ranks, tmp_path, cas
     out = ranks(2).run(_save_with, str(tmp_path), kw, timeout=DEADLINE)
     assert len(set(out)) == 1, out
     assert out[0].startswith("CheckpointError") and case in out[0], out[0]
+
+
+def test_sweep_leaves_another_saves_partial_folder_alone(tmp_path, monkeypatch):
+    """The sweep before each save removes the hidden leftovers of killed saves in the
+    checkpoint folder, of every name: it must not take the partial folder of a save
+    still running there (another job, or another strategy of this one, writing to the
+    same dirpath), whose commit would then fail; a leftover of a dead process goes."""
+    from torch import nn
+
+    lio = _lio()
+    ck = tmp_path / "ckpts"
+    a, b = lio.Committer(async_save=True), lio.Committer()
+    dead = ck / ".x.ckpt.dckpt-partial-0123456789ab"  # a killed save's leftover
+    dead.mkdir(parents=True)
+    (dead / ".dckpt-save-0123456789abcdef.intent").write_text(
+        '{"save_id": "0123456789abcdef", "host": "%s", "pid": 999999999, "started": 0}'
+        % __import__("socket").gethostname())
+    monkeypatch.setenv("DCKPT_FAULT", "vote:*:sleep=2")  # a's save is slow
+    _tiny_save(a, nn.Linear(3, 2), str(ck / "a.ckpt"), 1)
+    threading.Event().wait(0.5)
+    assert [e for e in os.listdir(ck) if e.startswith(".a.ckpt")]  # a's save is running
+    _tiny_save(b, nn.Linear(3, 2), str(ck / "b.ckpt"), 2)  # sweeps the folder
+    a.finish()
+    monkeypatch.delenv("DCKPT_FAULT")
+    assert _tiny_load(lio.Committer(), str(ck / "a.ckpt")) == (1, 1.0)
+    assert not dead.exists()
