@@ -34,8 +34,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from ..errors import CheckpointError, NotCommittedError, StateMismatchError
 from ..protocol.async_save import SaveHandle, async_save
 from ..protocol.collectives import Comm, agree, on_rank0, rank0_bytes
@@ -49,7 +47,7 @@ from . import lightning_meta
 from .lightning_state import BadStateError, ModelState, OptimizerState  # noqa: F401
 from .lightning_place import (PARTIAL, durable_name, is_url, kind,  # noqa: F401
                               local_path, place, remove_whole, stamp, sweep)
-from .lightning_tier import LocalTier
+from .lightning_tier import PARENT_KEY, LocalTier
 
 log = logging.getLogger(__name__)
 META_KEY = "__lightning__"
@@ -100,6 +98,9 @@ class Committer:
         if self.tier is not None:
             final = _broadcast(comm, durable_name(path) if comm.rank == 0 else None)
             tree = _share_meta(comm, tree)
+            parent = self.tier.seen.get(final)
+            if comm.rank == 0 and parent is not None:
+                tree = {**tree, PARENT_KEY: parent}
             self.tier.save(tree, final, step, lambda: self._plan(final, opts),
                            async_=self.async_save, storage_options=opts)
             return
@@ -233,10 +234,11 @@ class Committer:
             return Source(found, spath, opts)
         held = self.tier.held(_broadcast(comm, durable_name(spath) if comm.rank == 0
                                          else None), comm)
-        # the node-local copy unless the name holds another, newer commit (a run on
-        # other nodes saved it since): never an older step resurrected over a newer one
-        if held is not None and (dstamp is None or dstamp[0] == held.save_id
-                                 or held.created > dstamp[1]):
+        if dstamp is not None:
+            self.tier.seen[durable_name(spath)] = dstamp[0]
+        # the node-local copy unless the name holds another commit saved since (a run
+        # on other nodes): never an older step resurrected over a newer one
+        if held is not None and held.newer_than(dstamp):
             if comm.rank == 0:
                 log.info("loading %s from the fast tier %s", spath, held.slot)
             durable_src = Source(found, spath, opts) if found == "dckpt" else None
