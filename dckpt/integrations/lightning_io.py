@@ -34,73 +34,23 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from ..errors import CheckpointError, NotCommittedError, StateMismatchError
 from ..protocol.async_save import SaveHandle, async_save
-from ..protocol.collectives import Comm, agree, on_rank0
+from ..protocol.collectives import Comm, agree, on_rank0, rank0_bytes
 from ..protocol.commit import save
+from ..manager.restore import failure_causes
 from ..protocol.restore import load
+from ..protocol.settings import agree_settings
+from ..tiers.fast import fallback_worthy
 from ..view.open import MissingKeyError
 from . import lightning_meta
+from .lightning_state import BadStateError, ModelState, OptimizerState  # noqa: F401
 from .lightning_place import (PARTIAL, durable_name, is_url, kind,  # noqa: F401
                               local_path, place, remove_whole, stamp, sweep)
-from .lightning_tier import LocalTier
+from .lightning_tier import PARENT_KEY, LocalTier
 
 log = logging.getLogger(__name__)
 META_KEY = "__lightning__"
-
-
-class BadStateError(CheckpointError, ValueError):
-    """A state that cannot be saved or loaded as asked (no distributed module, two of
-    them, a reserved key); a ValueError as Lightning's own check is."""
-
-
-def _options(strict: bool = True):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(strict=strict)
-
-
-class ModelState:
-    """A (FSDP2/TP) module as a dckpt Stateful: torch's ``get_model_state_dict`` (the
-    live sharded parameters, no copy) and ``set_model_state_dict``. ``state_dict()`` is
-    computed once per object (the load's strictness check and its fill share it)."""
-
-    def __init__(self, module: torch.nn.Module, strict: bool = True) -> None:
-        self.module, self.strict = module, strict
-        self._sd: dict | None = None
-
-    def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        if self._sd is None:
-            self._sd = get_model_state_dict(self.module)
-        return self._sd
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-        set_model_state_dict(self.module, sd, options=_options(self.strict))
-
-
-class OptimizerState:
-    """An optimizer of a (FSDP2/TP) module as a dckpt Stateful: its state keyed by
-    parameter name (torch's ``get_optimizer_state_dict``; a fresh optimizer's state is
-    initialised first, by a zero-learning-rate step) and ``set_optimizer_state_dict``."""
-
-    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.module, self.optimizer = module, optimizer
-
-    def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        return get_optimizer_state_dict(self.module, self.optimizer)
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-        set_optimizer_state_dict(self.module, self.optimizer, optim_state_dict=sd)
 
 
 class Committer:
@@ -125,6 +75,7 @@ class Committer:
         self._lock = threading.Lock()
         self._pending: list[str] = []  # removals waiting for the save in flight
         self._error: BaseException | None = None  # rank 0's error placing/removing
+        self._agreed: Any = None  # the default group the settings were agreed in
         # the fast tier: saves commit node-locally, copies to the names run behind
         self.tier = (LocalTier(local_root, keep_last_local, storage_options, compression)
                      if local_root is not None else None)
@@ -140,11 +91,16 @@ class Committer:
         tier: returns after the local commit (asynchronous: after copying the state to
         host buffers); the copy to ``path`` runs behind (``step``: recorded in the
         local commit)."""
-        self.finish()
         comm = Comm()
+        self._agree(comm)
+        self.finish()
         opts = {**(self.storage_options or {}), **(storage_options or {})} or None
         if self.tier is not None:
             final = _broadcast(comm, durable_name(path) if comm.rank == 0 else None)
+            tree = _share_meta(comm, tree)
+            parent = self.tier.seen.get(final)
+            if comm.rank == 0 and parent is not None:
+                tree = {**tree, PARENT_KEY: parent}
             self.tier.save(tree, final, step, lambda: self._plan(final, opts),
                            async_=self.async_save, storage_options=opts)
             return
@@ -195,6 +151,21 @@ class Committer:
                     self._placed.set()
 
         handle.add_done_callback(done)
+
+    def _agree(self, comm: Comm) -> None:
+        """On the first collective call (and after a new default group): the settings
+        that shape the collectives (the fast tier on or off, ``async_save``,
+        ``compression``) are the same on every rank, or every rank raises the same
+        CheckpointError naming them, instead of entering different collectives (a
+        hang) or staging copies that never commit. One all-gather."""
+        world = _world()
+        if self._agreed is not None and world is self._agreed:
+            return
+        agree_settings(comm, {"local_root given": self.tier is not None,
+                              "async_save": self.async_save,
+                              "compression": self.compression}, None,
+                       "dckpt's Lightning/Fabric strategy")
+        self._agreed = world
 
     def _plan(self, path: str, opts: dict | None) -> tuple[str, str, bool]:
         """Rank 0: (final, where to save, staged?). Sweeps leftovers of this name."""
@@ -248,8 +219,9 @@ class Committer:
         broadcast; with the fast tier an all-gather too). Waits for the saves in flight
         (copies included) first. Blocking I/O on rank 0 (a few stats; with the fast
         tier the name's manifest). Raises what they raise, on every rank alike."""
-        self.finish(drain=True)
         comm = Comm()
+        self._agree(comm)
+        self.finish(drain=True)
         opts = self.storage_options
 
         def durable() -> list:
@@ -262,13 +234,15 @@ class Committer:
             return Source(found, spath, opts)
         held = self.tier.held(_broadcast(comm, durable_name(spath) if comm.rank == 0
                                          else None), comm)
-        # the node-local copy unless the name holds another, newer commit (a run on
-        # other nodes saved it since): never an older step resurrected over a newer one
-        if held is not None and (dstamp is None or dstamp[0] == held.save_id
-                                 or held.created > dstamp[1]):
+        if dstamp is not None:
+            self.tier.seen[durable_name(spath)] = dstamp[0]
+        # the node-local copy unless the name holds another commit saved since (a run
+        # on other nodes): never an older step resurrected over a newer one
+        if held is not None and held.newer_than(dstamp):
             if comm.rank == 0:
                 log.info("loading %s from the fast tier %s", spath, held.slot)
-            return Source("dckpt", held.slot, None, _view_name(comm.rank))
+            durable_src = Source(found, spath, opts) if found == "dckpt" else None
+            return Source("dckpt", held.slot, None, _view_name(comm.rank), durable_src)
         return Source(found, spath, opts)
 
     def load(self, target: dict, path: str, *, strict: bool, modules: list[str],
@@ -284,6 +258,18 @@ class Committer:
         lacks), StateMismatchError (parameters, shapes, dtypes), IntegrityError.
         ``path`` may be a :class:`Source` from :meth:`resolve`."""
         src = path if isinstance(path, Source) else self.resolve(path)
+        try:
+            return self._load(target, src, strict, modules, weights_only)
+        except Exception as e:  # raised on every rank alike: every rank falls back
+            if src.fallback is None or not fallback_worthy(e):
+                raise
+            if Comm().rank == 0:
+                log.warning("the fast tier's copy of %s could not be loaded (%s): loading "
+                            "its durable copy", src.fallback.path, failure_causes(e))
+            return self._load(target, src.fallback, strict, modules, weights_only)
+
+    def _load(self, target: dict, src: "Source", strict: bool, modules: list[str],
+              weights_only: bool | None) -> tuple[Any, dict]:
         path = src.path
         found: dict[str, Any] = {}
 
@@ -333,12 +319,15 @@ class Committer:
 class Source:
     """Where a load reads: ``kind`` as :func:`kind` says of the name ("dckpt",
     "other": a stock checkpoint, "none"), the path, its fsspec options, and the
-    manifest each rank reads (None: ``manifest.json``; the fast tier: its own view)."""
+    manifest each rank reads (None: ``manifest.json``; the fast tier: its own view), and
+    for the fast tier the name's durable copy (None: none committed), read when the
+    fast tier's cannot be (a file damaged or missing on some node, found at read time)."""
 
     kind: str
     path: str
     storage_options: dict | None = None
     manifest_name: str | None = None
+    fallback: "Source | None" = None
 
     def manifest(self, rank: int) -> Any:
         """This source's manifest as ``rank`` reads it (parsed). Blocking I/O."""
@@ -349,6 +338,13 @@ class Source:
         storage, root = make_storage(self.path, self.storage_options)
         name = self.manifest_name or mf.MANIFEST_NAME
         return mf.parse(read_manifest_bytes(storage, root, name), f"{self.path}/{name}")
+
+
+def _world() -> Any:
+    """The default process group (None without one), to notice a new one."""
+    import torch.distributed as dist
+
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
 def _view_name(rank: int) -> str:
@@ -363,6 +359,23 @@ def _broadcast(comm: Comm, obj: Any) -> Any:
 
     data = comm.broadcast_bytes(json.dumps(obj).encode() if comm.rank == 0 else None)
     return json.loads(data)
+
+
+def _share_meta(comm: Comm, tree: dict) -> dict:
+    """``tree`` with rank 0's ``__lightning__`` entry on every rank (one broadcast), for
+    a fast-tier save: every rank then holds the metadata (ModelCheckpoint's score
+    tensors, the pickled leftovers) in its own node's files, as a replica, and a load
+    from the fast tier reads it there (with a local_root per node, rank 0's files are
+    on rank 0's node only). The durable copy is unchanged: one copy, written by one
+    rank. Raises rank 0's error on every rank alike."""
+    if comm.size == 1:
+        return tree
+    data = rank0_bytes(comm, lambda: lightning_meta.to_bytes(tree.get(META_KEY)),
+                       "share the Lightning metadata")
+    if comm.rank == 0:
+        return tree
+    entry = lightning_meta.from_bytes(data)
+    return tree if entry is None else {**tree, META_KEY: entry}
 
 
 def meta_entry(meta: dict, modules: list[str], optimizers: list[str]) -> dict:

@@ -153,3 +153,40 @@ def target(manifest: Any, key: str) -> dict[str, Any] | None:
     if p is not None:
         out["pickle"] = torch.empty(p.shape, dtype=to_torch(p.dtype))
     return out
+
+
+def to_bytes(enc: dict[str, Any] | None) -> bytes:
+    """The entry :func:`encode` made (or None) as bytes for a broadcast: a JSON header
+    (format, tree, each tensor's dtype and shape) and the tensors' raw bytes. No pickle.
+    Pure CPU, O(bytes)."""
+    if enc is None:
+        return b"null"
+    ts = [*enc["tensors"], *([enc["pickle"]] if "pickle" in enc else [])]
+    head = json.dumps({"format": enc["format"], "tree": enc["tree"], "pickle": "pickle" in enc,
+                       "tensors": [[to_code(t.dtype), list(t.shape)] for t in ts]}).encode()
+    body = [t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            for t in ts]
+    return len(head).to_bytes(8, "little") + head + b"".join(body)
+
+
+def from_bytes(data: bytes) -> dict[str, Any] | None:
+    """:func:`to_bytes`'s entry back (new tensors). Pure CPU."""
+    if data == b"null":
+        return None
+    n = int.from_bytes(data[:8], "little")
+    head = json.loads(data[8:8 + n])
+    pos, ts = 8 + n, []
+    for code, shape in head["tensors"]:
+        dtype = to_torch(code)
+        t = torch.empty(shape, dtype=dtype)
+        size = t.numel() * t.element_size()
+        if size:
+            raw = torch.frombuffer(bytearray(data[pos:pos + size]), dtype=torch.uint8)
+            t = raw.view(dtype).reshape(shape)
+        ts.append(t)
+        pos += size
+    out: dict[str, Any] = {"format": head["format"], "tree": head["tree"]}
+    if head["pickle"]:
+        out["pickle"] = ts.pop()
+    out["tensors"] = ts
+    return out

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import logging
 import os
 import shutil
+import socket
+import time
 import uuid
 
 from ..format.manifest import MANIFEST_NAME
@@ -56,14 +59,59 @@ def _rm(path: str) -> None:
 
 
 def sweep(parent: str, name: str) -> None:
-    """Remove what killed saves and removals of ``name`` left in ``parent``."""
+    """Remove what killed saves and removals left in ``parent`` (of any name: a name
+    never saved again keeps no leftover), but a partial folder a save may still be
+    writing (:func:`_in_use`: another job or strategy saving into the same folder).
+    Blocking I/O: a listing, and a few small reads per partial folder."""
     try:
         entries = os.listdir(parent)
     except FileNotFoundError:
         return
     for e in entries:
-        if e.startswith(".") and (PARTIAL in e or REMOVING in e):
+        if e.startswith(".") and (REMOVING in e or (PARTIAL in e and not _in_use(
+                os.path.join(parent, e)))):
             _rm(os.path.join(parent, e))
+
+
+def _in_use(path: str) -> bool:
+    """Whether a save may still be writing the folder ``path``: it holds a save intent
+    (:mod:`dckpt.protocol.intent`) renewed within the lease, unless the intent names a
+    process of this host that is gone (SIGKILLed: its leftovers go at once). An
+    intent that cannot be read counts as live. No intent: a dead save's (the lease is
+    taken before any data file is written, and ended after the commit)."""
+    from ..protocol.intent import INTENT_FILE, LEASE_S
+
+    try:
+        names = [n for n in os.listdir(path) if INTENT_FILE.match(n)]
+    except OSError:
+        return False
+    for n in names:
+        p = os.path.join(path, n)
+        try:
+            age = time.time() - os.stat(p).st_mtime
+            with open(p, "rb") as f:
+                doc = json.loads(f.read(4096))
+        except (OSError, ValueError):
+            return True
+        if age >= LEASE_S:
+            continue
+        if not isinstance(doc, dict):
+            return True
+        pid = doc.get("pid")
+        if doc.get("host") == socket.gethostname() and isinstance(pid, int) and not _alive(pid):
+            continue
+        return True
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True
+    return True
 
 
 def place(tmp: str, final: str) -> None:

@@ -35,6 +35,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -53,9 +54,12 @@ from .lightning_place import place
 
 log = logging.getLogger(__name__)
 SLOT_PREFIX = "lightning-"
+PARENT_KEY = "__dckpt_parent__"  # a value of rank 0's local commits (see Held.parent)
 MAX_QUEUED = 2  # durable copies waiting (not running) before a save waits
 
-_LIVE: "set[LocalTier]" = set()
+# the tiers whose saves are drained at exit; weak: a dropped strategy (a sweep of trials
+# in one process) frees its host buffers and threads
+_LIVE: "weakref.WeakSet[LocalTier]" = weakref.WeakSet()
 
 
 def _drain_at_exit() -> None:
@@ -85,11 +89,27 @@ class CopyJob:
 
 @dataclass(frozen=True)
 class Held:
-    """A local commit every rank holds: the slot and its global save id and time."""
+    """A local commit every rank holds: the slot, its global save id and time, and
+    ``parent``: the save id the name's durable copy had when this commit was made, as
+    the saving process knew it (None: it did not know)."""
 
     slot: str
     save_id: str
     created: float
+    parent: str | None = None
+
+    def newer_than(self, durable: list | None) -> bool:
+        """Whether this commit is the one to load rather than the durable copy
+        ``durable`` ([save id, commit time] or None). Pure. The durable copy is this
+        commit's own, or the one this commit was saved over (its parent): the local one
+        is as new or newer. The durable copy is another: someone saved the name since
+        (a run on other nodes), so it wins, whatever the two hosts' clocks say. Only a
+        commit whose parent was not known falls back to comparing commit times."""
+        if durable is None or durable[0] == self.save_id:
+            return True
+        if self.parent is not None:
+            return durable[0] == self.parent
+        return self.created > durable[1]
 
 
 class LocalTier:
@@ -114,6 +134,10 @@ class LocalTier:
         self._lock = threading.Lock()
         self._jobs: list[CopyJob] = []  # queued or running, in order
         self._busy: set[str] = set()  # slots being written locally
+        self._gen: dict[str, int] = {}  # saves of each name begun (a removal's reference)
+        # the durable save id of each name as this process last saw it (a load's look
+        # up, or a copy it committed): the parent recorded in the next local commit
+        self.seen: dict[str, str] = {}
         self._local_job: SaveHandle | None = None
         self._errors: list[BaseException] = []  # the asynchronous local saves'
         self._world: Any = None  # the default group the groups below were made for
@@ -162,6 +186,7 @@ class LocalTier:
         self._make_room(final)
         with self._lock:
             self._busy.add(slot)
+            self._gen[final] = self._gen.get(final, 0) + 1
         if not async_:
             try:
                 self._commit(tree, final, step, slot, plan, comm, storage_options)
@@ -250,6 +275,7 @@ class LocalTier:
                 except Exception as e:
                     err = e
             agree(comm, err, f"move {target} to {final}")
+            self.seen[job.final] = job.commit.save_id
             if comm.rank == 0:
                 log.info("%s copied to the durable tier (%.1f MiB)", final,
                          job.commit.total_bytes / 2**20)
@@ -267,19 +293,23 @@ class LocalTier:
     def remove(self, final: str, remove_durable: Callable[[], None] | None) -> None:
         """Remove ``final``'s local slot (this rank's part) and, on rank 0
         (``remove_durable`` given), its durable copy: in the copy thread, after the
-        copies queued before. A queued copy of ``final`` is dropped. Not collective;
-        never raises (errors are logged)."""
+        copies queued before. A queued copy of ``final`` is dropped. A save of
+        ``final`` begun after this call keeps its local commit (and its copy then
+        recreates the name). Not collective; never raises (errors are logged)."""
         with self._lock:
             for job in self._jobs:
                 if job.final == final and not job.started:
                     job.superseded = True
+            gen = self._gen.get(final, 0)
         rank = Comm().rank if dist.is_available() and dist.is_initialized() else 0
 
         def run() -> None:
             try:
                 if remove_durable is not None:
                     remove_durable()
-                tlocal.drop_step(self.storage, self.slot(final), rank)
+                with self._lock:  # held: a new save of the name waits for the drop
+                    if self._gen.get(final, 0) == gen:
+                        tlocal.drop_step(self.storage, self.slot(final), rank)
             except Exception as e:
                 log.error("removing checkpoint %s: %s", final, e)
 
@@ -328,7 +358,9 @@ class LocalTier:
             sizes = {x.name: x.size for x in self.storage.listdir(slot)}
             if view.meta.get("owner") == final and view.world_size == comm.size and all(
                     sizes.get(f.name) == f.size for f in view.files if f.rank == comm.rank):
-                mine = [view.save_id, float(view.created)]
+                parent = view.values.get(PARENT_KEY)
+                mine = [view.save_id, float(view.created),
+                        parent if isinstance(parent, str) else None]
         except FileNotFoundError:
             pass
         except (OSError, CheckpointError) as e:
@@ -336,7 +368,7 @@ class LocalTier:
         views = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(mine).encode())]
         if any(v is None or v[0] != views[0][0] for v in views):
             return None
-        return Held(slot, views[0][0], views[0][1])
+        return Held(slot, *views[0])
 
     # ------------------------------------------------------------------ waiting
     def wait_local(self, raise_error: bool = True) -> None:

@@ -343,3 +343,32 @@ def test_fsdp_tp_2x2_resume_as_fsdp_at_2(tmp_path):
     assert equal(ref(root, "resumed-2"), ref(root, "save-4"))
     for name in ckpts(root):
         assert verify_checkpoint(os.path.join(root, "ckpts", name)).ok
+
+
+def test_fast_tier_never_resurrects_over_a_later_save_whatever_the_clocks(tmp_path, monkeypatch):
+    """A run's local commit of last.ckpt (step 2) whose copy failed, then another run
+    (other nodes, no fast tier) saves last.ckpt (step 7) on a host whose clock is an
+    hour behind. A restart of the first run on its nodes loads step 7: the local commit
+    records the durable save it was made over (step 1's), which is no longer there, so
+    the name was saved since; commit times from two hosts are not compared."""
+    import time as _time
+
+    from torch import nn
+
+    from dckpt.integrations import lightning_io as lio
+
+    local = str(tmp_path / "local")
+    last = str(tmp_path / "ckpts" / "last.ckpt")
+    model = nn.Linear(3, 2)
+    io = lio.Committer(local_root=local)
+    _tiny_save(io, model, last, 1)
+    io.finish(drain=True)
+    monkeypatch.setenv("DCKPT_FAULT", "stage:*:raise")
+    _tiny_save(io, model, last, 2)
+    io.finish(drain=True)
+    monkeypatch.delenv("DCKPT_FAULT")
+    real = _time.time
+    monkeypatch.setattr(_time, "time", lambda: real() - 3600)  # the other host's clock
+    _tiny_save(lio.Committer(), model, last, 7)
+    monkeypatch.setattr(_time, "time", real)
+    assert _tiny_load(lio.Committer(local_root=local), last) == (7, 7.0)

@@ -133,6 +133,15 @@ def arm_kill() -> None:
     FileSystemWriter.finish = finish
 
 
+def local_root() -> str | None:
+    """``--local-root``, with ``{rank}`` replaced by this process's rank (a node-local
+    disk per rank, as on separate nodes; Lightning's launcher sets LOCAL_RANK in the
+    processes it starts)."""
+    if args.local_root is None:
+        return None
+    return args.local_root.replace("{rank}", os.environ.get("LOCAL_RANK", "0"))
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("dckpt").setLevel(logging.INFO)  # the tests read where loads came from
@@ -145,7 +154,7 @@ def main() -> None:
         strategy = DckptModelParallelStrategy(data_parallel_size=args.devices // args.tp,
                                               tensor_parallel_size=args.tp,
                                               async_save=args.async_save,
-                                              local_root=args.local_root)
+                                              local_root=local_root())
     else:
         strategy = ModelParallelStrategy(data_parallel_size=args.devices // args.tp,
                                          tensor_parallel_size=args.tp)
