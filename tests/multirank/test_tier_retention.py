@@ -132,6 +132,13 @@ def _slow_store(base: str, delay: float, steps: int, forced: int) -> tuple:
         """Local files, each write opened after ``delay`` s: a store slower than saves."""
         protocol = ("slowfile",)
 
+        @classmethod
+        def _strip_protocol(cls, path):  # else "slowfile:/..." is a folder in the cwd
+            path = str(path)
+            if path.startswith("slowfile://"):
+                path = path[len("slowfile://"):]
+            return super()._strip_protocol(path)
+
         def _open(self, path, mode="rb", **kw):
             if "w" in mode or "a" in mode:
                 time.sleep(delay)
