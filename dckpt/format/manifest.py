@@ -50,6 +50,10 @@ MAX_NDIM = tiling.MAX_NDIM
 # is several boxes; dckpt's save refuses more), so a tensor has at most this many
 # chunks per file: the cap on what a hostile manifest's grid can make a reader allocate.
 MAX_CHUNKS_PER_FILE = 1024
+# The most chunks all tensors of one manifest may declare (grid cells count: a load
+# builds their boxes): 268M, 4 GiB of boxes. A save of 131,072 ranks x 500 FSDP tensors
+# declares 65.5M. Bounds what a hostile manifest can make a reader allocate.
+MAX_CHUNKS_TOTAL = 1 << 28
 _I64_MAX = (1 << 63) - 1
 _EAGER_CELLS = 64  # grids of at most this many cells get their boxes at parse time
 _MAX_META_DEPTH = 32
@@ -64,8 +68,14 @@ def to_json(m: Manifest) -> bytes:
     (:func:`.filetable.use_table`: older readers still read the rest). Cost:
     O(tensors + chunk-table size + files), no I/O; a later manifest of the same tensor
     entries (a cached plan) reuses their JSON text, so costs O(files) numpy. Raises
-    ValueError when ``created`` is not finite, TypeError when ``meta`` holds something
+    ValueError when ``created`` is not finite or the tensors declare more chunks than a
+    reader accepts (:data:`MAX_CHUNKS_TOTAL`) or its bytes exceed
+    :data:`MAX_MANIFEST_BYTES`, TypeError when ``meta`` holds something
     JSON cannot encode."""
+    nchunks = sum(len(t.chunks) for t in m.tensors.values())
+    if nchunks > MAX_CHUNKS_TOTAL:  # never commit what no reader parses
+        raise ValueError(f"the manifest would declare {nchunks} chunks; a reader accepts at "
+                         f"most {MAX_CHUNKS_TOTAL} (fewer tensors or ranks per checkpoint)")
     files = filetable.to_json_obj(m.files, m.save_id, m.world_size)
     version = TABLE_VERSION if isinstance(files, dict) else VERSION if (
         m.files.references or any(t.blocks is not None for t in m.tensors.values())) else 2
@@ -75,7 +85,11 @@ def to_json(m: Manifest) -> bytes:
              ("files", _dumps(files)), ("tensors", _tensors_json(m.tensors)),
              ("values", _dumps({k: sealed.tag_floats(v) for k, v in m.values.items()}))]
     # what json.dumps of the whole document writes, byte for byte, by parts
-    return sealed.seal_body(("{" + ",".join(f'"{k}":{v}' for k, v in parts) + "}").encode())
+    data = sealed.seal_body(("{" + ",".join(f'"{k}":{v}' for k, v in parts) + "}").encode())
+    if len(data) > MAX_MANIFEST_BYTES:  # parse refuses it: never commit it
+        raise ValueError(f"the manifest would be {len(data)} bytes; a reader accepts at most "
+                         f"{MAX_MANIFEST_BYTES} (its block hashes grow with ranks x tensors)")
+    return data
 
 
 def _dumps(x: Any) -> str:
@@ -145,25 +159,37 @@ def _blocks_json(blocks: tuple[ChunkBlocks, ...]) -> dict:
 _int = filetable._int  # raises ManifestError naming the field
 
 
-def _parse_chunks(key: str, shape: tuple[int, ...], obj: Any, nfiles: int) -> Chunks:
+def _parse_chunks(key: str, shape: tuple[int, ...], obj: Any, nfiles: int,
+                  budget: list[int] | None = None) -> Chunks:
     if not isinstance(obj, dict):
         raise ManifestError(f"tensor {key!r}: chunks must be an object")
     ndim = len(shape)
     # A file holds at most MAX_CHUNKS_PER_FILE chunks of a tensor, so no tensor has
-    # more than that many per file: a cheap cap against hostile sizes.
-    cap = max(nfiles, 1) * MAX_CHUNKS_PER_FILE
+    # more than that many per file: a cheap cap against hostile sizes. ``budget[0]``:
+    # the chunks the rest of the manifest may still declare (MAX_CHUNKS_TOTAL): a
+    # version-4 file table declares millions of files in a few bytes, so the cap alone
+    # let 400 bytes of runs make a reader allocate tens of GB before any check.
+    left = MAX_CHUNKS_TOTAL if budget is None else budget[0]
+    cap = min(max(nfiles, 1) * MAX_CHUNKS_PER_FILE, left)
     try:
-        file = intarray.decode(obj.get("file"), f"tensor {key!r} chunk files", cap)
+        # a list of boxes (paid for in bytes) bounds the file indexes decoded for it
+        boxes = obj.get("offsets")
+        file = intarray.decode(obj.get("file"), f"tensor {key!r} chunk files",
+                               cap if "grid" in obj or not isinstance(boxes, list)
+                               else min(cap, len(boxes)))
         if "grid" in obj:
             g = obj["grid"]
             if not isinstance(g, list) or len(g) != ndim:
                 raise ValueError(f"tensor {key!r}: grid needs one breakpoint list per dim")
-            dims = [_grid_dim(b, key, d, shape[d], cap) for d, b in enumerate(g)]
+            # a dim of extent e has at most e cells: bounded before decoding
+            dims = [_grid_dim(b, key, d, shape[d], max(min(cap, shape[d]), 1))
+                    for d, b in enumerate(g)]
             grid = tuple(b for b, _ in dims)
             ncells = math.prod(len(b) - 1 for b in grid)
             if ncells > cap:
                 raise ValueError(f"tensor {key!r}: grid has more cells than "
-                                 f"{MAX_CHUNKS_PER_FILE} per file")
+                                 f"{MAX_CHUNKS_PER_FILE} per file, or than the "
+                                 f"{MAX_CHUNKS_TOTAL} chunks a manifest may declare")
             # cells are built on first use (Chunks.offsets): O(grid) here, not O(cells)
             offsets, sizes = (None, None) if ncells > _EAGER_CELLS else \
                 _cells(grid, [a for _, a in dims])
@@ -184,6 +210,8 @@ def _parse_chunks(key: str, shape: tuple[int, ...], obj: Any, nfiles: int) -> Ch
     nchunks = ncells if grid is not None else len(offsets)
     if len(file) != nchunks:
         raise ManifestError(f"tensor {key!r}: {len(file)} file indexes for {nchunks} chunks")
+    if budget is not None:
+        budget[0] -= nchunks
     if len(file) and (file.min() < 0 or file.max() >= nfiles):
         raise ManifestError(f"tensor {key!r}: chunk file index out of range")
     if grid is None:
@@ -193,7 +221,7 @@ def _parse_chunks(key: str, shape: tuple[int, ...], obj: Any, nfiles: int) -> Ch
     return Chunks(offsets, sizes, file, grid)
 
 
-def _parse_tensor(key: str, t: Any, nfiles: int) -> TensorEntry:
+def _parse_tensor(key: str, t: Any, nfiles: int, budget: list[int] | None = None) -> TensorEntry:
     if not isinstance(t, dict) or not isinstance(t.get("dtype"), str) or t["dtype"] not in ITEMSIZE:
         raise ManifestError(f"tensor {key!r} has no valid dtype")
     raw_shape = t.get("shape")
@@ -205,7 +233,7 @@ def _parse_tensor(key: str, t: Any, nfiles: int) -> TensorEntry:
     shape = tuple(_int(s, f"tensor {key!r} shape") for s in raw_shape)
     if math.prod(shape) * ITEMSIZE[t["dtype"]] > _I64_MAX:
         raise ManifestError(f"tensor {key!r} of shape {list(shape)} is too large")
-    chunks = _parse_chunks(key, shape, t.get("chunks"), nfiles)
+    chunks = _parse_chunks(key, shape, t.get("chunks"), nfiles, budget)
     blocks = None
     if "blocks" in t:
         blocks = _parse_blocks(key, t["blocks"], chunks, ITEMSIZE[t["dtype"]], nfiles)
@@ -332,9 +360,10 @@ def _parse_doc(data: bytes, at: list[str]) -> Manifest:
     world_size = _int(doc.get("world_size"), "world_size", 1)
     files = filetable.parse(files_raw, version, doc.get("save_id", ""), world_size, at)
     tensors: dict[str, TensorEntry] = {}
+    budget = [MAX_CHUNKS_TOTAL]
     for key, t in tensors_raw.items():
         at[0] = f"tensor {key!r}"
-        tensors[key] = _parse_tensor(key, t, len(files))
+        tensors[key] = _parse_tensor(key, t, len(files), budget)
     values: dict[str, JsonLeaf] = {}
     for key, v in values_raw.items():
         at[0] = f"value {key!r}"

@@ -212,6 +212,9 @@ class _Coordinator:
         rank 0: O(world) numpy for the votes and the file table, plus the I/O."""
         try:
             table = votes_mod.table(votes, self.save_id)
+            files = None if table.errors else table.files()
+            if files is not None and self.gp is not None:
+                votes_mod.check_writers(table, self.gp.bytes_per_rank)
         except CheckpointError as e:  # a malformed vote: its rank's failure, everywhere
             return _pack({"errors": {r: {"type": "CheckpointError", "message": m}
                                      for r, m in e.failures.items()} or {0: error_payload(e)}})
@@ -224,7 +227,7 @@ class _Coordinator:
                        for r, v in table.docs.items() if "chunks" in v}
             if self.base is not None:
                 meta["base"] = self.base_dir
-            m = gplan.to_manifest(self.gp, table.files(), self.save_id, self.world, meta,
+            m = gplan.to_manifest(self.gp, files, self.save_id, self.world, meta,
                                   missing_ok=bool(reports))
             if reports:
                 m = delta.attach(m, reports, self.base, self.base_dir)

@@ -24,8 +24,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import CheckpointError
-from ..format.filenames import data_name
+from ..format.filenames import DATA_FILE, data_name
 from ..format.filetable import FileTable, plain_name
+from ..format.manifest import MANIFEST_NAME
 from ..format.shards import MAX_HEADER
 
 # Not "{" (a JSON vote's first byte), not ASCII: a record never reads as JSON.
@@ -72,11 +73,17 @@ class VoteTable:
 
     def files(self) -> FileTable:
         """The files the votes report, in rank order: a table with derived names unless
-        a rank named another file. O(world) numpy (+ O(world) Python then)."""
+        a rank named another file. O(world) numpy (+ O(world) Python then). Raises
+        CheckpointError naming the rank when two ranks report one file name."""
         ranks = np.flatnonzero(self.has_file)
         names = None
         if self.names:
             names = tuple(self.names.get(r) or data_name(self.save_id, r) for r in ranks.tolist())
+            if len(set(names)) != len(names):  # a manifest listing a file twice is unreadable
+                seen: dict = {}
+                r = next(r for r, n in zip(ranks.tolist(), names) if seen.setdefault(n, r) != r)
+                _refuse(r, f"its vote names {self.names[r]!r:.80}, the file rank {seen[self.names[r]]} "
+                           "reported too")
         return FileTable(self.save_id, ranks, self.size[ranks], self.hlen[ranks],
                          self.crc[ranks], names=names)
 
@@ -165,10 +172,31 @@ def _add_doc(t: VoteTable, r: int, v: Any) -> None:
             and 1 <= h <= MAX_HEADER and h + 8 <= s <= _I64_MAX and 0 <= c <= 0xFFFFFFFF):
         _refuse(r, f"its vote's file {name!r:.80} (size {s!r:.30}, header {h!r:.30}, crc "
                    f"{c!r:.30}) is malformed")
+    if name != data_name(t.save_id, r):
+        # A name that is another rank's file of this save, or the commit point itself,
+        # would commit a manifest that lists a file twice (unreadable) or names
+        # manifest.json as data; the commit's size check passes when sizes agree.
+        got = DATA_FILE.fullmatch(name)
+        if name == MANIFEST_NAME or (got and got.group(1) == t.save_id):
+            _refuse(r, f"its vote names {name!r:.80}, which is not its file "
+                       f"({data_name(t.save_id, r)}): another rank's data file or the manifest")
+        t.names[r] = name
     t.has_file[r] = True
     t.size[r], t.hlen[r], t.crc[r] = s, h, c
-    if name != data_name(t.save_id, r):
-        t.names[r] = name
+
+
+def check_writers(t: VoteTable, planned: np.ndarray) -> None:
+    """Refuse, naming the rank, a vote of no file from a rank the plan gave bytes to
+    write (``planned``: bytes per rank): its chunks would have no file. A rank whose
+    vote carries chunk reports is left to them (an incremental save may reference all
+    its chunks). O(world) numpy. Raises CheckpointError."""
+    planned = np.asarray(planned)
+    if len(planned) != len(t.has_file):
+        return
+    bad = ~t.has_file & (planned > 0)
+    for r in np.flatnonzero(bad).tolist():
+        if "chunks" not in t.docs.get(r, {}):
+            _refuse(r, f"its vote reports no file, but it was to write {int(planned[r])} bytes")
 
 
 def table(votes: Sequence[bytes] | Sequence[dict] | VoteTable, save_id: str) -> VoteTable:

@@ -47,8 +47,8 @@ def _vote_for(r: int, v: dict) -> dict:
         return {"file": data_name(SID, r), **v}
     if "chunks" in v:
         return {**file_vote(r), "chunks": []}
-    if "name" in v:
-        return {**file_vote(r), "file": v["name"]}
+    if "name" in v:  # one name per rank: two ranks naming one file are refused
+        return {**file_vote(r), "file": f"{r}-{v['name']}"}
     return v
 
 
