@@ -46,7 +46,8 @@ from ..view.open import MissingKeyError
 from . import lightning_meta
 from .lightning_state import BadStateError, ModelState, OptimizerState  # noqa: F401
 from .lightning_place import (PARTIAL, durable_name, is_url, kind,  # noqa: F401
-                              local_path, place, remove_whole, stamp, sweep)
+                              local_path, place, place_agreed, remove_whole,
+                              stamp, sweep)
 from .lightning_tier import PARENT_KEY, LocalTier
 
 log = logging.getLogger(__name__)
@@ -115,13 +116,7 @@ class Committer:
         kw = dict(overwrite=not staged, storage_options=opts, compression=self.compression)
         if not self.async_save:
             save(tree, target, **kw)
-            err = None
-            if comm.rank == 0 and staged:
-                try:
-                    place(target, final)
-                except Exception as e:
-                    err = e
-            agree(comm, err, f"move {target} to {final}")
+            place_agreed(comm, target, final, staged)
             return
         self._placed.clear()
         handle = async_save(tree, target, fence=fence or None, **kw)

@@ -199,3 +199,18 @@ def stamp(path: str, storage_options: dict | None = None) -> list | None:
     storage, root = make_storage(path, storage_options)
     m = mf.parse(read_manifest_bytes(storage, root, MANIFEST_NAME), f"{path}/{MANIFEST_NAME}")
     return [m.save_id, float(m.created)]
+
+
+def place_agreed(comm, target: str, final: str, staged: bool) -> None:
+    """After a commit at ``target``: rank 0 moves it to ``final`` when ``staged``
+    (:func:`place`), and every rank raises its error alike. Collective (one small
+    all-gather); blocking I/O on rank 0."""
+    from ..protocol.collectives import agree
+
+    err = None
+    if comm.rank == 0 and staged:
+        try:
+            place(target, final)
+        except Exception as e:
+            err = e
+    agree(comm, err, f"move {target} to {final}")

@@ -50,7 +50,7 @@ from ..engine.staging import StagingPool
 from ..storage.fsspec_storage import make_storage
 from ..tiers import local as tlocal
 from ..tiers import stager, stage_encoded
-from .lightning_place import place
+from .lightning_place import place_agreed
 
 log = logging.getLogger(__name__)
 SLOT_PREFIX = "lightning-"
@@ -268,13 +268,7 @@ class LocalTier:
                                     job.storage_options, None, self.compression)
             else:
                 stager.stage(job.commit, self.storage, target, comm, job.storage_options)
-            err = None
-            if comm.rank == 0 and staged:
-                try:
-                    place(target, final)
-                except Exception as e:
-                    err = e
-            agree(comm, err, f"move {target} to {final}")
+            place_agreed(comm, target, final, staged)
             self.seen[job.final] = job.commit.save_id
             if comm.rank == 0:
                 log.info("%s copied to the durable tier (%.1f MiB)", final,
