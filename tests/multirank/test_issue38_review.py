@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from .test_plan_rules import _entries  # the manifest's tensors as plain data
+
 
 def _state(layout: str) -> dict:
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -51,20 +53,6 @@ def _state(layout: str) -> dict:
         sd["b"] = distribute_tensor(full, mesh["tp"], [Shard(1)], src_data_rank=None)
         sd["c"] = distribute_tensor(full, mesh, [Shard(1), Shard(0)], src_data_rank=None)
     return sd
-
-
-def _entries(path: str) -> dict:
-    from dckpt.protocol.restore import read_manifest
-    from dckpt.storage.fsspec_storage import make_storage
-
-    st, root = make_storage(path)
-    m, _ = read_manifest(st, root)
-    out = {}
-    for k, t in m.tensors.items():
-        c = t.chunks
-        out[k] = (t.dtype, t.shape, c.offsets.tolist(), c.sizes.tolist(),
-                  [m.files[i].rank for i in c.file.tolist()])
-    return {"tensors": out, "values": m.values}
 
 
 def _fresh() -> None:
