@@ -69,6 +69,22 @@ def locals_of(state: dict[str, Any]) -> list:
     return [t.to_local() for g in ("weights", "exp_avg", "exp_avg_sq") for t in state[g].values()]
 
 
+def memcpy_floor(locs: list) -> tuple[list, Callable[[], None]]:
+    """Buffers like ``locs`` (written once, so their pages exist) and a function that
+    copies ``locs`` into them: the memcpy floor of a restore. The function holds the
+    buffers: drop both to free them."""
+    import torch
+
+    bufs = [torch.empty_like(x) for x in locs]
+
+    def memcpy() -> None:
+        for b, x in zip(bufs, locs):
+            b.copy_(x)
+
+    memcpy()
+    return bufs, memcpy
+
+
 def _max_over_ranks(x: float) -> float:
     import torch
     import torch.distributed as dist

@@ -39,7 +39,7 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_save_load import (_max_over_ranks, add_state_args, locals_of, make_state,  # noqa: E402
+from bench_save_load import (_max_over_ranks, add_state_args, locals_of, make_state, memcpy_floor,  # noqa: E402
                              model_specs, save_results, timed)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -64,13 +64,7 @@ def worker(rank: int, world: int, init: str, a: dict, out: str) -> None:
     nbytes = sum(t.numel() * t.element_size() for t in locs)
     dcp_pg = dist.new_group(backend="gloo")
     stager = DefaultStager(StagingOptions(False, False, False, False))
-    bufs = [torch.empty_like(x) for x in locs]
-    for b, x in zip(bufs, locs):
-        b.copy_(x)
-
-    def memcpy() -> None:
-        for b, x in zip(bufs, locs):
-            b.copy_(x)
+    bufs, memcpy = memcpy_floor(locs)
 
     # The floor of a verified read out of tmpfs: the same bytes read from one file on
     # --shm with preadv into the same buffers, then CRC32 of every 256 KiB (zlib-ng, the

@@ -64,7 +64,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-from bench_save_load import (PREFAULT_MIB, _max_over_ranks, drop_caches, raw_read,  # noqa: E402
+from bench_save_load import (PREFAULT_MIB, _max_over_ranks, drop_caches, memcpy_floor, raw_read,  # noqa: E402
                              raw_write, save_results, timed)
 
 LIBS = ("dckpt", "dcp")
@@ -243,15 +243,9 @@ def worker(rank: int, world: int, init: str, a: dict, out: str) -> None:
     res["raw_read"] = timed(lambda: raw_read(raw, rbuf))
     os.unlink(raw)
     rbuf = block = None  # freed
-    bufs = [torch.empty_like(x) for x in locs]
-    for b, x in zip(bufs, locs):
-        b.copy_(x)
-
-    def memcpy() -> None:
-        for b, x in zip(bufs, locs):
-            b.copy_(x)
+    _, memcpy = memcpy_floor(locs)
     res["memcpy"] = statistics.median(timed(memcpy) for _ in range(3))
-    bufs = []  # freed
+    memcpy = None  # its buffers freed
 
     # 2. training loops: a baseline before, between and after the two modes
     r = a["run"]
