@@ -70,6 +70,7 @@ def plan_pieces(pieces: list, buffers: list, enc: Encoding,
     hashes left for :func:`hashing` to fill while it is written."""
     hashes = list(pool.map(lambda b: b"" if is_streamed(b) else codec.block_hashes(b), buffers))
     out = []
+    unhashed = [0]  # chunks of a base without block hashes read to compare
     for p, buf, h in zip(pieces, buffers, hashes):
         offsets = [int(x) for x in p.box.offsets]
         rep = delta.ChunkReport(p.key, offsets, h)
@@ -80,6 +81,8 @@ def plan_pieces(pieces: list, buffers: list, enc: Encoding,
         bc = None
         if enc.base is not None:
             bc = delta.base_chunk(enc.base, p.key, p.dtype, p.shape, p.box.offsets, p.box.sizes)
+            if bc is not None and bc.hashes is None:
+                bc = _hash_base(p, buf, bc, enc, unhashed)
         if bc is None:
             if enc.compressor:
                 out.append(_encoded(p, buf, rep, None, np.ones(codec.nblocks(len(buf)), bool), enc, pool))
@@ -100,7 +103,49 @@ def plan_pieces(pieces: list, buffers: list, enc: Encoding,
             out.append(Planned(rep, True))  # changed everywhere: plain
             continue
         out.append(_encoded(p, buf, rep, bc, ch, enc, pool, try_delta=worth))
+    if unhashed[0]:
+        log.info("the base recorded no block hashes (saved without block_hashes=True): "
+                 "read %d of its chunks back to compare", unhashed[0])
     return out
+
+
+HASH_READ = 64 << 20  # bytes of a base's chunk read at a time to hash it
+
+
+def _hash_base(p, buf: memoryview, bc: delta.BaseChunk, enc: Encoding,
+               count: list) -> delta.BaseChunk | None:
+    """``bc`` (a plain chunk of a base saved without block hashes) with the hashes of
+    its bytes, read from the base in HASH_READ slabs, each verified against the base
+    file's checksums; None (the chunk is then written in full) when the base must not
+    be read (a staged copy: never a download), when the first SAMPLE bytes of the two
+    differ densely (pre-training changes every block: one small unverified read rules
+    it out), or when it cannot be read (with a warning: a damaged base must not fail a
+    new save). Blocking I/O: the chunk's bytes, once; memory: one slab."""
+    nbytes = len(buf)
+    r = enc.base_reader
+    if r is None or not enc.deltas or bc.plain_file is None:
+        return None
+    out = []
+    try:
+        with _Files(r.storage) as files:
+            n = min(SAMPLE, nbytes) // ITEMSIZE[p.dtype] * ITEMSIZE[p.dtype]
+            if n >= 64:  # a dense change (pre-training) is ruled out from a small look
+                mine = np.frombuffer(buf[:n], np.uint8)
+                theirs = np.frombuffer(r.peek(bc.plain_file, p.key, 0, n, files,
+                                              p.box.offsets), np.uint8)
+                if np.count_nonzero(mine != theirs) > DENSE * n:
+                    return None
+            for off in range(0, nbytes, HASH_READ):
+                n = min(HASH_READ, nbytes - off)
+                out.append(codec.block_hashes(
+                    r.stored_bytes(bc.plain_file, p.key, off, n, files, p.box.offsets)))
+    except Exception as e:  # noqa: BLE001 - any failure: this chunk is written in full
+        log.warning("tensor %r: the base's chunk cannot be read to compare (%s); writing "
+                    "it in full", p.key, e)
+        return None
+    count[0] += 1
+    bc.hashes = b"".join(out)
+    return bc
 
 
 class _Hashing:

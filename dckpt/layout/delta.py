@@ -27,7 +27,7 @@ class BaseChunk:
     """The base checkpoint's version of one chunk (same key, dtype, offsets, sizes and
     block size). ``rows[k]`` is block k's physical record in the base's file indexes."""
 
-    hashes: bytes
+    hashes: bytes | None  # None: the base recorded none (a plain save)
     rows: np.ndarray  # (n, 8) int64
     plain_file: int | None = None  # the base file holding the chunk plain, if it is
 
@@ -36,9 +36,11 @@ def base_chunk(base: mf.Manifest, key: str, dtype: str, shape: tuple[int, ...],
                offsets: tuple[int, ...], sizes: tuple[int, ...],
                block: int = codec.HASH_BLOCK) -> BaseChunk | None:
     """The base's chunk of ``key`` at exactly this box, when it has block hashes of the
-    same block size; else None (the chunk is then written in full). O(chunks of key)."""
+    same block size or none at all (a plain save's chunk: ``hashes`` is then None and
+    the caller hashes the base's bytes, see dckpt.engine.encode); else None (the chunk
+    is then written in full). O(chunks of key)."""
     t = base.tensors.get(key)
-    if t is None or t.dtype != dtype or t.shape != tuple(shape) or t.blocks is None:
+    if t is None or t.dtype != dtype or t.shape != tuple(shape):
         return None
     c = t.chunks
     hit = np.flatnonzero((c.offsets == np.asarray(offsets, np.int64)).all(1)
@@ -46,10 +48,10 @@ def base_chunk(base: mf.Manifest, key: str, dtype: str, shape: tuple[int, ...],
     if not len(hit):
         return None
     ci = int(hit[0])
-    b = t.blocks[ci]
-    if b.size != block:
+    b = t.blocks[ci] if t.blocks is not None else None
+    if b is not None and b.size != block:
         return None
-    if b.table is not None:
+    if b is not None and b.table is not None:
         return BaseChunk(b.hashes, b.table)
     n = t.chunk_nbytes(ci)
     k = codec.nblocks(n, block)
@@ -58,7 +60,7 @@ def base_chunk(base: mf.Manifest, key: str, dtype: str, shape: tuple[int, ...],
     rows[:, 1] = np.arange(k, dtype=np.int64) * block
     rows[:, 2] = np.minimum(block, n - rows[:, 1])
     rows[:, 3] = codec.RAW
-    return BaseChunk(b.hashes, rows, int(c.file[ci]))
+    return BaseChunk(b.hashes if b is not None else None, rows, int(c.file[ci]))
 
 
 def changed(new: bytes, old: bytes) -> np.ndarray:
@@ -138,12 +140,18 @@ def attach(m: mf.Manifest, reports: dict[int, list[ChunkReport]], base: mf.Manif
     for key, t in m.tensors.items():
         got = by_key.get(key, {})
         fidx = t.chunks.file.copy()
-        blocks = []
-        for ci in range(len(fidx)):
-            hit = got.get(tuple(int(x) for x in t.chunks.offsets[ci]))
-            if hit is None:
-                blocks = None
-                break
+        hits = [got.get(tuple(int(x) for x in t.chunks.offsets[ci])) for ci in range(len(fidx))]
+        blocks: list | None = []
+        if None in hits:
+            if any(h[1].table is not None or h[1].ref_file is not None for h in hits if h):
+                # an encoded or referenced chunk beside one no report covers: the
+                # tensor would lose the tables its readers need
+                raise StateMismatchError(
+                    f"tensor {key!r}: chunk {hits.index(None)} has no block report while "
+                    "another chunk of it is encoded or references the base (ranks saved "
+                    "with different compression, base or block_hashes)")
+            blocks, hits = None, []
+        for ci, hit in enumerate(hits):
             rank, r = hit
             table = None
             if r.ref_file is not None:

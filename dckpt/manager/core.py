@@ -295,14 +295,17 @@ class CheckpointManager(TriggerMixin, InflightMixin, RetentionMixin, RestoreMixi
         return True
 
     def _delta_args(self, step: int) -> dict[str, Any]:
-        """``base``/``compression`` for the save of ``step``. No I/O, no collective: the
+        """``base``/``compression``/``block_hashes`` for the save of ``step``. No I/O, no collective: the
         same on every rank (every rank commits or fails the same saves)."""
         base = None
         if (self.incremental and self._base is not None and self._base != step
                 and self._since_full + 1 < self.full_every):
             base = self.path(self._base)
         self._since_full = self._since_full + 1 if base is not None else 0
-        return {"base": base, "compression": self.compression}
+        # a full save of an incremental manager records block hashes: the next ones
+        # compare with them instead of reading its bytes back
+        return {"base": base, "compression": self.compression,
+                "block_hashes": self.incremental}
 
     def _committed(self, step: int, save_id: str) -> None:
         """Every rank: ``step`` committed as ``save_id``; it is the next incremental

@@ -225,7 +225,8 @@ def prepare_async_save(state_dict: Any, *, process_group: Any = None,
 def async_save(state_dict: Any, path: str, *, process_group: Any = None,
                storage_options: dict | None = None, overwrite: bool = False,
                staging_budget: int | None = None, base: str | None = None,
-               compression: str | None = None, fence: Any = None) -> SaveHandle:
+               compression: str | None = None, fence: Any = None,
+               block_hashes: bool = False) -> SaveHandle:
     """Snapshot ``state_dict`` and persist it to ``path`` in the background.
 
     Collective (every rank calls it, in the same order). Blocks until the previous
@@ -236,8 +237,8 @@ def async_save(state_dict: Any, path: str, *, process_group: Any = None,
     :func:`dckpt.save`; its outcome, or any rank's error, is on every rank's handle.
     The first call of a group also allocates the staging buffers (their page faults:
     several times a later call's copy) unless :func:`prepare_async_save` did.
-    ``staging_budget`` caps the host memory of the staging buffers (bytes). ``base``
-    and ``compression`` are :func:`dckpt.save`'s (incremental and compressed saves):
+    ``staging_budget`` caps the host memory of the staging buffers (bytes). ``base``,
+    ``compression`` and ``block_hashes`` are :func:`dckpt.save`'s (incremental and compressed saves):
     the hashing, comparing and compressing run in the background, not in the call.
 
     ``fence`` (an optimizer or module, or a list of them): the call returns as soon as
@@ -278,7 +279,8 @@ def async_save(state_dict: Any, path: str, *, process_group: Any = None,
         # everywhere with this rank's error.
         snap, nbytes, copies = {"state": _Unstageable(e)}, 0, []
     kw = dict(process_group=saver.group, storage_options=storage_options,
-              overwrite=overwrite, base=base, compression=compression)
+              overwrite=overwrite, base=base, compression=compression,
+              block_hashes=block_hashes)
     if targets:
         copied = threading.Event()
         after = devstream.mark({src.device for _, src in copies})  # now, at the call

@@ -66,7 +66,8 @@ def _raise_if_error(doc: dict, what: str) -> None:
 
 def save(state_dict: Any, path: str, *, process_group: Any = None,
          storage_options: dict | None = None, overwrite: bool = False,
-         base: str | None = None, compression: str | None = None) -> CheckpointInfo:
+         base: str | None = None, compression: str | None = None,
+         block_hashes: bool = False) -> CheckpointInfo:
     """Save ``state_dict`` to ``path`` atomically. Collective: call on every rank.
 
     ``base``: a committed checkpoint in the same parent directory (or prefix): the save
@@ -78,6 +79,13 @@ def save(state_dict: Any, path: str, *, process_group: Any = None,
     lossless, per block, bytes grouped by significance for floating-point dtypes; a
     block that does not shrink is stored raw. ``bytes_written`` counts only the bytes
     this save wrote. See docs/INCREMENTAL.md.
+    ``block_hashes``: record a content hash per 1 MiB block of every chunk in the
+    manifest (16 bytes per MiB), so that a later save with this one as its ``base``
+    compares hashes instead of reading this save's bytes back. Incremental and
+    compressed saves always record them; a plain save does not by default: at scale
+    they would make the manifest, and what every rank sends rank 0, grow with the data
+    (at 131,072 ranks x 500 tensors, over 1 GiB; issue 38). A base saved without them
+    still serves: each rank reads and hashes the base's chunks it compares with.
 
     Cost: each rank writes only its own shards (plus its share of replicated tensors),
     once, with fsync; four small collectives. Raises on every rank alike:
@@ -135,7 +143,7 @@ def save(state_dict: Any, path: str, *, process_group: Any = None,
         vote: dict[str, Any]
         try:  # the base's parse too: any error here must reach the vote, not hang it
             enc = _encoding(flag[0], base, storage_options, tail[:nbase]) if nbase else \
-                Encoding(flag[0])
+                Encoding(flag[0]) if flag[0] or block_hashes else None
             vote = write_file(storage, root, data_name(save_id, comm.rank), comm.rank,
                               [p for p, w in zip(pieces, mask) if w], enc)
             _faults.fault("vote", comm.rank)

@@ -215,6 +215,8 @@ class _Coordinator:
             files = None if table.errors else table.files()
             if files is not None and self.gp is not None:
                 votes_mod.check_writers(table, self.gp.bytes_per_rank)
+            if files is not None:
+                votes_mod.check_reports(table)
         except CheckpointError as e:  # a malformed vote: its rank's failure, everywhere
             return _pack({"errors": {r: {"type": "CheckpointError", "message": m}
                                      for r, m in e.failures.items()} or {0: error_payload(e)}})

@@ -208,3 +208,21 @@ def table(votes: Sequence[bytes] | Sequence[dict] | VoteTable, save_id: str) -> 
     if len(votes) and isinstance(votes[0], dict):
         return VoteTable.from_dicts(votes, save_id)  # type: ignore[arg-type]
     return decode(votes, save_id)  # type: ignore[arg-type]
+
+
+def check_reports(table: VoteTable) -> None:
+    """Raise CheckpointError naming each rank that wrote a file without chunk reports
+    while other ranks sent them: the ranks saved with different ``compression``,
+    ``base`` or ``block_hashes``, and a manifest from such votes would mix hashed and
+    unhashed (or encoded and plain) chunks of one tensor. O(world). Pure."""
+    reported = [r for r, d in table.docs.items() if "chunks" in d]
+    if not reported:
+        return
+    plain = np.flatnonzero(table.has_file)
+    plain = plain[~np.isin(plain, reported)].tolist()
+    if plain:
+        shown = ", ".join(map(str, plain[:8])) + (" ..." if len(plain) > 8 else "")
+        msg = (f"ranks {shown} saved without block hashes while ranks "
+               f"{', '.join(map(str, sorted(reported)[:8]))} recorded them (compression, base "
+               "or block_hashes differ between ranks): pass the same values on every rank")
+        raise CheckpointError(msg, {r: msg for r in plain})
