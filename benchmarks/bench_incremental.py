@@ -3,7 +3,10 @@
 One process (incremental saves are decided per rank; the coordination is the same as a
 full save's). Three workloads, each saved as a chain of steps in four ways into
 sibling directories on the same disk: ``full`` (dckpt, no base), ``incremental``
-(``base=`` the previous step), ``incremental+zstd`` and ``dcp``
+(``base=`` the previous step; the chain's first save with ``block_hashes=True``, as
+an incremental CheckpointManager saves), ``incremental+zstd``, ``unhashed base`` (``base=``
+the previous step of the ``full`` chain, plain saves that record no block hashes: each
+compared chunk of the base is read back and hashed) and ``dcp``
 (torch.distributed.checkpoint.save, single process):
 
 - ``frozen``: a fine-tune with a frozen backbone (fp32, ~95% of the bytes) and LoRA-style
@@ -12,8 +15,8 @@ sibling directories on the same disk: ``full`` (dckpt, no base), ``incremental``
   random rows updated per step;
 - ``dense``: LLM pre-training, weights and two Adam moments, everything changes.
 
-Also, on the dense state: the time a full save spends hashing (``codec.block_hashes``
-stubbed out for a comparison run), compression's cost and gain for full saves on the
+Also, on the dense state: what recording block hashes costs a full save
+(``block_hashes=True`` against a plain save), compression's cost and gain for full saves on the
 disk and on /dev/shm (the fastest "disk" there is), and the compression ratio and
 single-thread throughput of zstd and lz4 with and without byte grouping on trained-like
 bf16/fp32 weights and Adam moments. Physical limits of the same bytes: raw
@@ -94,7 +97,7 @@ def dense(mib: int, g: torch.Generator) -> tuple[dict, Callable[[dict, int], Non
 
 
 WORKLOADS = {"frozen": frozen, "embedding": embedding, "dense": dense}
-MODES = ("full", "incremental", "incremental+zstd", "dcp")
+MODES = ("full", "incremental", "incremental+zstd", "unhashed base", "dcp")
 
 
 def state_bytes(sd: dict) -> int:
@@ -114,6 +117,13 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 def save_mode(mode: str, sd: dict, root: str, step: int) -> tuple[float, int]:
     """(seconds, bytes written) of one save of ``sd`` as ``step`` in ``mode``'s chain."""
     path = os.path.join(root, mode.replace("+", "_"), f"step-{step:04d}")
+    if mode == "unhashed base":  # a sibling of the full chain's steps, its base
+        if not step:
+            return 0.0, 0
+        path = os.path.join(root, "full", f"inc-{step:04d}")
+        t, info = timed(lambda: dckpt.save(sd, path, base=os.path.join(
+            root, "full", f"step-{step - 1:04d}")))
+        return t, info.bytes_written
     if mode == "dcp":
         import torch.distributed.checkpoint as dcp
         t, _ = timed(lambda: dcp.save(sd, checkpoint_id=path))
@@ -122,6 +132,7 @@ def save_mode(mode: str, sd: dict, root: str, step: int) -> tuple[float, int]:
     kw: dict[str, Any] = {}
     if mode.startswith("incremental"):
         kw["base"] = base
+        kw["block_hashes"] = True
     if mode.endswith("+zstd"):
         kw["compression"] = "zstd"
     t, info = timed(lambda: dckpt.save(sd, path, **kw))
@@ -148,6 +159,7 @@ def run_workload(name: str, mib: int, steps: int, root: str) -> dict:
             rows[m].append(save_mode(m, sd, root, s))
     for m in ("incremental", "incremental+zstd"):
         check_equal(sd, os.path.join(root, m.replace("+", "_"), f"step-{steps:04d}"))
+    check_equal(sd, os.path.join(root, "full", f"inc-{steps:04d}"))
     out = {"state_bytes": total}
     for m, r in rows.items():
         out[m] = {"seconds": statistics.median(t for t, _ in r),
@@ -178,16 +190,11 @@ def memcpy(sd: dict) -> float:
 
 
 def full_save_costs(mib: int, reps: int, disk: str, shm: str | None) -> dict:
-    """Full saves of the dense state: raw, without hashing, zstd, lz4; on ``disk`` and
-    (when given) on ``shm``. Medians over ``reps``."""
+    """Full saves of the dense state: raw, raw with block hashes, zstd, lz4; on ``disk``
+    and (when given) on ``shm``. Medians over ``reps``."""
     g = torch.Generator().manual_seed(1)
     sd, _ = dense(mib, g)
-    real_hashes = codec.block_hashes
-
-    def no_hash(buf, block=codec.HASH_BLOCK):
-        return bytes(codec.HASH_BYTES * codec.nblocks(len(buf), block))
-
-    variants = {"raw": {}, "raw, hashing stubbed": {"_nohash": True},
+    variants = {"raw": {}, "raw, block_hashes": {"block_hashes": True},
                 "zstd": {"compression": "zstd"}, "lz4": {"compression": "lz4"}}
     out: dict[str, Any] = {"state_bytes": state_bytes(sd)}
     for where, root in (("disk", disk), ("shm", shm)):
@@ -196,14 +203,8 @@ def full_save_costs(mib: int, reps: int, disk: str, shm: str | None) -> dict:
         res: dict[str, list[tuple[float, int]]] = {v: [] for v in variants}
         for i in range(reps):
             for v, kw in variants.items():
-                kw = dict(kw)
                 path = os.path.join(root, f"cost-{v.replace(' ', '_').replace(',', '')}-{i}")
-                if kw.pop("_nohash", False):
-                    codec.block_hashes = no_hash
-                try:
-                    t, info = timed(lambda: dckpt.save(sd, path, **kw))
-                finally:
-                    codec.block_hashes = real_hashes
+                t, info = timed(lambda: dckpt.save(sd, path, **kw))
                 res[v].append((t, info.bytes_written))
                 shutil.rmtree(path)
         out[where] = {v: {"seconds": statistics.median(t for t, _ in r),
