@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from .. import _faults
+from ..errors import CheckpointError
 from ..format import manifest as mf
 from ..format import codec, shards
 from ..layout import localplan, plan as gplan
@@ -142,6 +143,7 @@ def save(state_dict: Any, path: str, *, process_group: Any = None,
         # 3. write this rank's shard file
         vote: dict[str, Any]
         try:  # the base's parse too: any error here must reach the vote, not hang it
+            _check_base(base, doc.get("base"), storage_options)
             enc = _encoding(flag[0], base, storage_options, tail[:nbase]) if nbase else \
                 Encoding(flag[0]) if flag[0] or block_hashes else None
             vote = write_file(storage, root, data_name(save_id, comm.rank), comm.rank,
@@ -169,6 +171,21 @@ def save(state_dict: Any, path: str, *, process_group: Any = None,
         log.info("saved %s: %.1f MiB in %d files from %d ranks in %.2f s", shown,
                  info.bytes_written / 2**20, info.num_files, comm.size, info.seconds)
     return info
+
+
+def _check_base(base: str | None, used: str | None, storage_options: dict | None) -> None:
+    """Raise CheckpointError unless this rank's ``base`` is the checkpoint rank 0 read as
+    the base (``used``: its normalised root; None: rank 0 passed none). Only rank 0's
+    base is read, so another rank's would be silently ignored (the save committed in
+    full) or its files read through rank 0's manifest: ranks that disagree on ``base``
+    fail the save alike instead, as for ``compression`` or ``block_hashes``. No I/O
+    (at most an fsspec file system object is made)."""
+    mine = None if base is None else make_storage(base, storage_options)[1].rstrip("/")
+    if mine != used:
+        raise CheckpointError(
+            f"base={base!r} on this rank, but rank 0 "
+            + (f"saved on the base {used!r}" if used is not None else "passed no base")
+            + " (base differs between ranks): pass the same base on every rank")
 
 
 def _encoding(flag: int, base: str, storage_options: dict | None, data: bytes) -> Encoding:

@@ -148,10 +148,13 @@ class _Coordinator:
                 self.base = mf.parse(base_bytes, bstorage.join(broot, mf.MANIFEST_NAME))
                 self.base_dir = broot.rstrip("/").rpartition("/")[2]
             self.begin(uuid.uuid4().hex[:16])
+            # the base read (its normalised root): every rank checks that it passed the
+            # same one (dckpt.protocol.commit._check_base)
+            used = broot.rstrip("/") if base is not None else None
             if cached:
                 return _pack({"save_id": self.save_id, "base_len": len(base_bytes),
-                              "cached": True}, base_bytes)
-            doc = {"save_id": self.save_id, "base_len": len(base_bytes)}
+                              "base": used, "cached": True}, base_bytes)
+            doc = {"save_id": self.save_id, "base_len": len(base_bytes), "base": used}
             if self.cache is not None:  # every rank accepts this plan with this reply
                 doc["plan_id"] = (self.cache.plan_id if derived else  # adopted
                                   self.cache.store(offers, self._plans, self.gp)).hex()
