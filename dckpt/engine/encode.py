@@ -110,6 +110,26 @@ def plan_pieces(pieces: list, buffers: list, enc: Encoding,
 
 
 HASH_READ = 64 << 20  # bytes of a base's chunk read at a time to hash it
+LOOKS = 4  # places of a chunk looked at before reading an unhashed base's chunk back
+
+
+def _changed_densely(p, buf: memoryview, bc: delta.BaseChunk, r: ChunkReader, files) -> bool:
+    """Whether SAMPLE bytes at each of LOOKS evenly spaced places of the chunk differ
+    densely from the base's (unverified peeks: they only decide). Every place, not just
+    the start: an embedding whose first rows (frequent tokens) changed densely is mostly
+    unchanged, and must still be compared. Blocking I/O: LOOKS small reads."""
+    isz = ITEMSIZE[p.dtype]
+    n = min(SAMPLE, len(buf)) // isz * isz
+    if n < 64:
+        return False
+    last = (len(buf) - n) // isz
+    for at in sorted({last * i // (LOOKS - 1) * isz for i in range(LOOKS)}):
+        mine = np.frombuffer(buf[at:at + n], np.uint8)
+        theirs = np.frombuffer(r.peek(bc.plain_file, p.key, at, n, files, p.box.offsets),
+                               np.uint8)
+        if np.count_nonzero(mine != theirs) <= DENSE * n:
+            return False
+    return True
 
 
 def _hash_base(p, buf: memoryview, bc: delta.BaseChunk, enc: Encoding,
@@ -117,10 +137,11 @@ def _hash_base(p, buf: memoryview, bc: delta.BaseChunk, enc: Encoding,
     """``bc`` (a plain chunk of a base saved without block hashes) with the hashes of
     its bytes, read from the base in HASH_READ slabs, each verified against the base
     file's checksums; None (the chunk is then written in full) when the base must not
-    be read (a staged copy: never a download), when the first SAMPLE bytes of the two
-    differ densely (pre-training changes every block: one small unverified read rules
-    it out), or when it cannot be read (with a warning: a damaged base must not fail a
-    new save). Blocking I/O: the chunk's bytes, once; memory: one slab."""
+    be read (a staged copy: never a download), when the two differ densely wherever
+    :func:`_changed_densely` looks (pre-training changes every block: a few small
+    unverified reads rule it out), or when it cannot be read (with a warning: a damaged
+    base must not fail a new save). Blocking I/O: the chunk's bytes, once; memory: one
+    slab."""
     nbytes = len(buf)
     r = enc.base_reader
     if r is None or not enc.deltas or bc.plain_file is None:
@@ -128,13 +149,8 @@ def _hash_base(p, buf: memoryview, bc: delta.BaseChunk, enc: Encoding,
     out = []
     try:
         with _Files(r.storage) as files:
-            n = min(SAMPLE, nbytes) // ITEMSIZE[p.dtype] * ITEMSIZE[p.dtype]
-            if n >= 64:  # a dense change (pre-training) is ruled out from a small look
-                mine = np.frombuffer(buf[:n], np.uint8)
-                theirs = np.frombuffer(r.peek(bc.plain_file, p.key, 0, n, files,
-                                              p.box.offsets), np.uint8)
-                if np.count_nonzero(mine != theirs) > DENSE * n:
-                    return None
+            if _changed_densely(p, buf, bc, r, files):
+                return None
             for off in range(0, nbytes, HASH_READ):
                 n = min(HASH_READ, nbytes - off)
                 out.append(codec.block_hashes(
