@@ -159,10 +159,10 @@ def test_gc_never_touches_a_checkpoint_it_cannot_read(tmp_path, capsys):
     man = os.path.join(newer, "manifest.json")
     with open(man) as f:
         text = f.read()
-    assert '"version":3' in text
+    assert '"version":2' in text
     from dckpt.format import manifest as mf
     with open(man, "wb") as f:  # resealed: a valid manifest of a version this dckpt can't read
-        f.write(mf.seal(json.loads(text.replace('"version":3', '"version":4', 1))))
+        f.write(mf.seal(json.loads(text.replace('"version":2', '"version":99', 1))))
     with open(os.path.join(broken, "manifest.json"), "w") as f:
         f.write("{not json")
     before = {d: sorted(os.listdir(d)) for d in (newer, broken)}
