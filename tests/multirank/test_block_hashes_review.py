@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from .test_block_hashes import _same, _zeros
+
 
 def _state(seed: int = 0) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
@@ -21,15 +23,6 @@ def _state(seed: int = 0) -> dict:
                                      src_data_rank=None) for i in range(2)}
     sd["step"] = seed
     return sd
-
-
-def _same(a: dict, b: dict) -> bool:
-    return all(torch.equal(v.full_tensor(), b[k].full_tensor()) if torch.is_tensor(v)
-               else v == b[k] for k, v in a.items())
-
-
-def _zeros(sd: dict) -> dict:
-    return {k: (torch.zeros_like(v) if torch.is_tensor(v) else None) for k, v in sd.items()}
 
 
 def _bases_differ(root: str, what: str, use_async: bool) -> tuple:
