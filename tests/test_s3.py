@@ -20,7 +20,7 @@ from dckpt.catalog import listing as catalog
 from dckpt.catalog import gc as catalog_gc
 from dckpt.cli.main import main
 from dckpt.protocol import intent
-from dckpt.storage import fsspec_storage
+from dckpt.storage import fsspec_storage, s3client
 from dckpt.storage.fsspec_storage import StorageIOError, make_storage
 
 BIG = 6 << 20  # over the 5 MiB smallest part S3 (and s3fs) allow: one part, then more
@@ -248,7 +248,7 @@ def test_a_silent_endpoint_fails_every_call_in_bounded_time_naming_the_object(si
 
     for k, v in CREDENTIALS.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(fsspec_storage, "S3_MIN_RATE", 64 << 20)  # 6 MiB: ~0.1 s
+    monkeypatch.setattr(s3client, "S3_MIN_RATE", 64 << 20)  # 6 MiB: ~0.1 s
     opts = {"endpoint_url": silent, "default_block_size": 5 << 20, "config_kwargs": {
         "connect_timeout": 0.5, "read_timeout": 0.5,
         "retries": {"max_attempts": 0, "mode": "standard"}}}
@@ -270,12 +270,12 @@ def test_a_silent_endpoint_fails_every_call_in_bounded_time_naming_the_object(si
 
 
 def test_user_settings_win_over_dckpt_defaults():
-    opts = fsspec_storage.s3_options({"config_kwargs": {"read_timeout": 300,
+    opts = s3client.s3_options({"config_kwargs": {"read_timeout": 300,
                                                         "retries": {"max_attempts": 9}}})
     ck = opts["config_kwargs"]
     assert ck["read_timeout"] == 300 and ck["retries"] == {"max_attempts": 9}
-    assert ck["connect_timeout"] == fsspec_storage.S3_CONNECT_TIMEOUT_S
-    assert fsspec_storage.s3_options({})["config_kwargs"]["retries"]["mode"] == "standard"
+    assert ck["connect_timeout"] == s3client.S3_CONNECT_TIMEOUT_S
+    assert s3client.s3_options({})["config_kwargs"]["retries"]["mode"] == "standard"
 
 
 def test_uploads_that_cannot_be_listed_are_left_and_the_files_still_collected(
