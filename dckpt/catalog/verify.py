@@ -11,7 +11,8 @@ from ..format import shards
 from ..format.dtypes import ITEMSIZE
 from ..format.checksum import crc32
 from ..progress import Progress
-from ..engine.reader import ChunkReader, _Files, file_path, find_stored, stored_name
+from ..engine.openfiles import OpenFiles as _Files
+from ..engine.reader import ChunkReader, file_path, find_stored, stored_name
 from ..storage.fsspec_storage import make_storage
 
 log = logging.getLogger(__name__)

@@ -29,7 +29,8 @@ from ..format.shards import is_streamed
 from ..format import manifest as mf
 from ..format.dtypes import ITEMSIZE
 from ..layout import delta
-from .reader import ChunkReader, _Files
+from .openfiles import OpenFiles as _Files
+from .reader import ChunkReader
 
 log = logging.getLogger(__name__)
 

@@ -174,19 +174,27 @@ def test_fast_tier_written_through_the_bounce(streamed, tmp_path, monkeypatch):
 
 def test_durable_save_streams_and_its_hashes_serve_an_incremental_save(streamed, tmp_path):
     """A plain dckpt.save streams too (GPU tensors never copied to the host whole), and
-    the block hashes it reports, computed as the blocks pass, are the ones an
-    incremental save compares with: an unchanged tensor is referenced, not written; a
-    changed block is written; both load bitwise; and verify passes."""
+    with ``block_hashes=True`` the hashes it reports, computed as the blocks pass, are
+    the ones an incremental save compares with (no read back of the base): an unchanged
+    tensor is referenced, not written; a changed block is written; both load bitwise;
+    and verify passes."""
+    from dckpt.engine.reader import ChunkReader
     from dckpt.format import manifest as mf
     from dckpt.catalog.verify import verify_checkpoint
 
     g = torch.Generator().manual_seed(3)
     sd = {"a": torch.randn(1 << 20, generator=g), "b": torch.randn(3, 1 << 18, generator=g).t(),
           "step": 1}
-    full = dckpt.save(sd, str(tmp_path / "s0"))
+    full = dckpt.save(sd, str(tmp_path / "s0"), block_hashes=True)
     assert devstream._FREE
     sd["a"][:1000] += 1.0  # the first 1 MiB hash block only
-    inc = dckpt.save(sd, str(tmp_path / "s1"), base=str(tmp_path / "s0"))  # not streamed
+    real, read = ChunkReader.stored_bytes, []
+    ChunkReader.stored_bytes = lambda self, *a: read.append(a[1]) or real(self, *a)
+    try:
+        inc = dckpt.save(sd, str(tmp_path / "s1"), base=str(tmp_path / "s0"))  # not streamed
+    finally:
+        ChunkReader.stored_bytes = real
+    assert "b" not in read  # compared by the hashes recorded while streaming
     assert inc.bytes_written < 0.4 * full.bytes_written, (inc.bytes_written, full.bytes_written)
     m = mf.parse(open(tmp_path / "s1" / "manifest.json", "rb").read())
     assert m.files[int(m.tensors["b"].chunks.file[0])].dir == "s0"  # referenced, not rewritten
