@@ -41,7 +41,7 @@ from ..protocol.commit import save
 from ..manager.restore import failure_causes
 from ..protocol.restore import load
 from ..protocol.settings import agree_settings
-from ..tiers.fast import fallback_worthy
+from ..tiers.chooser import fallback_worthy
 from ..view.open import MissingKeyError
 from . import lightning_meta
 from .lightning_state import BadStateError, ModelState, OptimizerState  # noqa: F401

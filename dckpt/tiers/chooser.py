@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from typing import Any, Hashable, Mapping
 
 from ..format import manifest as mf
+from ..errors import (CheckpointError, CommunicationError, StateMismatchError,
+                      UnsupportedValueError)
 from ..protocol.collectives import Comm
 
 
@@ -171,3 +173,14 @@ def _commit_order(cands: list[Candidate]) -> tuple[list[Candidate], list[Candida
         newest_below = max(newest_below, newest_here)
         i = j
     return live, abandoned
+
+
+def fallback_worthy(e: BaseException) -> bool:
+    """Whether a failed fast-tier restore should fall back to an older step or the
+    durable tier: damage only (a file missing, corrupt or unreadable on some node, a
+    failed transfer from a peer). Not a state that does not match the checkpoint
+    (missing or unexpected keys, shapes, dtypes, a value that cannot be loaded): that
+    is the caller's error on every tier, and an older step would load silently in its
+    place. Not a broken group either (a dead rank breaks the durable load too)."""
+    return isinstance(e, CheckpointError) and not isinstance(
+        e, (CommunicationError, StateMismatchError, UnsupportedValueError))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import os
-import socket
 import threading
 import time
 import uuid
@@ -21,8 +20,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from ..errors import (CheckpointError, CommunicationError, StateMismatchError,
-                      UnsupportedValueError)
+from ..errors import CheckpointError
 from ..catalog.retention import RetentionPolicy
 from ..protocol.collectives import Comm, OwnGroup, agree
 from ..protocol.async_save import SaveHandle, _Unstageable, at_thread_exit
@@ -102,7 +100,7 @@ class FastTier:
         if err is not None:
             self._lease.release()
         agree(comm, err, f"create local_root {local_root}")
-        self._sharers = _sharers(comm, self.root)
+        self._sharers = identity.sharers(comm, self.root)
         # Every rank's replication settings, checked together: a disagreement raises on
         # every rank here, before any save (never a hang in the replication thread).
         agreed = replication.agree_settings(comm, replicas, node)
@@ -410,28 +408,6 @@ class FastTier:
         return max(1, min(4, cpus // max(1, per_node)))
 
 
-def _sharers(comm: Comm, root: str) -> set[int] | None:
-    """The ranks that use the same directory as ``root`` (ranks of one node may share a
-    ``local_root``): same machine (the kernel's boot id, shared by its containers),
-    same device and inode. Collective: one all-gather of a few bytes. None when some
-    rank cannot tell (then nobody removes another rank's files)."""
-    try:
-        st = os.stat(root)
-        try:
-            with open("/proc/sys/kernel/random/boot_id") as f:
-                machine = f.read().strip()
-        except OSError:  # not Linux
-            machine = socket.gethostname()
-        me = f"{machine}:{st.st_dev}:{st.st_ino}"
-    except OSError as e:
-        log.debug("rank %d: cannot identify %s: %s", comm.rank, root, e)
-        me = ""
-    ids = [b.decode() for b in comm.all_gather_bytes(me.encode())]
-    if not all(ids):
-        return None
-    return {r for r, i in enumerate(ids) if i == me}
-
-
 def _notify(on_commit: OnCommit | None, tier: str, commit: local.LocalCommit, info: Any) -> None:
     """``on_commit(tier, commit, info)``, if given; its errors are logged: a hook (the
     save history) never fails a save that committed."""
@@ -441,15 +417,3 @@ def _notify(on_commit: OnCommit | None, tier: str, commit: local.LocalCommit, in
         on_commit(tier, commit, info)
     except Exception as e:
         log.warning("after the %s commit of step %d: %s", tier, commit.step, e)
-
-
-def fallback_worthy(e: BaseException) -> bool:
-    """Whether a failed fast-tier restore should fall back to an older step or the
-    durable tier: damage only (a file missing, corrupt or unreadable on some node, a
-    failed transfer from a peer). Not a state that does not match the checkpoint
-    (missing or unexpected keys, shapes, dtypes, a value that cannot be loaded): that
-    is the caller's error on every tier, and an older step would load silently in its
-    place. Not a broken group either (a dead rank breaks the durable load too)."""
-    return isinstance(e, CheckpointError) and not isinstance(
-        e, (CommunicationError, StateMismatchError, UnsupportedValueError))
-

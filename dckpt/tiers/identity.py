@@ -24,10 +24,12 @@ import hashlib
 import logging
 import os
 import re
+import socket
 import time
 import uuid
 
 from ..errors import CheckpointError
+from ..protocol.collectives import Comm
 
 log = logging.getLogger(__name__)
 
@@ -253,3 +255,25 @@ class Lease:
                 _HELD[self.path][0] -= 1
             _FDS.discard(fd)
             os.close(fd)
+
+
+def sharers(comm: Comm, root: str) -> set[int] | None:
+    """The ranks that use the same directory as ``root`` (ranks of one node may share a
+    ``local_root``): same machine (the kernel's boot id, shared by its containers),
+    same device and inode. Collective: one all-gather of a few bytes. None when some
+    rank cannot tell (then nobody removes another rank's files)."""
+    try:
+        st = os.stat(root)
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                machine = f.read().strip()
+        except OSError:  # not Linux
+            machine = socket.gethostname()
+        me = f"{machine}:{st.st_dev}:{st.st_ino}"
+    except OSError as e:
+        log.debug("rank %d: cannot identify %s: %s", comm.rank, root, e)
+        me = ""
+    ids = [b.decode() for b in comm.all_gather_bytes(me.encode())]
+    if not all(ids):
+        return None
+    return {r for r, i in enumerate(ids) if i == me}
