@@ -45,7 +45,8 @@ from ..layout import plan as gplan
 from ..layout.chunks import Box
 from ..protocol.collectives import Comm, error_payload
 from ..protocol.commit import CheckpointInfo, write_file
-from ..protocol.coordinator import _check_files, check_base
+from ..protocol.commitfiles import _check_files
+from ..protocol.coordinator import check_base
 from ..format.filenames import data_name
 from ..protocol.restore import read_manifest_bytes
 from ..state.tensors import LocalPiece
