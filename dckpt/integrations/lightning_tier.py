@@ -335,7 +335,13 @@ class LocalTier:
             keep = self.keep - len({d for d in protected if self.storage.exists(d)})
             held.sort(reverse=True)
             for d in partial + [d for _, d in held[max(0, keep):]]:
-                tlocal.drop_step(self.storage, d, rank)
+                # Decided again under the lock a save marks its slot busy with (before it
+                # makes the directory): a save begun since ``protected`` was read would
+                # otherwise look like a dead partial slot and lose its files mid-write.
+                with self._lock:
+                    if d in self._busy or d in {self.slot(j.final) for j in self._jobs}:
+                        continue
+                    tlocal.drop_step(self.storage, d, rank)
         except Exception as e:
             log.warning("rank %d: fast-tier cleanup skipped: %s", rank, e)
 

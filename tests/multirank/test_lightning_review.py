@@ -183,3 +183,40 @@ def test_sweep_leaves_another_saves_partial_folder_alone(tmp_path, monkeypatch):
     monkeypatch.delenv("DCKPT_FAULT")
     assert _tiny_load(lio.Committer(), str(ck / "a.ckpt")) == (1, 1.0)
     assert not dead.exists()
+
+
+def test_cleanup_never_removes_a_slot_a_save_began_after_it_looked(tmp_path):
+    """Found by CI (test_fast_tier_one_process, once): the copy thread's cleanup took
+    its list of protected slots, then listed the local root; a save that began in
+    between (its slot marked busy, its directory just made, no view yet) was taken for
+    a dead partial slot and removed under the save, which then failed. The cleanup must
+    decide on each slot under the lock a save marks its slot with."""
+    from torch import nn
+
+    lio = _lio()
+    io = lio.Committer(local_root=str(tmp_path / "local"), keep_last_local=1)
+    model = nn.Linear(3, 2)
+    _tiny_save(io, model, str(tmp_path / "ckpts" / "a.ckpt"), 1)
+    io.finish(drain=True)
+    tier = io.tier
+    fresh = tier.slot(lio.durable_name(str(tmp_path / "ckpts" / "b.ckpt")))
+    real = tier.storage.listdir
+
+    def listdir_while_a_save_begins(path):
+        if path == tier.root and not os.path.exists(fresh):
+            with tier._lock:  # what save() does before it writes
+                tier._busy.add(fresh)
+            os.makedirs(fresh)
+            with open(os.path.join(fresh, "data-0123456789abcdef-00000.safetensors"), "wb") as f:
+                f.write(b"being written")
+        fired.append(path)
+        return real(path)
+
+    fired: list = []
+    tier.storage.listdir = listdir_while_a_save_begins
+    try:
+        tier._cleanup(0)
+    finally:
+        tier.storage.listdir = real
+    assert fired
+    assert os.path.isdir(fresh) and os.listdir(fresh), "the cleanup removed a slot a save was writing"
