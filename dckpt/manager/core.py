@@ -295,8 +295,8 @@ class CheckpointManager(TriggerMixin, InflightMixin, RetentionMixin, RestoreMixi
         return True
 
     def _delta_args(self, step: int) -> dict[str, Any]:
-        """``base``/``compression``/``block_hashes`` for the save of ``step``. No I/O, no collective: the
-        same on every rank (every rank commits or fails the same saves)."""
+        """``base``/``compression``/``block_hashes`` for the save of ``step``. No I/O, no
+        collective: the same on every rank (every rank commits or fails the same saves)."""
         base = None
         if (self.incremental and self._base is not None and self._base != step
                 and self._since_full + 1 < self.full_every):

@@ -17,8 +17,7 @@ from ..protocol.rename import Rename, nested
 from ..state import rng
 from ..storage.fsspec_storage import make_storage
 from ..protocol.refcount import remove_checkpoints
-from ..tiers.chooser import Candidate, live_timeline, timeline_of
-from ..tiers.chooser import fallback_worthy
+from ..tiers.chooser import Candidate, fallback_worthy, live_timeline, timeline_of
 from ..tiers.local import step_name
 
 log = logging.getLogger("dckpt.manager.core")  # one logger for the manager's messages

@@ -238,8 +238,9 @@ def async_save(state_dict: Any, path: str, *, process_group: Any = None,
     The first call of a group also allocates the staging buffers (their page faults:
     several times a later call's copy) unless :func:`prepare_async_save` did.
     ``staging_budget`` caps the host memory of the staging buffers (bytes). ``base``,
-    ``compression`` and ``block_hashes`` are :func:`dckpt.save`'s (incremental and compressed saves):
-    the hashing, comparing and compressing run in the background, not in the call.
+    ``compression`` and ``block_hashes`` are :func:`dckpt.save`'s (incremental and
+    compressed saves): the hashing, comparing and compressing run in the background,
+    not in the call.
 
     ``fence`` (an optimizer or module, or a list of them): the call returns as soon as
     the buffers are ready, and the copy runs in the background, overlapped with what

@@ -143,8 +143,9 @@ def save(state_dict: Any, path: str, *, process_group: Any = None,
         # 3. write this rank's shard file
         vote: dict[str, Any]
         try:  # the base's parse too: any error here must reach the vote, not hang it
-            _check_base(base, doc.get("base"), storage_options)
-            enc = _encoding(flag[0], base, storage_options, tail[:nbase]) if nbase else \
+            bstore = None if base is None else make_storage(base, storage_options)
+            _check_base(base, bstore, doc.get("base"))
+            enc = _encoding(flag[0], bstore, tail[:nbase]) if nbase else \
                 Encoding(flag[0]) if flag[0] or block_hashes else None
             vote = write_file(storage, root, data_name(save_id, comm.rank), comm.rank,
                               [p for p, w in zip(pieces, mask) if w], enc)
@@ -173,14 +174,14 @@ def save(state_dict: Any, path: str, *, process_group: Any = None,
     return info
 
 
-def _check_base(base: str | None, used: str | None, storage_options: dict | None) -> None:
-    """Raise CheckpointError unless this rank's ``base`` is the checkpoint rank 0 read as
-    the base (``used``: its normalised root; None: rank 0 passed none). Only rank 0's
-    base is read, so another rank's would be silently ignored (the save committed in
-    full) or its files read through rank 0's manifest: ranks that disagree on ``base``
-    fail the save alike instead, as for ``compression`` or ``block_hashes``. No I/O
-    (at most an fsspec file system object is made)."""
-    mine = None if base is None else make_storage(base, storage_options)[1].rstrip("/")
+def _check_base(base: str | None, bstore: tuple | None, used: str | None) -> None:
+    """Raise CheckpointError unless this rank's ``base`` (``bstore``: its storage and
+    normalised root, from make_storage) is the checkpoint rank 0 read as the base
+    (``used``: its normalised root; None: rank 0 passed none). Only rank 0's base is
+    read, so another rank's would be silently ignored (the save committed in full) or
+    its files read through rank 0's manifest: ranks that disagree on ``base`` fail the
+    save alike instead, as for ``compression`` or ``block_hashes``. No I/O."""
+    mine = None if bstore is None else bstore[1].rstrip("/")
     if mine != used:
         raise CheckpointError(
             f"base={base!r} on this rank, but rank 0 "
@@ -188,10 +189,11 @@ def _check_base(base: str | None, used: str | None, storage_options: dict | None
             + " (base differs between ranks): pass the same base on every rank")
 
 
-def _encoding(flag: int, base: str, storage_options: dict | None, data: bytes) -> Encoding:
-    """The Encoding of a save with a base whose manifest bytes rank 0 sent. Parsing is
-    deterministic, so a bad manifest fails alike on every rank (before any write)."""
-    bstorage, broot = make_storage(base, storage_options)
+def _encoding(flag: int, bstore: tuple, data: bytes) -> Encoding:
+    """The Encoding of a save with a base (``bstore``: its storage and root) whose
+    manifest bytes rank 0 sent. Parsing is deterministic, so a bad manifest fails alike
+    on every rank (before any write)."""
+    bstorage, broot = bstore
     m = mf.parse(data, bstorage.join(broot, mf.MANIFEST_NAME))
     return Encoding(flag, m, ChunkReader(bstorage, broot, m))
 
