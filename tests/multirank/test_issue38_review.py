@@ -10,14 +10,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from .test_plan_rules import _entries  # the manifest's tensors as plain data
+from .test_plan_rules import _entries, _fresh, _save_gathered  # _entries: the manifest's tensors as plain data
 
 
 def _state(layout: str) -> dict:
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    r = dist.get_rank()
     full = torch.arange(13 * 6, dtype=torch.float32).reshape(13, 6)
     sd: dict = {"step": 3, "plain": torch.full((4,), 2.0)}
     if layout == "permuted":
@@ -55,19 +54,13 @@ def _state(layout: str) -> dict:
     return sd
 
 
-def _fresh() -> None:
-    from dckpt.protocol import plancache
-
-    plancache._CACHES.clear()
-
-
 def _full(v):
     return v.full_tensor() if hasattr(v, "full_tensor") else v
 
 
 def _rule_vs_gathered(root: str, layout: str) -> tuple:
     import dckpt
-    from dckpt.protocol import coordinator, plancache
+    from dckpt.protocol import coordinator
 
     derived: list = []
     real = coordinator._Coordinator._derive
@@ -77,12 +70,7 @@ def _rule_vs_gathered(root: str, layout: str) -> tuple:
         dckpt.save(_state(layout), f"{root}/rule")
     finally:
         coordinator._Coordinator._derive = real
-    _fresh()
-    plancache.RULES = False
-    try:
-        dckpt.save(_state(layout), f"{root}/gathered")
-    finally:
-        plancache.RULES = True
+    _save_gathered(_state(layout), f"{root}/gathered")
     ok = []
     for name in ("rule", "gathered"):
         target = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None)
@@ -192,7 +180,7 @@ def _subgroup(root: str) -> tuple:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from dckpt.protocol import coordinator, plancache
+    from dckpt.protocol import coordinator
 
     group = dist.new_group([3, 1])  # a save over part of the world, ranks out of order
     if dist.get_rank() not in (1, 3):
@@ -208,12 +196,7 @@ def _subgroup(root: str) -> tuple:
         dckpt.save(sd, f"{root}/rule", process_group=group)
     finally:
         coordinator._Coordinator._derive = real
-    _fresh()
-    plancache.RULES = False
-    try:
-        dckpt.save(sd, f"{root}/gathered", process_group=group)
-    finally:
-        plancache.RULES = True
+    _save_gathered(sd, f"{root}/gathered", process_group=group)
     got = {"a": torch.zeros_like(sd["a"]), "p": torch.zeros(6)}
     dckpt.load(got, f"{root}/rule", process_group=group)
     # local shards (full_tensor() on a mesh listed out of group order is torch's own

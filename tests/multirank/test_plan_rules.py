@@ -68,11 +68,24 @@ def _fresh() -> None:
     plancache._CACHES.clear()  # a first save, as in a new process
 
 
+def _save_gathered(state, path: str, **kw):
+    """A first save of ``state`` by the gathered path (plans by rule off)."""
+    import dckpt
+    from dckpt.protocol import plancache
+
+    _fresh()
+    plancache.RULES = False
+    try:
+        return dckpt.save(state, path, **kw)
+    finally:
+        plancache.RULES = True
+
+
 def _save_both(root: str, layout: str, break_rank: int | None = None,
                bad_rule: bool = False) -> tuple:
     import dckpt
     from dckpt.layout import rules
-    from dckpt.protocol import coordinator, plancache, rulesig
+    from dckpt.protocol import coordinator, rulesig
 
     derived: list = []
     real = coordinator._Coordinator._derive
@@ -94,12 +107,7 @@ def _save_both(root: str, layout: str, break_rank: int | None = None,
     finally:
         rulesig.rules, rulesig.signature = rules, saved_sig
         coordinator._Coordinator._derive = real
-    _fresh()
-    plancache.RULES = False
-    try:
-        dckpt.save(_state(layout), f"{root}/gathered")
-    finally:
-        plancache.RULES = True
+    _save_gathered(_state(layout), f"{root}/gathered")
     # a later save takes the cached plan the derived save left
     again = dckpt.save(_state(layout), f"{root}/again")
     target = _state(layout)
