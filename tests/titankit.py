@@ -147,11 +147,11 @@ class Parts:
         self.train_state.ntokens_seen += batch.numel()
 
     def train(self, checkpointer: Any, steps: int, before_save: Any = None,
-              until: int | None = None) -> None:
-        """torchtitan's Trainer.train: load, then step/save until ``steps`` (the last
-        step), or stop after step ``until``; ``before_save(step)`` runs before each
-        save call."""
-        checkpointer.load()
+              until: int | None = None, load_step: int = -1) -> None:
+        """torchtitan's Trainer.train: load (``load_step``: checkpoint.load_step), then
+        step/save until ``steps`` (the last step), or stop after step ``until``;
+        ``before_save(step)`` runs before each save call."""
+        checkpointer.load(step=load_step)
         while self.train_state.step < (until or steps):
             self.train_state.step += 1
             self.train_step(checkpointer)

@@ -1,14 +1,23 @@
-"""The initial loads of :class:`dckpt.integrations.torchtitan.DckptCheckpointManager`
-(a folder with no committed step yet): from another dckpt checkpoint, from a DCP
-checkpoint, or from a Hugging Face safetensors directory through the model's state
-dict adapter. Imports torch's DCP only for a DCP source; never imports torchtitan."""
+"""The loads of :class:`dckpt.integrations.torchtitan.DckptCheckpointManager` that are
+not a resume of its own steps: the initial loads (a folder with no checkpoint yet) from
+another dckpt checkpoint, from a DCP checkpoint, or from a Hugging Face safetensors
+directory through the model's state dict adapter; and the steps torchtitan's own DCP
+manager left in the folder (found by :func:`dcp_steps`, resumed by :func:`load_dcp`).
+Imports torch's DCP only for a DCP source; never imports torchtitan."""
 from __future__ import annotations
 
+import re
 from typing import Any
+
+from ..errors import CheckpointError
 
 MODEL = "model"
 DCP_METADATA = ".metadata"  # what makes a folder a DCP checkpoint
+HF_INDEX = "model.safetensors.index.json"  # torchtitan's sharded last_save_in_hf step
 MANAGER_PREFIX = "state."  # CheckpointManager saves the state under this key
+# torchtitan's DCP manager names its steps step-N (dckpt's are zero-padded, step-0000000N,
+# and never hold DCP_METADATA or HF_INDEX, so they are not taken for its steps)
+DCP_STEP = re.compile(r"^step-(\d+)$")
 
 
 def _is_dcp(path: str) -> bool:
@@ -18,24 +27,111 @@ def _is_dcp(path: str) -> bool:
     return storage.exists(storage.join(root, DCP_METADATA))
 
 
-def load_initial(target: dict[str, Any], path: str) -> None:
+def dcp_steps(folder: str) -> list[tuple[int, str]]:
+    """The steps torchtitan's DCP CheckpointManager left in ``folder``, ascending, each
+    with its kind: ``"dcp"`` (a ``step-N`` with DCP's ``.metadata``, which DCP writes
+    last, so a crashed save is not listed: torchtitan's own rule) or ``"hf"`` (a
+    ``step-N`` with only an HF safetensors index: a ``last_save_in_hf`` export, not
+    resumable). Not collective: one rank lists (one listing, at most two existence
+    checks per step directory); [] for a missing folder. Raises OSError when the
+    folder cannot be listed."""
+    from ..storage.fsspec_storage import make_storage
+
+    storage, root = make_storage(folder, None)
+    try:
+        entries = storage.listdir(root)
+    except FileNotFoundError:
+        return []
+    found = []
+    for e in entries:
+        m = DCP_STEP.match(e.name)
+        if not (m and e.is_dir):
+            continue
+        step_dir = storage.join(root, e.name)
+        if storage.exists(storage.join(step_dir, DCP_METADATA)):
+            found.append((int(m.group(1)), "dcp"))
+        elif storage.exists(storage.join(step_dir, HF_INDEX)):
+            found.append((int(m.group(1)), "hf"))
+    return sorted(found)
+
+
+def load_dcp(target: dict[str, Any], path: str) -> None:
+    """Load ``target`` (``{"model": ModelWrapper, ...}``: Statefuls and values) from the
+    DCP checkpoint at ``path`` with DCP itself, its keys laid out as torchtitan's DCP
+    manager saves them (the model's flattened to the top, the other states nested
+    under their names); DCP converts floating dtypes, and reshards. Collective. DCP
+    unpickles its metadata: call it only for a checkpoint the user named, or that the
+    job's own folder holds. Raises CheckpointError naming ``path`` and DCP's error
+    (a key ``target`` asks for that the checkpoint lacks, a damaged file), on every
+    rank alike (DCP gathers its errors)."""
+    import torch.distributed.checkpoint as torch_dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    flat = {k: v for k, v in target.items() if k != MODEL}
+    if MODEL in target:
+        flat.update(target[MODEL].state_dict())
+    try:
+        torch_dcp.load(flat, checkpoint_id=path)
+    except CheckpointException as e:  # a BaseException: make it dckpt's Exception
+        raise CheckpointError(f"could not load the DCP checkpoint {path}: "
+                              f"{_failures(e)}") from e
+    if MODEL in target:
+        target[MODEL].load_state_dict(flat)
+
+
+def resume_dcp(target: dict[str, Any], folder: str, step: int, kind: str) -> str:
+    """Resume ``target`` from ``step-{step}`` that torchtitan's DCP manager saved in
+    ``folder`` (``kind`` from :func:`dcp_steps`), with :func:`load_dcp`; returns its
+    path. Collective. Raises CheckpointError, saying what to do instead, for an HF-only
+    step (no training state) and for a step that does not load (a model-only last
+    step lacks the optimizer: start a new job from it, or resume an earlier step)."""
+    path = f"{folder.rstrip('/')}/step-{step}"
+    if kind != "dcp":
+        raise CheckpointError(
+            f"{path} holds only Hugging Face safetensors (torchtitan's last_save_in_hf "
+            "export of a finished run), not a training state to resume: start a new job "
+            f"from it (another checkpoint.folder, initial_load_path={path}, "
+            "initial_load_in_hf=True, initial_load_model_only=True), resume an earlier "
+            "step with checkpoint.load_step, or move it out of the folder")
+    try:
+        load_dcp(target, path)
+    except CheckpointError as e:
+        raise CheckpointError(
+            f"{str(e).rstrip('.')}. It is step {step} of torchtitan's DCP manager in "
+            f"checkpoint.folder {folder}: if it is a model-only last step "
+            "(last_save_model_only), start a new job from it (another folder, "
+            f"initial_load_path={path}, initial_load_model_only=True); else resume an "
+            "earlier step with checkpoint.load_step, or leave a component out with "
+            "checkpoint.exclude_from_loading") from e
+    return path
+
+
+def _failures(e: BaseException) -> str:
+    """DCP's CheckpointException in one line per distinct cause (its str() holds every
+    rank's traceback; the tracebacks stay on the chained exception)."""
+    failures = getattr(e, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return str(e)
+    causes: dict[str, list[int]] = {}
+    for rank, pair in sorted(failures.items()):
+        exc = pair[0] if isinstance(pair, tuple) and pair else pair
+        causes.setdefault(f"{type(exc).__name__}: {exc}", []).append(rank)
+    return "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {c}"
+                     for c, r in causes.items())
+
+
+def load_initial(target: dict[str, Any], path: str, *, cast: bool = False) -> None:
     """Load ``target`` (``{"model": ModelWrapper, ...}``: Statefuls and values) from
     the checkpoint at ``path``. Collective. A dckpt checkpoint: a step of a
     CheckpointManager (keys under "state.") or a plain ``dckpt.save`` directory;
     keys the checkpoint holds that ``target`` does not ask for are ignored (a
-    model-only load of a full checkpoint), keys it lacks are an error. A DCP
-    checkpoint (``.metadata``): loaded by DCP itself, its keys laid out as
-    torchtitan's DCP manager saves them (the model's flattened to the top).
-    Raises CheckpointError (dckpt) or DCP's CheckpointException."""
+    model-only load of a full checkpoint), keys it lacks are an error; ``cast``:
+    floating-point tensors saved in another floating dtype are converted (a bf16
+    ``last_save_model_only`` export into an fp32 model), else a dtype differing is an
+    error. A DCP checkpoint (``.metadata``): :func:`load_dcp` (DCP converts dtypes
+    whatever ``cast``). Raises CheckpointError."""
     if _is_dcp(path):
-        import torch.distributed.checkpoint as torch_dcp
-
-        flat = {k: v for k, v in target.items() if k != MODEL}
-        if MODEL in target:
-            flat.update(target[MODEL].state_dict())
-        torch_dcp.load(flat, checkpoint_id=path)
-        if MODEL in target:
-            target[MODEL].load_state_dict(flat)
+        load_dcp(target, path)
         return
     from ..protocol.restore import load
     from ..view.open import open as open_checkpoint
@@ -44,7 +140,7 @@ def load_initial(target: dict[str, Any], path: str) -> None:
         keys = ckpt.keys()
     managed = any(k.startswith(MANAGER_PREFIX) for k in keys)
     state = {"state": target} if managed else target
-    load(state, path, strict=False)
+    load(state, path, strict=False, cast=cast)
 
 
 def load_hf_model(model: Any, adapter: Any, path: str, quantized: bool) -> None:

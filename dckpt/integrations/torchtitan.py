@@ -12,7 +12,9 @@ killed at any moment leaves no ``step-N`` that resume could pick), no pickle in 
 format (the dataloader's pickled bytes are stored as opaque bytes, never
 unpickled), every byte checksummed, any world size on resume, remote roots through
 fsspec, and with ``local_root`` a node-local fast tier (optionally replicated to peer
-nodes) with durable copies every ``durable_interval`` steps.
+nodes) with durable copies every ``durable_interval`` steps (torchtitan's ``interval``
+decides which steps are saved, ``durable_interval`` which of those are copied to the
+folder, the last step always: see :class:`DckptCheckpointManager`).
 
 Requires ``pip install "dckpt[torchtitan]"``; importing :mod:`dckpt` never imports
 torchtitan, only importing this module does.
@@ -39,6 +41,18 @@ Differences from torchtitan's DCP manager, on purpose:
   ``.metadata``, loaded by DCP itself: a run moving from DCP starts from its last
   DCP checkpoint); ``initial_load_in_hf`` reads the HF safetensors directly with
   :func:`dckpt.load_hf` (each rank reads only its byte ranges, no conversion step).
+  A model-only initial load converts floating dtypes (a bf16 ``last_save_model_only``
+  step starts an fp32 job, as with DCP's manager); a resume of the folder's own steps
+  and a full initial load keep dckpt's strict dtype check.
+- A folder holding torchtitan's DCP steps (``step-N`` with ``.metadata``: a run that
+  switched from DCP's manager) resumes the newest step of the folder, by step number,
+  whichever manager wrote it (dckpt's at a tie): a DCP step is loaded by DCP as DCP's
+  manager lays it out (the model's keys at the top; optimizer, lr_scheduler,
+  dataloader, train_state nested), with a log line saying so, and ``load_step=N``
+  may name one. Later saves are dckpt's, beside DCP's folders, which dckpt never
+  removes (nor counts in ``keep_latest_k``). A DCP step that cannot be resumed (a
+  model-only last step, an HF-only export) raises a CheckpointError saying what to
+  do, never a silent fresh start.
 """
 from __future__ import annotations
 
@@ -86,7 +100,13 @@ class DckptCheckpointManager(BaseCheckpointManager):
 
     Checkpoints go to ``{base_folder}/{folder}/step-{N}``, one dckpt checkpoint per
     step (``dckpt ls``/``dckpt verify`` read them); ``keep_latest_k`` keeps the newest
-    k committed steps. Raises ValueError for a bad config (as torchtitan's), and
+    k committed steps. With ``local_root``, torchtitan's rule (every ``interval``-th
+    step, step 1 with ``enable_first_step_checkpoint``, the last step) decides which
+    steps are saved, each committed in the fast tier; ``durable_interval=D`` decides
+    which of them are also copied to the folder: a step that is a multiple of D, or at
+    least D steps after the last copied one, and always the last step (its copy is
+    never skipped; an earlier one may be, for a newer one, when the copies cannot keep
+    up: docs/TIERS.md). Raises ValueError for a bad config (as torchtitan's), and
     CheckpointError (dckpt's) for a failed save or load, for config fields that
     differ between ranks (at construction) and for a save after close(), on every
     rank alike."""
@@ -105,8 +125,10 @@ class DckptCheckpointManager(BaseCheckpointManager):
         background; restore prefers the newest tier that loads."""
 
         durable_interval: int | None = None
-        """With ``local_root``: copy every N-th saved step to the folder (None:
-        every one)."""
+        """With ``local_root``: which saved steps are copied to the folder: a multiple
+        of N, or a step at least N steps after the last copied one, and the last step
+        always (None: every saved step). ``interval`` still decides which steps are
+        saved (to the fast tier)."""
 
         replicas: int = 0
         """With ``local_root``: copies of each node's files kept on other nodes, so a
@@ -247,7 +269,10 @@ class DckptCheckpointManager(BaseCheckpointManager):
             self._save_last_step(curr_step)
         else:
             async_ = self.async_mode == "async"
-            self.manager.save(curr_step, dict(self.states), force=True,
+            # torchtitan's interval has decided to save this step (force); whether its
+            # fast-tier commit is also copied to the folder is durable_interval's call
+            # (force_durable=False), not every forced save's
+            self.manager.save(curr_step, dict(self.states), force=True, force_durable=False,
                               fence=self._fence() if async_ else None)
             if async_:
                 self.save_future = Future()
@@ -257,7 +282,10 @@ class DckptCheckpointManager(BaseCheckpointManager):
 
     def _save_last_step(self, curr_step: int) -> None:
         """The final save, synchronous: the model only in ``export_dtype`` (and the HF
-        export) with ``last_save_model_only``, else the whole state."""
+        export) with ``last_save_model_only``, else the whole state. Always durable
+        (``force=True``: with ``local_root`` it is copied to the folder whatever
+        ``durable_interval``, and the copy is never skipped), so the run's end outlives
+        the node."""
         if not self.last_save_model_only:
             logger.info(f"Saving a full checkpoint at last step, step {curr_step}.")
             self.manager.save(curr_step, dict(self.states), force=True)
@@ -296,24 +324,32 @@ class DckptCheckpointManager(BaseCheckpointManager):
 
     # ------------------------------------------------------------------ loading
     def _load(self, step: int = -1) -> bool:
-        """Restore ``step`` (-1: the newest committed step that loads, with dckpt's
-        fallback to an older one when it is damaged) or, in an empty folder, the
-        initial checkpoint; returns whether anything was loaded. Collective.
-        Raises FileNotFoundError for a ``step`` that is not a committed step of the
-        folder (as torchtitan's), ValueError for a bad initial_load_path."""
+        """Restore ``step`` (-1: the newest step of the folder, by step number: dckpt's
+        newest committed step that loads, with dckpt's fallback to an older one when it
+        is damaged, or a newer step that torchtitan's DCP manager saved there) or, in a
+        folder without either, the initial checkpoint; returns whether anything was
+        loaded. Collective (rank 0 lists the folder; one broadcast each for dckpt's and
+        DCP's steps, then the load). Raises FileNotFoundError for a ``step`` that is
+        neither (as torchtitan's), ValueError for a bad initial_load_path, and
+        CheckpointError for a step that cannot be resumed (a failed load; a DCP step
+        holding only an HF export)."""
         has_folder = filesystem.exists(self.folder)
         if step != -1 and not has_folder:
             raise FileNotFoundError(f"--checkpoint.load_step={step} not found because "
                                     f"checkpoint.folder {self.folder} does not exist")
         steps = self._steps() if has_folder else []
-        if step != -1 and step not in steps:
+        theirs = dict(self._dcp_steps()) if has_folder else {}
+        if step != -1 and step not in steps and step not in theirs:
             raise FileNotFoundError(
                 f"--checkpoint.load_step={step} not found at {self.manager.path(step)} "
-                f"(committed steps: {steps or 'none'})")
-        if not steps:
+                f"(committed steps: {steps or 'none'}"
+                + (f"; DCP steps: {sorted(theirs)}" if theirs else "") + ")")
+        if not steps and not theirs:
             return self._initial_load()
+        newest = step if step != -1 else max([*steps, *theirs])
+        if newest not in steps:  # at a tie, dckpt's own step (checksummed) wins
+            return self._load_dcp(newest, theirs[newest])
         begin = time.monotonic()
-        newest = step if step != -1 else max(steps)
         if newest == 0:  # step 0 is the seed checkpoint: the model only
             got = self.manager.restore({MODEL: self.states[MODEL]}, step=0, strict=False)
         else:
@@ -325,6 +361,28 @@ class DckptCheckpointManager(BaseCheckpointManager):
         logger.info(f"Loaded the checkpoint of step {got} ({self.manager.restored_from}) "
                     f"from {self.folder} in {time.monotonic() - begin:.2f} seconds.")
         return got is not None
+
+    def _dcp_steps(self) -> list[tuple[int, str]]:
+        """The steps torchtitan's DCP manager left in the folder (a run that switched
+        to dckpt), see :func:`titan_load.dcp_steps`. Collective: rank 0 lists, every
+        rank gets its result or its error."""
+        pairs = on_rank0(Comm(None), lambda: titan_load.dcp_steps(self.folder),
+                         f"list torchtitan's DCP checkpoints under {self.folder}")
+        return [(int(s), str(k)) for s, k in pairs]
+
+    def _load_dcp(self, step: int, kind: str) -> bool:
+        """Resume ``step-{step}`` that torchtitan's DCP CheckpointManager saved in the
+        folder, as that manager resumes it (:func:`titan_load.resume_dcp`): the whole
+        state (what exclude_from_loading leaves), the model only for step 0 (a seed
+        checkpoint). Collective. Raises CheckpointError saying what to do when the step
+        cannot be resumed."""
+        begin = time.monotonic()
+        target = {MODEL: self.states[MODEL]} if step == 0 else self._states_to_load()
+        path = titan_load.resume_dcp(target, self.folder, step, kind)
+        logger.info(f"Resumed the DCP checkpoint step-{step} at {path} (written by "
+                    "torchtitan's DCP CheckpointManager; dckpt saves the next steps "
+                    f"beside it) in {time.monotonic() - begin:.2f} seconds.")
+        return True
 
     def _steps(self) -> list[int]:
         """The committed steps of either tier, ascending. Collective."""
@@ -369,7 +427,11 @@ class DckptCheckpointManager(BaseCheckpointManager):
                                      self.initial_load_in_hf_quantized)
         else:
             target = {MODEL: self.states[MODEL]} if model_only else self._states_to_load()
-            titan_load.load_initial(target, path)
+            # A model-only start converts floating dtypes, as DCP's load does: the source
+            # is often a bf16 last_save_model_only export and this job trains in fp32. A
+            # full initial load (and a resume of this folder's steps) stays dtype-strict:
+            # an optimizer state in another dtype is a different job, not an export.
+            titan_load.load_initial(target, path, cast=model_only)
         logger.info(f"Loaded the initial checkpoint {path} in "
                     f"{time.monotonic() - begin:.2f} seconds.")
         return True

@@ -198,7 +198,7 @@ class CheckpointManager(TriggerMixin, InflightMixin, RetentionMixin, RestoreMixi
 
     # ------------------------------------------------------------------ saving
     def save(self, step: int, state: Any, *, epoch: int | None = None,
-             force: bool = False, fence: Any = None) -> bool:
+             force: bool = False, fence: Any = None, force_durable: bool = True) -> bool:
         """Save ``state`` as ``step`` when the policy says so (or ``force``); returns
         whether a save started. Synchronous mode returns after the commit (and its
         history record); async mode after the snapshot. Waits for a previous async save
@@ -213,7 +213,14 @@ class CheckpointManager(TriggerMixin, InflightMixin, RetentionMixin, RestoreMixi
 
         ``fence`` (async mode; optimizers or modules, as :func:`dckpt.async_save`'s):
         more to fence on than the state's TrainingStates, e.g. the optimizer of a state
-        passed as a plain dict. Raises CheckpointError for anything else."""
+        passed as a plain dict. Raises CheckpointError for anything else.
+
+        ``force_durable`` (with ``local_root``): whether ``force`` also makes this save
+        durable (copied to ``root``, and never skipped for a newer copy), as by default.
+        False: ``force`` only decides that the step is saved, and ``durable_every_steps``
+        decides whether its fast-tier commit is copied, as for a save the policy chose;
+        for a caller with its own save schedule that forces every save it makes (the
+        torchtitan adapter). A requested save (``request_save``, SIGTERM) stays durable."""
         epoch = check_epoch(epoch)
         fences = _fence_targets(fence)  # a bad one raises before any collective, as epoch
         if self._lost is not None:
@@ -233,6 +240,8 @@ class CheckpointManager(TriggerMixin, InflightMixin, RetentionMixin, RestoreMixi
         if requested:
             log.info("a save was requested: saving step %d", step)
         due = self._decide(step, force or requested, epoch)
+        # what makes this save's copy durable and unskippable besides the tier's rule
+        pinned = (force and bool(force_durable)) or requested
         if epoch is not None:
             self._epoch = epoch  # after the decision: it compares with the previous one
         if not due:
@@ -254,13 +263,13 @@ class CheckpointManager(TriggerMixin, InflightMixin, RetentionMixin, RestoreMixi
         info = None
         try:
             if self.tier is not None:
-                durable = self.tier.durable_due(step, force or requested)
+                durable = self.tier.durable_due(step, pinned)
                 # With a TrainingState on CPU, the tier's files are written straight
                 # from the live tensors while training goes on (one host copy); the
                 # optimizers' next step waits until they are written.
                 self._lost = self.tier.save(step, full, durable=durable, async_=self.async_save,
                                             on_commit=self._tier_recorder(pending), fence=fences,
-                                            forced=force or requested)
+                                            forced=pinned)
                 blocked = time.perf_counter() - t0
             elif self.async_save:
                 # The copy runs in the background; the state's optimizers and models

@@ -24,7 +24,11 @@ class RetentionMixin:
             return [], []
         for e in entries:
             m = STEP_DIR.match(e.name)
-            if e.is_dir and m:
+            # only this manager's own names (zero-padded): another tool's step-N in the
+            # root (torchtitan's DCP steps beside a job that moved to dckpt) is neither a
+            # commit nor a failed save to clean up, and step-4 would otherwise remove
+            # step-00000004
+            if e.is_dir and m and e.name == step_name(int(m.group(1))):
                 done = self.storage.exists(self.storage.join(self.root, e.name, mf.MANIFEST_NAME))
                 (committed if done else partial).append(int(m.group(1)))
         return sorted(committed), sorted(partial)
