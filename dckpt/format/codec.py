@@ -29,6 +29,12 @@ RAW, ZSTD, LZ4 = 0, 1, 2
 COMPRESSOR = 3  # mask of the compressor bits
 SHUFFLE, XOR, SPARSE = 4, 8, 16
 VALID = COMPRESSOR | SHUFFLE | XOR | SPARSE
+# The flag sets :func:`encode` writes, the only ones a block may have (a delta's anchor:
+# those without XOR). Any other set of VALID bits (SHUFFLE or XOR without a compressor,
+# SPARSE with one, both compressors) is refused at parse and by :func:`decode`.
+CODECS = frozenset({RAW, ZSTD, LZ4, ZSTD | SHUFFLE, LZ4 | SHUFFLE, XOR | SPARSE,
+                    XOR | ZSTD, XOR | LZ4, XOR | ZSTD | SHUFFLE, XOR | LZ4 | SHUFFLE})
+ANCHOR_CODECS = frozenset(c for c in CODECS if not c & XOR)
 COMPRESSIONS = {None: RAW, "zstd": ZSTD, "lz4": LZ4}
 USEFUL = 0.95  # a compressed block is kept only if at most this fraction of the raw size
 DELTA_USEFUL = 0.5  # a delta is kept only if at most this fraction: else it is not worth
@@ -227,8 +233,7 @@ def decode(flags: int, stored, size: int, itemsize: int, anchor=None) -> bytes |
     """The raw block of ``size`` bytes from its stored bytes (and, for XOR, the raw
     anchor block). Raises ValueError on malformed input (the caller names the block)
     and CheckpointError when the compressor's package is missing."""
-    if flags & ~VALID or (flags & SPARSE and not flags & XOR) or (
-            flags & SPARSE and flags & COMPRESSOR) or flags & COMPRESSOR == COMPRESSOR:
+    if flags not in CODECS:
         raise ValueError(f"unknown codec {flags}")
     if flags & COMPRESSOR:
         data = _decompress(flags & COMPRESSOR, stored, size)

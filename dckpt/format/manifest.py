@@ -12,7 +12,6 @@ tile it, and malformed JSON of any kind raises ManifestError, never another exce
 from __future__ import annotations
 
 import base64
-import binascii
 import json
 import math
 import sys
@@ -21,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ManifestError
-from . import filetable, tiling
+from . import filetable, manifest_blocks, tiling
 from . import intarray, sealed
 from .grid import grid_cells  # noqa: F401  (public here: readers and tools use it)
 from .grid import cells as _cells, parse_dim as _grid_dim
@@ -221,7 +220,8 @@ def _parse_chunks(key: str, shape: tuple[int, ...], obj: Any, nfiles: int,
     return Chunks(offsets, sizes, file, grid)
 
 
-def _parse_tensor(key: str, t: Any, nfiles: int, budget: list[int] | None = None) -> TensorEntry:
+def _parse_tensor(key: str, t: Any, files: FileTable,
+                  budget: list[int] | None = None) -> TensorEntry:
     if not isinstance(t, dict) or not isinstance(t.get("dtype"), str) or t["dtype"] not in ITEMSIZE:
         raise ManifestError(f"tensor {key!r} has no valid dtype")
     raw_shape = t.get("shape")
@@ -233,71 +233,11 @@ def _parse_tensor(key: str, t: Any, nfiles: int, budget: list[int] | None = None
     shape = tuple(_int(s, f"tensor {key!r} shape") for s in raw_shape)
     if math.prod(shape) * ITEMSIZE[t["dtype"]] > _I64_MAX:
         raise ManifestError(f"tensor {key!r} of shape {list(shape)} is too large")
-    chunks = _parse_chunks(key, shape, t.get("chunks"), nfiles, budget)
+    chunks = _parse_chunks(key, shape, t.get("chunks"), len(files), budget)
     blocks = None
     if "blocks" in t:
-        blocks = _parse_blocks(key, t["blocks"], chunks, ITEMSIZE[t["dtype"]], nfiles)
+        blocks = manifest_blocks.parse(key, t["blocks"], chunks, ITEMSIZE[t["dtype"]], files)
     return TensorEntry(key, t["dtype"], shape, chunks, blocks)
-
-
-def _parse_blocks(key: str, obj: Any, chunks: Chunks, itemsize: int,
-                  nfiles: int) -> tuple[ChunkBlocks, ...]:
-    """Validate a tensor's block hashes and tables. Raises ManifestError."""
-    if not isinstance(obj, dict):
-        raise ManifestError(f"tensor {key!r}: blocks must be an object")
-    size = _int(obj.get("size"), f"tensor {key!r} block size", 1, 1 << 40)
-    counts = [codec.nblocks(int(np.prod(s)) * itemsize, size) for s in chunks.sizes]
-    try:
-        hashes = base64.b64decode(obj.get("hash", ""), validate=True)
-    except (binascii.Error, TypeError, ValueError):
-        raise ManifestError(f"tensor {key!r}: block hashes are not base64") from None
-    if len(hashes) != codec.HASH_BYTES * sum(counts):
-        raise ManifestError(f"tensor {key!r}: {len(hashes)} bytes of block hashes for "
-                            f"{sum(counts)} blocks")
-    enc = obj.get("enc", {})
-    if not isinstance(enc, dict):
-        raise ManifestError(f"tensor {key!r}: blocks.enc must be an object")
-    tables: dict[int, np.ndarray] = {}
-    for ci, flat in enc.items():
-        if not (isinstance(ci, str) and ci.isdigit() and int(ci) < len(counts)):
-            raise ManifestError(f"tensor {key!r}: encoded chunk {sealed.short(ci)} does not exist")
-        n = counts[int(ci)]
-        try:
-            table = intarray.decode(flat, f"tensor {key!r} chunk {ci} blocks", TABLE_COLS * n)
-        except (ValueError, TypeError) as e:
-            raise ManifestError(str(e)) from None
-        if len(table) != TABLE_COLS * n:
-            raise ManifestError(f"tensor {key!r} chunk {ci}: block table of {len(table)} "
-                                f"numbers for {n} blocks")
-        tables[int(ci)] = _check_table(key, int(ci), np.ascontiguousarray(
-            table.reshape(TABLE_COLS, n).T), nfiles)
-    out, pos = [], 0
-    for ci, n in enumerate(counts):
-        h = codec.HASH_BYTES * n
-        out.append(ChunkBlocks(size, hashes[pos:pos + h], tables.get(ci)))
-        pos += h
-    return tuple(out)
-
-
-def _check_table(key: str, ci: int, t: np.ndarray, nfiles: int) -> np.ndarray:
-    what = f"tensor {key!r} chunk {ci}"
-    if len(t) == 0:
-        return t
-    f, off, ln, fl = t[:, 0], t[:, 1], t[:, 2], t[:, 3]
-    af, aoff, aln, afl = t[:, 4], t[:, 5], t[:, 6], t[:, 7]
-    if (f < 0).any() or (f >= nfiles).any() or (off < 0).any() or (ln < 0).any():
-        raise ManifestError(f"{what}: a block's file, offset or length is out of range")
-    if ((fl & ~codec.VALID) != 0).any() or (fl < 0).any():
-        raise ManifestError(f"{what}: a block has an unknown codec")
-    delta = (fl & codec.XOR) != 0
-    if (af[delta] < 0).any() or (af[delta] >= nfiles).any() or (aoff[delta] < 0).any() \
-            or (aln[delta] < 0).any() or ((afl[delta] & (codec.XOR | codec.SPARSE)) != 0).any() \
-            or (afl[delta] < 0).any() or ((afl[delta] & ~codec.VALID) != 0).any():
-        raise ManifestError(f"{what}: a delta block's anchor is out of range (an anchor is "
-                            "never itself a delta)")
-    if (t[~delta, 4:] != -1).any():
-        raise ManifestError(f"{what}: a block that is not a delta names an anchor")
-    return t
 
 
 def _parse_value(key: str, v: Any) -> JsonLeaf:
@@ -363,7 +303,7 @@ def _parse_doc(data: bytes, at: list[str]) -> Manifest:
     budget = [MAX_CHUNKS_TOTAL]
     for key, t in tensors_raw.items():
         at[0] = f"tensor {key!r}"
-        tensors[key] = _parse_tensor(key, t, len(files), budget)
+        tensors[key] = _parse_tensor(key, t, files, budget)
     values: dict[str, JsonLeaf] = {}
     for key, v in values_raw.items():
         at[0] = f"value {key!r}"
