@@ -1,8 +1,10 @@
 """Issue 36: ``bytes`` values, natively, in dckpt.save / dckpt.load / CheckpointManager /
 dckpt.open, as frameworks' Stateful objects return them (torchtitan's dataloader:
 ``{"dp_rank_<r>": pickle.dumps(...), "world_size": N}``; dckpt stores the bytes and never
-unpickles them). A bytes value is the JSON object ``{"$bytes": "<base64>"}`` in the
-flattened state, the plans and the manifest, at most 1 MiB. Single process, no process
+unpickles them). A bytes value of at most 64 KiB is the JSON object ``{"$bytes":
+"<base64>"}`` in the flattened state, the plans and the manifest; a larger one (up to
+4 GiB) is a 1-D U8 entry of the saving rank's data file marked ``"bytes": true`` in a
+version-5 manifest (torchtitan's token buffers: megabytes). Single process, no process
 group; the 2-rank tests are in tests/multirank/test_bytes_values.py."""
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import os
 import pickle
 import zlib
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -21,7 +24,7 @@ import dckpt
 from dckpt.errors import ManifestError, StateMismatchError, UnsupportedValueError
 from dckpt.format import manifest as mf
 from dckpt.format import sealed
-from dckpt.format.sealed import BYTES_TAG, MAX_BYTES_VALUE
+from dckpt.format.sealed import BYTES_TAG, INLINE_BYTES, MAX_BYTES_TAG, MAX_BYTES_VALUE
 from dckpt.layout import localplan
 from dckpt.layout import plan as gplan
 from dckpt.protocol import plancache
@@ -52,7 +55,7 @@ class Loader:
 def test_bytes_values_round_trip_through_save_and_load(tmp_path):
     path = str(tmp_path / "ck")
     state = {"w": torch.arange(4.0), "dataloader": Loader(BLOB), "all": ALL, "empty": b"",
-             "nested": {"xs": [b"a", (b"\x00b", 7)]}, "max": b"\x5a" * MAX_BYTES_VALUE}
+             "nested": {"xs": [b"a", (b"\x00b", 7)]}, "max": b"\x5a" * MAX_BYTES_TAG}
     dckpt.save(state, path)
     back = Loader(b"")
     out = {"w": torch.zeros(4), "dataloader": back, "all": b"", "empty": b"old",
@@ -61,7 +64,7 @@ def test_bytes_values_round_trip_through_save_and_load(tmp_path):
     assert back.blob == BLOB and pickle.loads(back.blob)["epoch"] == 3
     assert out["all"] == ALL and type(out["all"]) is bytes and out["empty"] == b""
     assert out["nested"]["xs"] == [b"a", (b"\x00b", 7)]
-    assert out["max"] == b"\x5a" * MAX_BYTES_VALUE
+    assert out["max"] == b"\x5a" * MAX_BYTES_TAG
     assert torch.equal(out["w"], torch.arange(4.0))
 
 
@@ -70,12 +73,12 @@ def test_a_bytes_target_of_any_length_gets_the_saved_bytes(tmp_path):
     one over the save bound) and it is not encoded."""
     path = str(tmp_path / "ck")
     dckpt.save({"b": b"saved"}, path)
-    for placeholder in (b"", b"x" * 1000, b"y" * (MAX_BYTES_VALUE + 1)):
+    for placeholder in (b"", b"x" * 1000, b"y" * (MAX_BYTES_TAG + 1)):
         out = {"b": placeholder}
         dckpt.load(out, path)
         assert out["b"] == b"saved"
-    flat = flatten({"b": b"y" * (MAX_BYTES_VALUE + 1)}, target=True)
-    assert flat.values == {"b": b"y" * (MAX_BYTES_VALUE + 1)}
+    flat = flatten({"b": b"y" * (MAX_BYTES_TAG + 1)}, target=True)
+    assert flat.values == {"b": b"y" * (MAX_BYTES_TAG + 1)}
 
 
 def test_value_kinds_follow_the_usual_rules_on_load(tmp_path):
@@ -126,15 +129,29 @@ def test_incremental_manager_and_async_save_keep_bytes(tmp_path):
 
 # ------------------------------------------------------------------ what is refused
 
-def test_a_bytes_value_over_the_bound_is_refused_naming_key_and_size(tmp_path):
+def test_a_bytes_value_over_the_bound_is_refused_naming_key_and_size(tmp_path, monkeypatch):
+    """The bound is 4 GiB (a load allocates a value whole); lowered here so the test
+    does not allocate it. Nothing is written."""
+    from dckpt.state import flatten as fl
+
+    assert MAX_BYTES_VALUE == 4 << 30
+    monkeypatch.setattr(fl, "MAX_BYTES_VALUE", 300_000)
     path = tmp_path / "ck"
-    n = MAX_BYTES_VALUE + 1
+    n = 300_001
     with pytest.raises(UnsupportedValueError) as e:
         dckpt.save({"dl": {"dp_rank_0": b"\x01" * n}, "w": torch.zeros(2)}, str(path))
     msg = str(e.value)
-    assert "'dl.dp_rank_0'" in msg and str(n) in msg and "uint8 tensor" in msg
+    assert "'dl.dp_rank_0'" in msg and str(n) in msg and "300000-byte limit" in msg
     assert isinstance(e.value, dckpt.CheckpointError)
     assert not path.exists() or os.listdir(path) == []
+
+
+def test_flatten_without_blobs_keeps_the_1_mib_tag_bound():
+    """Callers that write no data file for values (imports) keep every bytes value as
+    a tag, so the manifest bound (1 MiB) still applies to them."""
+    assert flatten({"b": b"\x01" * MAX_BYTES_TAG}).values["b"][BYTES_TAG]
+    with pytest.raises(UnsupportedValueError, match=f"'b'.*{MAX_BYTES_TAG + 1}"):
+        flatten({"b": b"\x01" * (MAX_BYTES_TAG + 1)})
 
 
 @pytest.mark.parametrize("value", [bytearray(b"ab"), memoryview(b"ab")],
@@ -221,7 +238,7 @@ def _sealed(values: dict) -> bytes:
     return b'{"checksum":"crc32:%08x",' % zlib.crc32(body) + body
 
 
-_B64_MAX = 4 * -(-MAX_BYTES_VALUE // 3)
+_B64_MAX = 4 * -(-MAX_BYTES_TAG // 3)
 
 
 @pytest.mark.parametrize("tag, fragment", [
@@ -262,7 +279,7 @@ def test_a_huge_bytes_entry_is_refused_before_it_is_decoded(monkeypatch):
 
 
 def test_the_largest_bytes_entry_parses():
-    raw = b"\xfe" * MAX_BYTES_VALUE
+    raw = b"\xfe" * MAX_BYTES_TAG
     m = mf.parse(_sealed({"x": sealed.tag_bytes(raw)}), WHERE)
     assert sealed.user_value(m.values["x"]) == raw
 
@@ -293,13 +310,15 @@ def test_open_hands_back_bytes(tmp_path):
 def test_diff_and_inspect_show_length_and_a_hex_prefix(tmp_path, capsys):
     from dckpt.cli.main import main
 
-    big = b"\x80\x04" + b"z" * 100_000
+    big = b"\x80\x04" + b"z" * 100_000  # over INLINE_BYTES: an entry of the data file
+    mid = b"\x80\x04" + b"y" * 10_000  # inline
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    dckpt.save({"blob": big, "same": b"s", "w": torch.ones(2)}, a)
-    dckpt.save({"blob": big + b"!", "same": b"s", "w": torch.ones(2)}, b)
+    dckpt.save({"blob": big, "mid": mid, "same": b"s", "w": torch.ones(2)}, a)
+    dckpt.save({"blob": big + b"!", "mid": mid, "same": b"s", "w": torch.ones(2)}, b)
     res = dckpt.diff(a, b)
     st_ = {k.key: k for k in res.keys}
     assert st_["same"].status == "equal" and st_["blob"].status == "changed"
+    assert st_["mid"].status == "equal"
     detail = st_["blob"].detail
     assert "bytes[100002]" in detail and "bytes[100003]" in detail and "8004" in detail
     assert len(detail) < 100
@@ -307,8 +326,10 @@ def test_diff_and_inspect_show_length_and_a_hex_prefix(tmp_path, capsys):
     capsys.readouterr()
     assert main(["inspect", a]) == 0
     out = capsys.readouterr().out
-    assert "bytes[100002] 80047a7a7a7a7a7a..." in out and "bytes[1] 73" in out
-    assert base64.b64encode(big)[:40].decode() not in out  # not the base64
+    assert "bytes[10002] 8004797979797979..." in out and "bytes[1] 73" in out
+    row = next(line.split() for line in out.splitlines() if line.startswith("blob "))
+    assert row[1:3] == ["bytes", "100002"], row  # listed with the entries, dtype "bytes"
+    assert base64.b64encode(mid)[:40].decode() not in out  # not the base64
     assert len(out) < 2000
     assert main(["diff", a, b]) == 1
     out = capsys.readouterr().out
@@ -319,3 +340,196 @@ def test_bytes_text_is_short():
     assert sealed.bytes_text(b"") == "bytes[0]"
     assert sealed.bytes_text(b"\x01\x02") == "bytes[2] 0102"
     assert sealed.bytes_text(bytes(range(20))) == "bytes[20] 0001020304050607..."
+
+
+# ------------------------------------------------------------------ values over 64 KiB: data-file entries
+
+BIG = os.urandom(4 << 20)  # 4 MiB: in the saving rank's data file, not the manifest
+
+
+def _doc(path: str) -> dict:
+    with open(os.path.join(path, "manifest.json"), "rb") as f:
+        return json.loads(f.read())
+
+
+def test_a_4_mib_bytes_value_round_trips_through_save_load_and_open(tmp_path, capsys):
+    from dckpt.cli.main import main
+
+    path = str(tmp_path / "ck")
+    dckpt.save({"dataloader": Loader(BIG), "w": torch.arange(4.0), "small": b"s"}, path)
+    assert os.path.getsize(os.path.join(path, "manifest.json")) < 4096  # not the value
+    doc = _doc(path)
+    assert doc["version"] == mf.BYTES_VERSION == 5
+    entry = doc["tensors"]["dataloader.dp_rank_0"]
+    assert entry["bytes"] is True and entry["dtype"] == "U8" and entry["shape"] == [4 << 20]
+    assert "dataloader.dp_rank_0" not in doc["values"] and "bytes" not in doc["tensors"]["w"]
+    back = Loader(b"")
+    out = {"dataloader": back, "w": torch.zeros(4), "small": b""}
+    dckpt.load(out, path)
+    assert type(back.blob) is bytes and back.blob == BIG and out["small"] == b"s"
+    with dckpt.open(path) as ck:
+        got = ck["dataloader.dp_rank_0"]
+        assert type(got) is bytes and got == BIG
+        info = ck.info("dataloader.dp_rank_0")
+        assert info.kind == "value" and info.type == "bytes" and info.value == BIG
+        assert ck.to_state_dict("dataloader") == {"dp_rank_0": BIG, "world_size": 1}
+        for read in (ck.get_slice, ck.get_tensor):
+            with pytest.raises(MissingKeyError, match="JSON value"):
+                read("dataloader.dp_rank_0")
+    capsys.readouterr()
+    assert main(["verify", path]) == 0
+    assert main(["inspect", path]) == 0
+    assert "dataloader.dp_rank_0  bytes" in capsys.readouterr().out
+
+
+def test_inline_up_to_64_kib_data_file_above(tmp_path):
+    path = str(tmp_path / "ck")
+    at, over = b"\x01" * INLINE_BYTES, b"\x02" * (INLINE_BYTES + 1)
+    dckpt.save({"at": at, "over": over}, path)
+    doc = _doc(path)
+    assert set(doc["values"]["at"]) == {BYTES_TAG} and doc["tensors"]["over"]["bytes"] is True
+    out = {"at": b"", "over": b""}
+    dckpt.load(out, path)
+    assert out == {"at": at, "over": over}
+
+
+def _flip_in(path: str, key: str) -> None:
+    """Flip one byte of ``key``'s stored bytes in the checkpoint's (only) data file."""
+    from dckpt.format import shards
+
+    name = next(n for n in os.listdir(path) if n.startswith("data-"))
+    with open(os.path.join(path, name), "r+b") as f:
+        data = f.read()
+        tensors, _ = shards.parse_header(data, name, len(data))
+        st = tensors[key]
+        f.seek(st.start + 10)
+        f.write(bytes([data[st.start + 10] ^ 0xFF]))
+
+
+def test_a_load_reads_a_bytes_entry_only_when_asked(tmp_path):
+    """Keys a target does not ask for are not read (one damaged here loads fine until
+    asked for); any JSON leaf asks (as for values); a tensor target is refused."""
+    path = str(tmp_path / "ck")
+    other = os.urandom(300_000)
+    dckpt.save({"a": BIG, "b": other}, path)
+    _flip_in(path, "b")
+    out = {"a": None}
+    dckpt.load(out, path, strict=False)
+    assert out["a"] == BIG
+    with pytest.raises(dckpt.IntegrityError, match="'b'"):
+        dckpt.load({"b": b""}, path, strict=False)
+    with pytest.raises(StateMismatchError, match="tensors on one side"):
+        dckpt.load({"a": torch.zeros(4 << 20, dtype=torch.uint8)}, path, strict=False)
+
+
+def test_bytes_entries_grow_back_under_an_empty_int_keyed_dict(tmp_path):
+    path = str(tmp_path / "ck")
+    dckpt.save({"opt": {0: BIG, 1: b"small", 2: torch.ones(2)}}, path)
+    out: dict = {"opt": {}}
+    dckpt.load(out, path)
+    assert out["opt"][0] == BIG and out["opt"][1] == b"small"
+    assert torch.equal(out["opt"][2], torch.ones(2))
+
+
+def test_incremental_and_compressed_saves_keep_bytes_entries(tmp_path):
+    a, b, c = (str(tmp_path / n) for n in "abc")
+    other = BIG[::-1]
+    dckpt.save({"v": BIG, "w": torch.ones(8)}, a, block_hashes=True)
+    info = dckpt.save({"v": BIG, "w": torch.ones(8)}, b, base=a, compression="zstd")
+    assert info.bytes_written < len(BIG) // 2  # the unchanged value is referenced
+    dckpt.save({"v": other, "w": torch.ones(8)}, c, base=b, compression="lz4")
+    for path, want in ((a, BIG), (b, BIG), (c, other)):
+        m = mf.parse(open(os.path.join(path, "manifest.json"), "rb").read())
+        assert m.tensors["v"].bytes_value and m.tensors["v"].blocks is not None
+        out = {"v": b"", "w": torch.zeros(8)}
+        dckpt.load(out, path)
+        assert out["v"] == want
+        with dckpt.open(path) as ck:
+            assert ck["v"] == want
+    res = dckpt.diff(a, c)
+    assert {k.key: k.status for k in res.keys} == {"v": "changed", "w": "equal"}
+
+
+@pytest.mark.parametrize("kw", [{}, {"compression": "zstd"}], ids=["copy", "encoded"])
+def test_fast_tier_and_its_stager_keep_bytes_entries(tmp_path, kw):
+    """A manager with a local_root: the local commit, its byte-for-byte or encoded
+    durable copy, and a restore from either."""
+    root, local = str(tmp_path / "run"), str(tmp_path / "local")
+    mgr = dckpt.CheckpointManager(root, every_steps=1, capture_rng=False, local_root=local, **kw)
+    for step in (1, 2):
+        mgr.save(step, {"b": BIG + bytes([step]), "w": torch.ones(4)})
+    mgr.close()
+    for lr in (local, None):  # the fast tier, then the durable copy alone
+        mgr = dckpt.CheckpointManager(root, every_steps=1, capture_rng=False, local_root=lr, **kw)
+        out = {"b": b"", "w": torch.zeros(4)}
+        assert mgr.restore(out) == 2
+        mgr.close()
+        assert out["b"] == BIG + b"\x02"
+
+
+def test_hf_export_skips_bytes_entries(tmp_path):
+    path = str(tmp_path / "ck")
+    dckpt.save({"model": {"w": torch.ones(2)}, "blob": BIG}, path)
+    info = dckpt.export(path, str(tmp_path / "hf"))
+    assert info.tensors == 1
+
+
+def test_ranks_disagreeing_on_bytes_or_tensor_under_one_key_are_refused():
+    n = INLINE_BYTES + 1
+    box = np.array([0, n], np.int64)
+    as_bytes = localplan.LocalPlan([("k", "U8", (n,))], box, bytes_keys=["k"])
+    as_tensor = localplan.LocalPlan([("k", "U8", (n,))], box)
+    with pytest.raises(StateMismatchError, match="'k' is a bytes value on one rank and a "
+                                                 "uint8 tensor on rank 1"):
+        gplan.plan_global([as_bytes, as_tensor])
+    back = localplan.decode(localplan.encode(as_bytes))
+    assert back.bytes_keys == ["k"]
+    assert gplan.plan_global([back, back]).bytes_keys == ["k"]
+    # the plan cache tells the two apart (same key table and boxes)
+    assert plancache.fingerprints(as_bytes, localplan.encode(as_bytes))[0] != \
+        plancache.fingerprints(as_tensor, localplan.encode(as_tensor))[0]
+
+
+def _entry_doc(tmp_path) -> dict:
+    path = str(tmp_path / "src")
+    dckpt.save({"dl": b"\x07" * (INLINE_BYTES + 5)}, path)
+    doc = _doc(path)
+    doc.pop("checksum")
+    return doc
+
+
+def test_a_bytes_entry_is_pinned_and_round_trips_byte_for_byte(tmp_path):
+    doc = _entry_doc(tmp_path)
+    n = INLINE_BYTES + 5
+    assert json.dumps(doc["tensors"], separators=(",", ":")) == (
+        '{"dl":{"dtype":"U8","shape":[%d],"chunks":{"grid":[[0,%d]],"file":[0]},'
+        '"bytes":true}}' % (n, n))
+    raw = mf.seal(doc)
+    m = mf.parse(raw)
+    assert m.tensors["dl"].bytes_value and mf.to_json(m) == raw
+
+
+def _set(doc: dict, **entry) -> dict:
+    doc["tensors"]["dl"].update(entry)
+    return doc
+
+
+@pytest.mark.parametrize("mutate, fragment", [
+    (lambda d: _set(d, bytes=1), '"bytes" must be true'),
+    (lambda d: _set(d, bytes=False), '"bytes" must be true'),
+    (lambda d: _set(d, bytes="yes"), '"bytes" must be true'),
+    (lambda d: _set(d, dtype="F32"), "1-D U8"),
+    (lambda d: _set(d, shape=[2, 4]), "1-D U8"),
+    (lambda d: _set(d, shape=[MAX_BYTES_VALUE + 1]), "limit"),
+    (lambda d: _set(d, shape=[-1]), "limit"),
+    (lambda d: _set(d, shape=[True]), "limit"),
+    (lambda d: dict(d, version=4), "version 4 does not have"),
+    (lambda d: dict(d, version=2), "version 2 does not have"),
+], ids=["one", "false", "str", "dtype", "2-D", "over 4 GiB", "negative", "bool", "v4", "v2"])
+def test_hostile_bytes_data_entries_are_manifest_errors(tmp_path, mutate, fragment):
+    """Checked before the entry's shape is trusted: a 4 GiB + 1 declaration is refused
+    before anything is allocated for it."""
+    with pytest.raises(ManifestError) as e:
+        mf.parse(mf.seal(mutate(_entry_doc(tmp_path))), WHERE)
+    msg = str(e.value)
+    assert msg.startswith(WHERE) and "'dl'" in msg and fragment in msg, msg

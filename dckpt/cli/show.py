@@ -60,8 +60,10 @@ def value_text(v) -> str:
 
 def print_tensors(m) -> None:
     """A manifest's tensor table and, if any, its JSON values."""
-    rows = [[k, t.dtype, "x".join(map(str, t.shape)) or "scalar", sharding(t),
-             str(len(t.chunks)), size_text(t.nbytes), inherited(m, t)] for k, t in m.tensors.items()]
+    # a bytes value too large for the manifest is an entry of a data file: dtype "bytes"
+    rows = [[k, "bytes" if t.bytes_value else t.dtype, "x".join(map(str, t.shape)) or "scalar",
+             sharding(t), str(len(t.chunks)), size_text(t.nbytes), inherited(m, t)]
+            for k, t in m.tensors.items()]
     print(table(rows, ["tensor", "dtype", "shape", "sharding", "chunks", "bytes", "inherited"]))
     if m.values:
         print()

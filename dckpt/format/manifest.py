@@ -4,7 +4,8 @@ Pure (numpy, no torch.distributed). See docs/FORMAT.md for the schema. Version 2
 a CRC32 of its own bytes, so a flipped bit anywhere in it (a stored step or learning rate
 included) is refused rather than loaded; version 1 manifests (no checksum) still load.
 Version 3 adds references to sibling files and block tables, version 4 the columnar file
-table (:mod:`.filetable`); each is written only when a manifest needs it.
+table (:mod:`.filetable`), version 5 bytes values stored in data files (tensor entries
+marked ``"bytes": true``); each is written only when a manifest needs it.
 Parsing validates everything a hostile manifest could abuse: file names stay inside the
 checkpoint, sizes and shapes are bounded integers, chunks lie inside their tensor and
 tile it, and malformed JSON of any kind raises ManifestError, never another exception.
@@ -36,7 +37,8 @@ from .shards import MAX_HEADER  # noqa: F401  (public here, as before)
 FORMAT = "dckpt"
 VERSION = 3  # written when a manifest references sibling files or has block tables
 TABLE_VERSION = 4  # written when its files are a table (filetable.use_table)
-READABLE_VERSIONS = (1, 2, 3, 4)
+BYTES_VERSION = 5  # written when a tensor entry holds a bytes value (sealed.check_bytes_entry)
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 MANIFEST_NAME = "manifest.json"
 # Values a CheckpointManager records about the timeline (the save id a commit continues,
 # the newest commit time its manager had seen): bookkeeping, not state. A load never
@@ -76,8 +78,9 @@ def to_json(m: Manifest) -> bytes:
         raise ValueError(f"the manifest would declare {nchunks} chunks; a reader accepts at "
                          f"most {MAX_CHUNKS_TOTAL} (fewer tensors or ranks per checkpoint)")
     files = filetable.to_json_obj(m.files, m.save_id, m.world_size)
-    version = TABLE_VERSION if isinstance(files, dict) else VERSION if (
-        m.files.references or any(t.blocks is not None for t in m.tensors.values())) else 2
+    version = BYTES_VERSION if any(t.bytes_value for t in m.tensors.values()) else \
+        TABLE_VERSION if isinstance(files, dict) else VERSION if (
+            m.files.references or any(t.blocks is not None for t in m.tensors.values())) else 2
     parts = [("format", _dumps(FORMAT)), ("version", _dumps(version)),
              ("save_id", _dumps(m.save_id)), ("world_size", _dumps(m.world_size)),
              ("created", _dumps(m.created)), ("meta", _dumps(sealed.tag_floats(m.meta))),
@@ -125,6 +128,8 @@ def _encoded_tensors(entries: dict) -> dict:
         tensors[key] = {"dtype": t.dtype, "shape": list(t.shape), "chunks": enc}
         if t.blocks is not None:
             tensors[key]["blocks"] = _blocks_json(t.blocks)
+        if t.bytes_value:
+            tensors[key]["bytes"] = True
     return tensors
 
 
@@ -225,6 +230,7 @@ def _parse_tensor(key: str, t: Any, files: FileTable,
     if not isinstance(t, dict) or not isinstance(t.get("dtype"), str) or t["dtype"] not in ITEMSIZE:
         raise ManifestError(f"tensor {key!r} has no valid dtype")
     raw_shape = t.get("shape")
+    is_bytes = sealed.check_bytes_entry(key, t.get("bytes"), t["dtype"], raw_shape)
     if not isinstance(raw_shape, list):
         raise ManifestError(f"tensor {key!r} has no shape list")
     if len(raw_shape) > MAX_NDIM:  # before any cost that grows with ndim
@@ -237,7 +243,7 @@ def _parse_tensor(key: str, t: Any, files: FileTable,
     blocks = None
     if "blocks" in t:
         blocks = manifest_blocks.parse(key, t["blocks"], chunks, ITEMSIZE[t["dtype"]], files)
-    return TensorEntry(key, t["dtype"], shape, chunks, blocks)
+    return TensorEntry(key, t["dtype"], shape, chunks, blocks, is_bytes)
 
 
 def _parse_value(key: str, v: Any) -> JsonLeaf:
@@ -304,6 +310,9 @@ def _parse_doc(data: bytes, at: list[str]) -> Manifest:
     for key, t in tensors_raw.items():
         at[0] = f"tensor {key!r}"
         tensors[key] = _parse_tensor(key, t, files, budget)
+        if tensors[key].bytes_value and version < BYTES_VERSION:
+            raise ManifestError(f"tensor {key!r} is marked as bytes, which version "
+                                f"{version} does not have (version {BYTES_VERSION} does)")
     values: dict[str, JsonLeaf] = {}
     for key, v in values_raw.items():
         at[0] = f"value {key!r}"

@@ -85,6 +85,9 @@ class TensorEntry:
     shape: tuple[int, ...]
     chunks: Chunks
     blocks: tuple[ChunkBlocks, ...] | None = None  # per chunk; None: no hashes (plain)
+    # a bytes value too large for the manifest, stored as this 1-D U8 entry (version 5):
+    # a load and dckpt.open hand it back as bytes, never as a tensor
+    bytes_value: bool = False
 
     def encoded(self, chunk: int) -> np.ndarray | None:
         """The block table of ``chunk`` when it is encoded, else None."""
@@ -101,7 +104,8 @@ class TensorEntry:
 @dataclass(frozen=True)
 class Manifest:
     """A parsed, validated manifest. Construct with :func:`parse` or :func:`build`.
-    ``values``: key -> :data:`JsonLeaf` (bytes values as their {"$bytes"} tag).
+    ``values``: key -> :data:`JsonLeaf` (bytes values as their {"$bytes"} tag; one too
+    large for the manifest is a :class:`TensorEntry` with ``bytes_value``).
     ``files``: a :class:`FileTable` (a ``Sequence[FileEntry]``); any other sequence of
     FileEntry given here is converted to one (O(files) Python)."""
 

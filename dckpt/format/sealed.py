@@ -4,9 +4,11 @@ Pure. A sealed document is ``{"checksum":"crc32:<8 hex>",`` followed by the comp
 of the document without its opening brace; the CRC32 covers exactly those following
 bytes, so the file stays valid JSON (jq, any strict parser) while a flipped bit anywhere
 is detected. JSON has no NaN or infinity: a non-finite float is written as the object
-``{"$float": "nan" | "inf" | "-inf"}``. Nor has it bytes: a ``bytes`` value (a
+``{"$float": "nan" | "inf" | "-inf"}``. Nor has it bytes: a small ``bytes`` value (a
 framework's opaque, already-serialised state, such as torchtitan's dataloader) is the
-object ``{"$bytes": "<base64>"}``, at most :data:`MAX_BYTES_VALUE` bytes decoded.
+object ``{"$bytes": "<base64>"}``, at most :data:`MAX_BYTES_TAG` bytes decoded; a save
+writes one over :data:`INLINE_BYTES` into its rank's data file instead (a tensor entry
+marked as bytes, manifest version 5: :func:`check_bytes_entry`).
 """
 from __future__ import annotations
 
@@ -30,15 +32,23 @@ MISMATCH = ("manifest checksum mismatch: the manifest was modified or damaged af
 # as {"$float": name}. Values are otherwise scalars, so an object there is unambiguous.
 _FLOAT_TAG = "$float"
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
-# A bytes value is {"$bytes": base64}. It stays in that form in the flattened state, the
-# plans and Manifest.values (JSON all the way: plans are JSON-encoded, hashed and
-# compared between ranks as JSON); only what hands a value to a user decodes it
-# (:func:`user_value`). Bounded: every rank parses the whole manifest at load, so a
-# large blob belongs in a uint8 tensor (sharded, checksummed per block, read by whoever
-# needs it).
+# A small bytes value is {"$bytes": base64}. It stays in that form in the flattened
+# state, the plans and Manifest.values (JSON all the way: plans are JSON-encoded, hashed
+# and compared between ranks as JSON); only what hands a value to a user decodes it
+# (:func:`user_value`). Every rank parses the whole manifest at load (and every plan
+# passes through rank 0), so a save keeps only values up to INLINE_BYTES there: a larger
+# one is a 1-D uint8 entry in the data file of a rank that holds it (checksummed per
+# block, read only by the ranks that ask for its key), marked as bytes in the manifest.
 BYTES_TAG = "$bytes"
-MAX_BYTES_VALUE = 1 << 20  # 1 MiB decoded per value
-_MAX_B64 = 4 * -(-MAX_BYTES_VALUE // 3)  # its base64 length (padded)
+INLINE_BYTES = 64 << 10  # a save inlines bytes values up to this size
+# The largest tag a reader accepts: what saves before version 5 inlined (and what
+# flatten still inlines for callers that want no data-file entries, such as imports).
+MAX_BYTES_TAG = 1 << 20
+_MAX_B64 = 4 * -(-MAX_BYTES_TAG // 3)  # its base64 length (padded)
+# The largest bytes value at all (a data-file entry): a load allocates it whole, so a
+# size a manifest declares is checked against this before anything is allocated.
+MAX_BYTES_VALUE = 4 << 30
+BYTES_DTYPE = "U8"  # a bytes entry's safetensors dtype: 1-D, one element per byte
 
 
 def tag_floats(obj: Any) -> Any:
@@ -98,7 +108,7 @@ def check_bytes_tag(v: dict, key: str) -> dict[str, str]:
     """Validate a {"$bytes": base64} value of a manifest read from storage (untrusted):
     exactly one key, a string of canonical padded base64 (what :func:`tag_bytes`
     writes; so a parsed manifest writes back byte for byte) of at most
-    :data:`MAX_BYTES_VALUE` bytes decoded. Returns ``v``. The length is checked before
+    :data:`MAX_BYTES_TAG` bytes decoded. Returns ``v``. The length is checked before
     anything is decoded; cost O(len) (a decode and a re-encode, in C). Raises
     ManifestError naming ``key``."""
     s = v.get(BYTES_TAG)
@@ -108,7 +118,7 @@ def check_bytes_tag(v: dict, key: str) -> dict[str, str]:
                             f"exactly one key with a string; got {got}")
     if len(s) > _MAX_B64:
         raise ManifestError(f"value {key!r}: a bytes value of about {len(s) * 3 // 4} bytes is "
-                            f"over the {MAX_BYTES_VALUE}-byte limit for bytes values")
+                            f"over the {MAX_BYTES_TAG}-byte limit for inline bytes values")
     try:
         raw = base64.b64decode(s, validate=True)
     except (binascii.Error, ValueError):  # ValueError: a non-ASCII str
@@ -121,11 +131,32 @@ def check_bytes_tag(v: dict, key: str) -> dict[str, str]:
 def user_value(v: Any) -> Any:
     """What a value of a parsed manifest (or a plan) is to the user: the bytes a
     {"$bytes"} tag stands for, anything else itself. O(len) for a tag (a base64
-    decode, at most MAX_BYTES_VALUE bytes), O(1) otherwise. A tag that
+    decode, at most MAX_BYTES_TAG bytes), O(1) otherwise. A tag that
     :func:`check_bytes_tag` did not pass may raise binascii.Error."""
     if isinstance(v, dict) and BYTES_TAG in v:
         return base64.b64decode(v[BYTES_TAG], validate=True)
     return v
+
+
+def check_bytes_entry(key: str, flag: Any, dtype: Any, shape: list) -> bool:
+    """Validate the ``"bytes"`` field of a manifest's tensor entry (untrusted): absent
+    (``flag`` None: an ordinary tensor) or ``true``, and then the entry must be what a
+    save writes for a bytes value: dtype U8, one dim, at most :data:`MAX_BYTES_VALUE`
+    elements, so a reader never allocates more than that for it. Returns whether the
+    entry is a bytes value. O(1). Raises ManifestError naming ``key``."""
+    if flag is None:
+        return False
+    if flag is not True:
+        raise ManifestError(f"tensor {key!r}: \"bytes\" must be true when present, got "
+                            f"{short(flag)}")
+    if dtype != BYTES_DTYPE or not isinstance(shape, list) or len(shape) != 1:
+        raise ManifestError(f"tensor {key!r}: a bytes value is stored as a 1-D U8 entry, "
+                            f"got dtype {short(dtype)} shape {short(shape)}")
+    n = shape[0]
+    if type(n) is not int or not 0 <= n <= MAX_BYTES_VALUE:
+        raise ManifestError(f"tensor {key!r}: a bytes value of {short(n)} bytes is over the "
+                            f"{MAX_BYTES_VALUE}-byte limit for bytes values (or not a size)")
+    return True
 
 
 def bytes_text(raw: bytes, head: int = 8) -> str:

@@ -142,7 +142,7 @@ def _select(m: mf.Manifest, prefix: str, out_dtype: torch.dtype | None,
     dtypes. Pure. Raises CheckpointError when none matches or a name would be empty."""
     outs = []
     for key, e in m.tensors.items():
-        if not key.startswith(prefix):
+        if not key.startswith(prefix) or e.bytes_value:  # a bytes value is no weight
             continue
         name = key[len(prefix):]
         if not name:

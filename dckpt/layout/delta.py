@@ -169,7 +169,8 @@ def attach(m: mf.Manifest, reports: dict[int, list[ChunkReport]], base: mf.Manif
             raise StateMismatchError(f"tensor {key!r}: a chunk's writer reported no file")
         chunks = mf.Chunks(t.chunks.offsets, t.chunks.sizes, fidx, t.chunks.grid)
         tensors[key] = mf.TensorEntry(key, t.dtype, t.shape, chunks,
-                                      tuple(blocks) if blocks is not None else None)
+                                      tuple(blocks) if blocks is not None else None,
+                                      t.bytes_value)
     return mf.Manifest(m.save_id, m.world_size, m.created, tuple(files.own + files.extra),
                        tensors, m.values, m.meta)
 

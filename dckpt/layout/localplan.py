@@ -3,7 +3,8 @@
 Wire format: ``u64 len | keys JSON | u64 len | extra JSON | int64 boxes``. The keys JSON
 lists ``[key, dtype, shape]`` per item; it is byte-identical on every rank of an FSDP job,
 so the coordinator parses it once for all ranks. ``boxes`` holds, per item, its offsets
-then its sizes. ``extra`` carries JSON values and a local error, if any.
+then its sizes. ``extra`` carries JSON values, a local error, if any, and the keys of
+int dict keys and of bytes values stored as items (when there are any).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class LocalPlan:
     values: dict[str, Any] = field(default_factory=dict)
     error: dict[str, str] | None = None  # {"type": ..., "message": ...}
     int_keys: list[str] = field(default_factory=list)  # see dckpt.state.flatten.Flat
+    bytes_keys: list[str] = field(default_factory=list)  # items that are bytes values (Flat)
     keys_json: bytes = b""  # set by decode: the raw key table, used as a cache key
     # not encoded: the flattened tensors a save planned from, for a plan by rule
     # (dckpt.protocol.rulesig builds its signature only when it is offered)
@@ -38,7 +40,8 @@ def encode(plan: LocalPlan) -> bytes:
     keys = json.dumps([[k, d, list(s)] for k, d, s in plan.items],
                       separators=(",", ":")).encode()
     extra = json.dumps({"values": plan.values, "error": plan.error,
-                        **({"int_keys": plan.int_keys} if plan.int_keys else {})},
+                        **({"int_keys": plan.int_keys} if plan.int_keys else {}),
+                        **({"bytes_keys": plan.bytes_keys} if plan.bytes_keys else {})},
                        separators=(",", ":"), allow_nan=True).encode()
     return b"".join((_U64.pack(len(keys)), keys, _U64.pack(len(extra)), extra,
                      np.ascontiguousarray(plan.boxes, dtype="<i8").tobytes()))
@@ -86,7 +89,10 @@ def decode(data: bytes, cache: dict[bytes, list] | None = None) -> LocalPlan:
             if cache is not None:
                 cache[keys_raw] = items
         boxes = np.frombuffer(mv[pos:], dtype="<i8")
+        bkeys = extra.get("bytes_keys") or []
+        if not isinstance(bkeys, list) or not all(isinstance(k, str) for k in bkeys):
+            raise TypeError("bytes_keys is not a list of strings")
         return LocalPlan(items, boxes, extra.get("values") or {}, extra.get("error"),
-                         extra.get("int_keys") or [], keys_raw)
+                         extra.get("int_keys") or [], bkeys, keys_raw)
     except (struct.error, TypeError, AttributeError) as e:
         raise ValueError(f"malformed local plan ({e})") from None

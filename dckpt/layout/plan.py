@@ -51,6 +51,9 @@ class GlobalPlan:
     # encode_writes' bytes, when the plan was built with them (a derived plan has no
     # per-rank mask list: ``writes`` is empty)
     packed_writes: bytes | None = None
+    # tensors that are bytes values (dckpt.state.flatten.Flat.bytes_keys), sorted: the
+    # manifest marks their entries, so a load hands back bytes
+    bytes_keys: list[str] = field(default_factory=list)
 
 
 def _same(a, b) -> bool:
@@ -261,7 +264,32 @@ def plan_global(plans: list[LocalPlan]) -> GlobalPlan:
             o, s, w = o[t.order], s[t.order], w[t.order]
         tensors[name] = PlannedTensor(name, dt, shape, o, s, w, t.grid)
     int_keys = sorted({k for p in plans for k in p.int_keys})
-    return GlobalPlan(tensors, values, writes, bytes_per_rank, conflicts, int_keys)
+    return GlobalPlan(tensors, values, writes, bytes_per_rank, conflicts, int_keys,
+                      bytes_keys=_bytes_keys(plans, tensors))
+
+
+def _bytes_keys(plans: list[LocalPlan], tensors: dict[str, PlannedTensor]) -> list[str]:
+    """The keys that are bytes values, sorted, once every rank that holds one of them
+    holds it as bytes, as a 1-D U8 item. O(items) Python over the ranks, paid only when
+    some rank has a bytes value. Raises StateMismatchError naming the key and rank
+    (one rank's bytes value and another's uint8 tensor under one key: one of them would
+    load back as the other's kind)."""
+    marked = {k for p in plans for k in p.bytes_keys}
+    if not marked:
+        return []
+    for k in marked:
+        t = tensors.get(k)
+        if t is None or t.dtype != "U8" or len(t.shape) != 1:
+            raise StateMismatchError(f"key {k!r} is listed as a bytes value but is not "
+                                     "planned as a 1-D U8 item (a malformed plan)")
+    for r, p in enumerate(plans):
+        mine = set(p.bytes_keys)
+        other = next((k for k, _, _ in p.items if k in marked and k not in mine), None)
+        if other is not None:
+            raise StateMismatchError(
+                f"key {other!r} is a bytes value on one rank and a uint8 tensor on rank "
+                f"{r}: give them different keys")
+    return sorted(marked)
 
 
 def encode_writes(plan: GlobalPlan) -> bytes:
@@ -319,6 +347,7 @@ def _entries(gp: GlobalPlan, index: np.ndarray, missing_ok: bool) -> dict:
     global _LAST_ENTRIES
     tensors = {}
     memo: dict = {}  # a derived plan shares writer arrays between tensors: and file arrays
+    blobs = set(gp.bytes_keys)
     for k, t in gp.tensors.items():
         fidx = memo.get(id(t.writer))
         if fidx is None:
@@ -326,7 +355,8 @@ def _entries(gp: GlobalPlan, index: np.ndarray, missing_ok: bool) -> dict:
         if (fidx < 0).any() and not missing_ok:
             raise StateMismatchError(f"tensor {k!r}: rank {int(t.writer[fidx < 0][0])} was to "
                                      "write a chunk but reported no file")
-        tensors[k] = mf.TensorEntry(k, t.dtype, t.shape, mf.Chunks(t.offsets, t.sizes, fidx, t.grid))
+        tensors[k] = mf.TensorEntry(k, t.dtype, t.shape, mf.Chunks(t.offsets, t.sizes, fidx, t.grid),
+                                    bytes_value=k in blobs)
     if not missing_ok:
         _LAST_ENTRIES = (gp.tensors, index.tobytes(), tensors)
     return tensors

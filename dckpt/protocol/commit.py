@@ -211,13 +211,14 @@ def local_plan(state_dict: Any, path: str, storage_options: dict | None,
         storage, root = make_storage(path, storage_options)
         if check is not None:
             check()
-        flat = flatten(state_dict)
+        flat = flatten(state_dict, blobs=True)  # large bytes values: data-file entries
         # one piece per box: a strided DTensor's local tensor is several
         pieces = [p for k, t in flat.tensors.items() for p in describe_all(k, t)]
         boxes = np.fromiter((x for p in pieces for x in (*p.box.offsets, *p.box.sizes)),
                             np.int64)
         local = localplan.LocalPlan([(p.key, p.dtype, p.shape) for p in pieces], boxes,
-                                    flat.values, int_keys=flat.int_keys, tensors=flat.tensors)
+                                    flat.values, int_keys=flat.int_keys,
+                                    bytes_keys=flat.bytes_keys, tensors=flat.tensors)
         _faults.fault("plan", rank)
         blob = localplan.encode(local)
     except Exception as e:

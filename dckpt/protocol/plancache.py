@@ -59,6 +59,8 @@ def fingerprints(plan: localplan.LocalPlan, blob: bytes) -> tuple[bytes, bytes]:
     h.update(table)
     h.update(boxes)
     h.update(json.dumps(plan.int_keys).encode())
+    if plan.bytes_keys:  # a uint8 tensor and a bytes value of one shape plan alike
+        h.update(json.dumps(plan.bytes_keys).encode())
     return h.digest(), values_hash(plan.values)
 
 
@@ -147,7 +149,8 @@ class RankCache:
         if self.structure is not None and self.structure == fp[0] and len(self.plan_id) == PLAN_ID:
             return encode_offer(True, fp, b"", plan.values if rank == 0 else None,
                                 self.plan_id), full
-        got = rule() if RULES and rule is not None else None
+        # a signature does not say which items are bytes values: those plans are gathered
+        got = rule() if RULES and rule is not None and not plan.bytes_keys else None
         if got is not None:
             return encode_rule(fp, got, plan.values if rank == 0 else None), full
         return full, full

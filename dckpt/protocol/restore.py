@@ -22,7 +22,7 @@ from ..errors import (CheckpointError, preview, IntegrityError, ManifestError, N
 from ..format import manifest as mf
 from ..format.dtypes import to_torch
 from ..format.sealed import user_value
-from ..state.flatten import fill, flatten, grow
+from ..state.flatten import fill, flatten, grow, tensor_bytes
 from ..state.tensors import describe_all
 from ..storage.fsspec_storage import make_storage
 from ..engine.reader import DEFAULT_READ_BUDGET, ChunkReader, plan_reads
@@ -165,11 +165,13 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
         nbytes = reader.fill_all(same, workers=read_workers, budget=read_budget, what=what)
         nbytes += _fill_cast([(p, e) for p, e in pieces if p.dtype != e.dtype], reader,
                              read_workers, read_budget, what)
-        values = manifest.values
+        values, blobs = manifest.values, matched.blobs
 
         def value(k: str, old: Any) -> Any:
             # whatever the target held there (bytes, str...), as JSON leaves always were;
-            # a {"$bytes"} tag becomes the user's bytes here, once per leaf
+            # a {"$bytes"} tag, or a bytes entry read above, becomes the user's bytes here
+            if k in blobs:
+                return tensor_bytes(blobs.pop(k))  # one copy; the buffer goes at once
             ck = names.get(k, k)
             return user_value(values[ck]) if ck in values else old
 
@@ -192,14 +194,17 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
 class Matched:
     """What a load reads: the flattened target, ``pieces`` ([(piece, manifest entry)],
     each piece named by its checkpoint key), ``unexpected`` (checkpoint keys no target
-    key reads), ``missing`` (target keys the checkpoint lacks, allow_missing=True) and
-    ``names`` ({target key: checkpoint key}, tensors and values)."""
+    key reads), ``missing`` (target keys the checkpoint lacks, allow_missing=True),
+    ``names`` ({target key: checkpoint key}, tensors and values) and ``blobs`` ({target
+    key: the uint8 buffer a bytes value stored in a data file is read into}: among the
+    pieces; the load hands the target ``bytes`` of it)."""
 
     flat: Any
     pieces: list
     unexpected: list[str]
     missing: list[str]
     names: dict[str, str]
+    blobs: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 def match_target(state_dict: dict, manifest: mf.Manifest,
@@ -219,9 +224,10 @@ def match_target(state_dict: dict, manifest: mf.Manifest,
              rename=fn)
     flat = flatten(state_dict, target=True)  # a target's bytes leaves: not encoded
     names = map_keys((*flat.tensors, *flat.values), fn)
+    blobs: dict[str, torch.Tensor] = {}
     pieces, unexpected, missing = _match(manifest, flat.tensors, flat.values, cast, names,
-                                         allow_missing)
-    return Matched(flat, pieces, unexpected, missing, names)
+                                         allow_missing, blobs)
+    return Matched(flat, pieces, unexpected, missing, names, blobs)
 
 
 def needed_chunks(state_dict: dict, manifest: mf.Manifest,
@@ -281,18 +287,21 @@ def _shown(key: str, ck: str) -> str:
 
 
 def _match(m: mf.Manifest, tensors: dict, values: dict, cast: bool, names: dict[str, str],
-           allow_missing: bool = False):
+           allow_missing: bool = False, blobs: dict | None = None):
     """Pair every target tensor with the manifest entry of its checkpoint key
     (``names``); list problems all at once. With ``cast``, a floating dtype may differ
-    from the saved floating dtype. Returns (pieces, unexpected, missing); ``missing`` is
-    empty unless ``allow_missing`` (else missing keys raise)."""
+    from the saved floating dtype. A target value whose checkpoint key is a bytes entry
+    (stored in a data file) gets a uint8 buffer of its saved length in ``blobs`` and a
+    piece that reads it whole (allocated here: at most sealed.MAX_BYTES_VALUE, which
+    the manifest's parse checked). Returns (pieces, unexpected, missing); ``missing``
+    is empty unless ``allow_missing`` (else missing keys raise)."""
     missing, wrong = [], []
     pieces = []
     for key, t in tensors.items():
         ck = names[key]
         entry = m.tensors.get(ck)
-        if entry is None:
-            (wrong if ck in m.values else missing).append(key)
+        if entry is None or entry.bytes_value:  # a bytes value is a value, not a tensor
+            (wrong if ck in m.values or entry is not None else missing).append(key)
             continue
         several = describe_all(ck, t)  # a strided DTensor's local tensor: several boxes
         piece = several[0]
@@ -312,7 +321,11 @@ def _match(m: mf.Manifest, tensors: dict, values: dict, cast: bool, names: dict[
         pieces += [(p, entry) for p in several]
     for key in values:
         ck = names[key]
-        if ck not in m.values:
+        entry = m.tensors.get(ck)
+        if entry is not None and entry.bytes_value and blobs is not None:
+            blobs[key] = buf = torch.empty(entry.shape, dtype=torch.uint8)
+            pieces += [(p, entry) for p in describe_all(ck, buf)]
+        elif ck not in m.values:
             (wrong if ck in m.tensors else missing).append(key)
     if wrong:
         raise StateMismatchError(f"key(s) {preview(wrong, 8)} are tensors on one side and plain "

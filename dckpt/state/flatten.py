@@ -4,7 +4,8 @@ Containers: dict (str or int keys: a plain ``optimizer.state_dict()`` has int ke
 list, tuple. Leaves: torch.Tensor, DTensor, ShardedTensor (FSDP1), JSON scalars
 (None, bool, int, float, str) and ``bytes`` (an opaque blob a framework serialised
 itself, such as torchtitan's dataloader state: stored as is, never unpickled; carried
-as its {"$bytes": base64} tag, at most 1 MiB: see dckpt.format.sealed). A *Stateful*
+as its {"$bytes": base64} tag, or, for a save, one over 64 KiB as a uint8 tensor listed
+in ``Flat.bytes_keys``: see dckpt.format.sealed). A *Stateful*
 object (one with ``state_dict()`` and ``load_state_dict()``: an LR scheduler, a sampler,
 a :class:`dckpt.TrainingState`) is stored as its ``state_dict()`` under its key and
 restored through ``load_state_dict``. Modules and optimizers are refused: their
@@ -23,7 +24,7 @@ from typing import Any, Callable, Container
 import torch
 
 from ..errors import StateMismatchError, UnsupportedValueError
-from ..format.sealed import MAX_BYTES_VALUE, tag_bytes
+from ..format.sealed import INLINE_BYTES, MAX_BYTES_TAG, MAX_BYTES_VALUE, tag_bytes
 
 JSON_TYPES = (type(None), bool, int, float, str)
 # Python's json refuses to write or read ints over 4300 decimal digits (int/str conversion
@@ -89,9 +90,11 @@ def is_bare_native(obj: Any) -> bool:
 @dataclass
 class Flat:
     """A flattened state: tensors and JSON values by key (a bytes value as its
-    {"$bytes": base64} tag, except in a load's target), in traversal order, and the
-    Stateful objects met on the way with the state_dict each gave (``load`` fills that
-    very dict, then hands it to the object's ``load_state_dict``)."""
+    {"$bytes": base64} tag, except in a load's target; with ``flatten(blobs=True)`` one
+    over INLINE_BYTES as a uint8 tensor among ``tensors``, its key in ``bytes_keys``),
+    in traversal order, and the Stateful objects met on the way with the state_dict each
+    gave (``load`` fills that very dict, then hands it to the object's
+    ``load_state_dict``)."""
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     values: dict[str, Any] = field(default_factory=dict)
@@ -99,30 +102,50 @@ class Flat:
     # joined keys whose last part was an int dict key ("optim.state.0"): saved in the
     # manifest so a load can rebuild an empty dict (a fresh optimizer's state) with ints
     int_keys: list[str] = field(default_factory=list)
+    # keys of ``tensors`` that are bytes values (flatten(blobs=True)): saved as 1-D U8
+    # entries marked as bytes in the manifest, so a load hands back bytes
+    bytes_keys: list[str] = field(default_factory=list)
 
 
-def _bytes_leaf(key: str, raw: bytes) -> dict[str, str]:
-    """The {"$bytes": base64} tag a bytes value is saved as. O(len(raw)). Raises
-    UnsupportedValueError naming the key over MAX_BYTES_VALUE."""
-    if len(raw) > MAX_BYTES_VALUE:
+def _check_size(key: str, raw: bytes, limit: int) -> bytes:
+    """``raw``, or UnsupportedValueError naming the key and size when it is over
+    ``limit``. O(1)."""
+    if len(raw) > limit:
         raise UnsupportedValueError(
-            f"the bytes value at key {key!r} is {len(raw)} bytes, over the "
-            f"{MAX_BYTES_VALUE}-byte (1 MiB) limit for bytes values (they live in the "
-            "manifest, which every rank reads whole at load): store it as a uint8 tensor, "
-            "torch.frombuffer(bytearray(b), dtype=torch.uint8), and rebuild it with "
-            "bytes(t.numpy())")
-    return tag_bytes(raw)
+            f"the bytes value at key {key!r} is {len(raw)} bytes, over the {limit}-byte "
+            "limit for bytes values" + (" kept in a manifest (dckpt.save stores larger ones "
+                                        "in its data files)" if limit == MAX_BYTES_TAG else
+                                        " (a load allocates it whole): split it, or store "
+                                        "it as a tensor"))
+    return raw
 
 
-def flatten(state: Any, *, target: bool = False) -> Flat:
+def bytes_tensor(raw: bytes) -> torch.Tensor:
+    """``raw`` as a 1-D uint8 tensor. One copy, O(len(raw)): torch warns on a tensor
+    over immutable memory, and silencing that (warnings.catch_warnings) is not
+    thread-safe; a save's bytes values are a framework's fresh pickles of a few MB."""
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else \
+        torch.empty(0, dtype=torch.uint8)
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """A 1-D uint8 CPU tensor's contents as ``bytes`` (a bytes value read from a data
+    file). One copy, O(len)."""
+    return t.numpy().tobytes()
+
+
+def flatten(state: Any, *, target: bool = False, blobs: bool = False) -> Flat:
     """Flatten ``state``. Calls ``state_dict()`` of every Stateful object once; otherwise
-    a pure Python walk, O(leaves) plus the length of non-ASCII strings and of bytes
+    a pure Python walk, O(leaves) plus the length of non-ASCII strings and of small bytes
     values (base64-encoded into their {"$bytes"} tag). ``target``: ``state`` is a
     load's target, whose leaves only name what to read: a bytes leaf stays as it is (any
-    length, not encoded). Raises UnsupportedValueError before any I/O: for an
-    unsupported type (bytearray and memoryview included), a key or str that is not valid
-    UTF-8 (a lone surrogate), an int too long for JSON, a bytes value over
-    MAX_BYTES_VALUE, colliding keys."""
+    length, not encoded). ``blobs`` (a save): a bytes value over INLINE_BYTES becomes a
+    1-D uint8 tensor (a copy: :func:`bytes_tensor`), its key listed in ``bytes_keys``;
+    without it, every bytes value is a tag (what imports, which write no data file for
+    values, keep). Raises UnsupportedValueError before any I/O: for an unsupported type
+    (bytearray and memoryview included), a key or str that is not valid UTF-8 (a lone
+    surrogate), an int too long for JSON, a bytes value over MAX_BYTES_VALUE (over
+    MAX_BYTES_TAG without ``blobs``), colliding keys."""
     flat = Flat()
     tensors, values = flat.tensors, flat.values
 
@@ -165,7 +188,13 @@ def flatten(state: Any, *, target: bool = False) -> Flat:
                     "decimal digits): JSON cannot carry it; store it as a str or a tensor")
             leaf(key, obj, values)  # NaN/inf: tagged objects in the manifest (format/sealed.py)
         elif type(obj) is bytes:  # exactly: a subclass would come back as plain bytes
-            leaf(key, obj if target else _bytes_leaf(key, obj), values)
+            if target:
+                leaf(key, obj, values)
+            elif blobs and len(obj) > INLINE_BYTES:  # a data-file entry, not the manifest
+                leaf(key, bytes_tensor(_check_size(key, obj, MAX_BYTES_VALUE)), tensors)
+                flat.bytes_keys.append(key)
+            else:
+                leaf(key, tag_bytes(_check_size(key, obj, MAX_BYTES_TAG)), values)
         elif isinstance(obj, (bytearray, memoryview)):
             # A load hands back bytes (the manifest keeps no Python type), and a mutable
             # buffer cannot be refilled in place at another length: say so at save.
@@ -249,13 +278,13 @@ def grow(state: Any, tensors: dict, values: dict, int_keys: Any,
     entries. Under such a dict every saved key comes back: int keys where the saved
     dict had them, nested dicts with str keys elsewhere (a str key that itself contains
     "." cannot be told apart there), tensors as empty CPU tensors of the saved dtype and
-    global shape, values as None (the load then fills both). ``tensors``/``values`` are
-    the manifest's; ``int_keys`` its ``meta["int_keys"]``. ``rename`` (a renamed load's
-    target -> checkpoint key function): an empty dict at key k is grown from the
-    checkpoint's entries under ``rename(k + ".")`` (a trailing "." so that prefix
-    tables ending in "." match the container too). Only entries the checkpoint holds
-    are made. Allocates; no I/O. Raises ManifestError when ``int_keys`` is not a list
-    of strings."""
+    global shape, values (bytes entries included) as None (the load then fills
+    both). ``tensors``/``values`` are the manifest's; ``int_keys`` its
+    ``meta["int_keys"]``. ``rename`` (a renamed load's target -> checkpoint key
+    function): an empty dict at key k is grown from the checkpoint's entries under
+    ``rename(k + ".")`` (a trailing "." so that prefix tables ending in "." match the
+    container too). Only entries the checkpoint holds are made. Allocates; no I/O.
+    Raises ManifestError when ``int_keys`` is not a list of strings."""
     from ..errors import ManifestError
     from ..format.dtypes import to_torch
 
@@ -288,9 +317,9 @@ def grow(state: Any, tensors: dict, values: dict, int_keys: Any,
                     k = int(part)
                 if i == len(parts) - 1:
                     if k not in node:
-                        t = tensors.get(key)
+                        t = tensors.get(key)  # a bytes entry is a value: None, as values
                         node[k] = (torch.empty(t.shape, dtype=to_torch(t.dtype))
-                                   if t is not None else None)
+                                   if t is not None and not t.bytes_value else None)
                 elif isinstance(node.setdefault(k, {}), dict):
                     node = node[k]
                 else:

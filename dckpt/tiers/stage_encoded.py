@@ -181,7 +181,8 @@ def plan_of(m: mf.Manifest) -> gplan.GlobalPlan:
                                       rank_of[t.chunks.file], t.chunks.grid)
                for k, t in m.tensors.items()}
     return gplan.GlobalPlan(tensors, dict(m.values), [], np.zeros(m.world_size, np.int64),
-                            int_keys=list(m.meta.get("int_keys") or []))
+                            int_keys=list(m.meta.get("int_keys") or []),
+                            bytes_keys=[k for k, t in m.tensors.items() if t.bytes_value])
 
 
 def stage(commit: LocalCommit, local_storage, path: str, comm: Comm,

@@ -257,7 +257,7 @@ def _compare(ck_a: "Checkpoint", ck_b: "Checkpoint", atol: float, rtol: float,
                                   f"{ck_a.path} or {ck_b.path}")
     in_a, in_b = set(ka), set(kb)
     order = ka + [k for k in kb if k not in in_a]
-    infos = {k: (ck_a.info(k) if k in in_a else None, ck_b.info(k) if k in in_b else None)
+    infos = {k: (_info(ck_a, k) if k in in_a else None, _info(ck_b, k) if k in in_b else None)
              for k in order}
     # Progress counts the bytes read on both sides, for the tensors whose values compare.
     total = sum(ia.nbytes + ib.nbytes for ia, ib in infos.values()
@@ -269,6 +269,31 @@ def _compare(ck_a: "Checkpoint", ck_b: "Checkpoint", atol: float, rtol: float,
     return out
 
 
+@dataclass(frozen=True)
+class _Stored:
+    """A bytes value stored in a data file (over 64 KiB): read when its key is compared,
+    one pair at a time, not when every key's info is listed (a job's per-rank dataloader
+    blobs would all be held at once)."""
+
+    ck: Any
+    key: str
+
+
+def _info(ck: "Checkpoint", key: str):
+    """``ck.info(key)``, without reading a bytes value stored in a data file. No I/O."""
+    e = ck.manifest.tensors.get(key)
+    if e is not None and e.bytes_value:
+        from .open import ValueInfo
+
+        return ValueInfo(key, _Stored(ck, key))
+    return ck.info(key)
+
+
+def _value(v: Any) -> Any:
+    """A value to compare or show: a stored bytes value read (blocking I/O, verified)."""
+    return v.ck[v.key] if isinstance(v, _Stored) else v
+
+
 def _comparable(ia, ib) -> bool:
     return (ia is not None and ib is not None and ia.kind == ib.kind == "tensor"
             and ia.shape == ib.shape and ia.dtype == ib.dtype)
@@ -276,7 +301,7 @@ def _comparable(ia, ib) -> bool:
 
 def _what(info) -> str:
     if info.kind == "value":
-        return f"value {_short(info.value)}"
+        return f"value {_short(_value(info.value))}"
     return f"tensor {str(info.dtype).replace('torch.', '')} {list(info.shape)}"
 
 
@@ -289,9 +314,10 @@ def _one(ck_a, ck_b, key: str, ia, ib, atol: float, rtol: float, slab: int,
     if ia.kind != ib.kind:  # a tensor on one side, a JSON value on the other
         return KeyDiff(key, "dtype", detail=f"{_what(ia)} -> {_what(ib)}")
     if ia.kind == "value":
-        if values_equal(ia.value, ib.value):
+        va, vb = _value(ia.value), _value(ib.value)
+        if values_equal(va, vb):
             return KeyDiff(key, "equal")
-        return KeyDiff(key, "changed", detail=f"{_short(ia.value)} -> {_short(ib.value)}")
+        return KeyDiff(key, "changed", detail=f"{_short(va)} -> {_short(vb)}")
     numel = math.prod(ia.shape)
     if ia.shape != ib.shape:
         return KeyDiff(key, "shape", numel=numel, detail=f"{list(ia.shape)} -> {list(ib.shape)}")

@@ -28,6 +28,7 @@ from ..format.sealed import user_value
 from ..layout.chunks import Box
 from ..protocol.manifest_read import read_manifest
 from ..engine.reader import DEFAULT_READ_BUDGET, ChunkReader
+from ..state.flatten import tensor_bytes
 from ..state.tensors import LocalPiece
 from ..storage.fsspec_storage import make_storage
 from .slices import SliceError, TensorSlice
@@ -69,7 +70,8 @@ class TensorInfo:
 class ValueInfo:
     """A JSON value of the checkpoint (None, bool, int, float, str or bytes): ``value``
     is the value itself (the manifest holds it; a bytes value decoded from its base64
-    tag), ``kind`` is ``"value"``."""
+    tag, or read from its data file when it was too large for the manifest), ``kind``
+    is ``"value"``."""
 
     key: str
     value: Any
@@ -225,9 +227,13 @@ class Checkpoint:
     def info(self, key: str) -> TensorInfo | ValueInfo:
         """What the manifest says of ``key``: a :class:`TensorInfo` for a tensor, a
         :class:`ValueInfo` for a JSON value. No I/O (a bytes value is decoded from the
-        manifest: O(its size)). Raises MissingKeyError."""
+        manifest: O(its size)), except for a bytes value stored in a data file (over
+        64 KiB), which is read and verified as ``ck[key]`` reads it. Raises
+        MissingKeyError; IntegrityError as ``ck[key]``."""
         self._check_open()
         e = self._m.tensors.get(key)
+        if e is not None and e.bytes_value:
+            return ValueInfo(key, self[key])
         if e is not None:
             return TensorInfo(key, to_torch(e.dtype), tuple(e.shape), e.nbytes, len(e.chunks),
                               describe_sharding(e))
@@ -238,17 +244,21 @@ class Checkpoint:
     # ------------------------------------------------------------------ reading
     def __getitem__(self, key: str) -> Any:
         """The whole tensor at ``key``, assembled from its chunks into a new CPU tensor
-        of its global shape and verified; or the JSON value. Blocking I/O: every chunk
-        of that tensor once (plus one verified header per file it spans). Memory: the
-        tensor plus at most ``read_budget`` bytes of temporaries. Raises
-        MissingKeyError; IntegrityError naming the key and file when a chunk of this
-        tensor is damaged, truncated or missing (other keys still read)."""
+        of its global shape and verified; or the JSON value (a bytes value stored in a
+        data file read and verified the same way, handed back as ``bytes``). Blocking
+        I/O: every chunk of that tensor once (plus one verified header per file it
+        spans). Memory: the tensor plus at most ``read_budget`` bytes of temporaries
+        (a bytes value: twice its size, briefly). Raises MissingKeyError;
+        IntegrityError naming the key and file when a chunk of this tensor is damaged,
+        truncated or missing (other keys still read)."""
         self._check_open()
         e = self._m.tensors.get(key)
         if e is None:
             if key in self._m.values:  # bytes: decoded, O(its size)
                 return user_value(self._m.values[key])
             raise self._missing(key)
+        if e.bytes_value:
+            return tensor_bytes(self._read_box(key, (0,), tuple(e.shape), e))
         return self._read_box(key, (0,) * len(e.shape), tuple(e.shape))
 
     def get_tensor(self, key: str) -> torch.Tensor:
@@ -315,11 +325,12 @@ class Checkpoint:
         return [k for k in ints if isinstance(k, str)] if isinstance(ints, list) else []
 
     def _tensor(self, key: str) -> mf.TensorEntry:
-        """The manifest entry of tensor ``key``. Raises MissingKeyError."""
+        """The manifest entry of tensor ``key``. Raises MissingKeyError (also for a
+        bytes value stored as an entry: it is a value, read with ``ck[key]``)."""
         self._check_open()
         e = self._m.tensors.get(key)
-        if e is None:
-            raise self._missing(key, value=key in self._m.values)
+        if e is None or e.bytes_value:
+            raise self._missing(key, value=e is not None or key in self._m.values)
         return e
 
     def _missing(self, key: str, value: bool = False, subtree: bool = False) -> MissingKeyError:
@@ -344,12 +355,13 @@ class Checkpoint:
             msg += " (it holds no keys)"
         return MissingKeyError(msg)
 
-    def _read_box(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]
-                  ) -> torch.Tensor:
-        """The box ``offsets``/``sizes`` of tensor ``key``, read and verified into a new
-        tensor of shape ``sizes``. Blocking I/O of the overlapping checksum blocks only.
-        Raises IntegrityError prefixed with the checkpoint and key."""
-        e = self._tensor(key)
+    def _read_box(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...],
+                  e: mf.TensorEntry | None = None) -> torch.Tensor:
+        """The box ``offsets``/``sizes`` of tensor ``key`` (its entry ``e``, or the
+        tensor entry of that key), read and verified into a new tensor of shape
+        ``sizes``. Blocking I/O of the overlapping checksum blocks only. Raises
+        IntegrityError prefixed with the checkpoint and key."""
+        e = e if e is not None else self._tensor(key)
         out = torch.empty(sizes, dtype=to_torch(e.dtype))
         if out.numel() == 0:
             return out

@@ -362,7 +362,7 @@ def test_manifest_format_and_version():
     _bad(_mut(lambda d: d.update(format="other")), "not a dckpt manifest")
     # version 2 is checksummed: a document claiming it without the checksum is refused
     _bad(_mut(lambda d: d.update(version=2)), "checksum mismatch")
-    _bad(_mut(lambda d: d.update(version=5)), "version 5", "upgrade")
+    _bad(_mut(lambda d: d.update(version=6)), "version 6", "upgrade")
     _bad(_mut(lambda d: d.pop("version")), "version None")
     _bad(_mut(lambda d: d.update(version="1")), "version '1'")
     _bad(_mut(lambda d: d.update(version=True)), "version True")

@@ -146,7 +146,7 @@ def test_v1_still_loads_and_is_rewritten_as_v2():
 
 def test_unknown_versions_are_refused():
     doc = v2_doc()
-    bad(seal(dict(doc, version=5)), "version 5", "upgrade")
+    bad(seal(dict(doc, version=6)), "version 6", "upgrade")
     bad(seal(dict(doc, version="2")), "version '2'")
     bad(seal(dict(doc, version=2.0)), "version 2.0")
     bad(seal(dict(doc, version=True)), "version True")

@@ -2,12 +2,15 @@
 ranks. Shaped like torchtitan's ParallelAwareDataloader: ``{"dp_rank_<r>": bytes,
 "world_size": N}``, each rank a key no other rank has with an opaque (pickled) bytes
 value. Saved with dckpt.save and with dckpt.CheckpointManager, loaded back at 2 ranks
-(each rank gets its own bytes) and at 1 rank (rank 0 gets dp_rank_0's)."""
+(each rank gets its own bytes) and at 1 rank (rank 0 gets dp_rank_0's). Values of
+megabytes (a long document's token buffer) live in each rank's own data file: loaded
+back at 2, 1 and 3 ranks, each rank reading only the keys it asks for."""
 from __future__ import annotations
 
 import os
 import pickle
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -18,13 +21,15 @@ class Loader:
     """A Stateful shaped like torchtitan's ParallelAwareDataloader: its state is one
     pickled blob under a key of its own rank, and the world size."""
 
-    def __init__(self, pos: int, rank: int | None = None, world: int | None = None) -> None:
-        self.pos = pos
+    def __init__(self, pos: int, rank: int | None = None, world: int | None = None,
+                 pad: int = 1000) -> None:
+        self.pos, self.pad = pos, pad
         self.rank = dist.get_rank() if rank is None else rank
         self.world = dist.get_world_size() if world is None else world
 
     def state_dict(self) -> dict:
-        blob = pickle.dumps({"pos": self.pos, "rank": self.rank, "pad": b"\x00" * 1000})
+        pad = bytes([self.rank]) * self.pad
+        blob = pickle.dumps({"pos": self.pos, "rank": self.rank, "pad": pad})
         return {f"dp_rank_{self.rank}": blob, "world_size": self.world}
 
     def load_state_dict(self, sd: dict) -> None:
@@ -104,3 +109,66 @@ def test_checkpoint_manager_gives_each_rank_its_own_bytes(ranks, tmp_path):
     assert mgr.restore({"dataloader": back, "x": torch.zeros(2)}, strict=False) == 2
     mgr.close()
     assert back.pos == 20 and back.world == 2
+
+
+BIG = 1_600_000  # a pickled token buffer's size: over 1 MiB, the old manifest bound
+
+
+def _save_big(path: str) -> tuple[int, int]:
+    """Each rank saves its own 1.6 MB dataloader blob, then loads it back (2 ranks)."""
+    import dckpt
+
+    r = dist.get_rank()
+    dckpt.save({"dataloader": Loader(100 + r, pad=BIG), "step": 7, "w": torch.ones(4)}, path)
+    back = Loader(-1)
+    state = {"dataloader": back, "step": 0, "w": torch.zeros(4)}
+    dckpt.load(state, path)
+    assert state["step"] == 7 and torch.equal(state["w"], torch.ones(4))
+    return back.pos, back.world
+
+
+def _load_as(path: str, src: int) -> int:
+    """A load at another world size: this rank asks for the key of saved rank ``src``."""
+    import dckpt
+
+    back = Loader(-1, rank=src, world=0)  # world: set from the checkpoint
+    dckpt.load({"dataloader": back}, path, strict=False)
+    assert back.world == 2  # the saved world size, a plain value
+    return back.pos
+
+
+def test_megabyte_bytes_values_per_rank_reload_at_2_1_and_3_ranks(ranks, tmp_path):
+    import shutil
+
+    import dckpt
+    from dckpt.format import manifest as mf
+
+    path = str(tmp_path / "ck")
+    assert ranks(2).run(_save_big, path, timeout=DEADLINE) == [(100, 2), (101, 2)]
+    with open(os.path.join(path, "manifest.json"), "rb") as f:
+        raw = f.read()
+    assert len(raw) < 8192  # neither blob is in the manifest every rank reads
+    m = mf.parse(raw)
+    for r in range(2):  # each in the data file of the rank that saved it
+        e = m.tensors[f"dataloader.dp_rank_{r}"]
+        assert e.bytes_value and e.shape[0] > BIG and m.files[int(e.chunks.file[0])].rank == r
+    # 1 rank, in this process: rank 0 asks for either rank's key, the other is not read
+    for src in (0, 1):
+        assert _load_as(path, src) == 100 + src
+    damaged = str(tmp_path / "damaged")
+    shutil.copytree(path, damaged)
+    name = m.files[int(m.tensors["dataloader.dp_rank_1"].chunks.file[0])].name
+    with open(os.path.join(damaged, name), "r+b") as f:  # a flipped bit in rank 1's blob
+        f.seek(-100, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-100, os.SEEK_END)
+        f.write(bytes([b[0] ^ 1]))
+    assert _load_as(damaged, 0) == 100  # dp_rank_1 is never read
+    with pytest.raises(dckpt.IntegrityError, match="dp_rank_1"):
+        _load_as(damaged, 1)
+    # 3 ranks: rank 2 asks for rank 0's key (ranks mod the saved world size)
+    assert ranks(3).run(_load_as_mod, path, timeout=DEADLINE) == [100, 101, 100]
+
+
+def _load_as_mod(path: str) -> int:
+    return _load_as(path, dist.get_rank() % 2)
