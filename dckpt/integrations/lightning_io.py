@@ -30,7 +30,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import os
-import re
 import threading
 import uuid
 from dataclasses import dataclass
@@ -47,10 +46,9 @@ from ..tiers.chooser import fallback_worthy
 from ..view.open import MissingKeyError
 from . import lightning_meta
 from .lightning_state import BadStateError, ModelState, OptimizerState  # noqa: F401
-from .lightning_place import (PARTIAL, checkpoints_in, durable_name,  # noqa: F401
-                              durable_stamp, is_url, join, kind, link_target,
-                              local_path, place, place_agreed, remove_whole, stamp,
-                              sweep)
+from .lightning_place import (PARTIAL, durable_name, durable_stamp,  # noqa: F401
+                              is_url, join, kind, local_path, place, place_agreed,
+                              remove_whole, stamp, sweep)
 from .lightning_tier import PARENT_KEY, LocalTier
 
 log = logging.getLogger(__name__)
@@ -58,8 +56,6 @@ META_KEY = "__lightning__"
 # After the training failed on this rank: how long its teardown waits for the save in
 # flight (which the other ranks may be unable to finish) before giving up on it.
 ABANDON_WAIT_S = float(os.environ.get("DCKPT_ABANDON_WAIT_S", "60"))
-# ModelCheckpoint's "last" names: last.ckpt, last-v1.ckpt (its version counter)
-LAST_NAME = re.compile(r"^last(-v?\d+)?\.ckpt$")
 
 
 class Committer:
@@ -276,75 +272,14 @@ class Committer:
         return Source(found, spath, opts)
 
     def resolve_last(self, candidates: list[str], dirs: list[str]) -> str | None:
-        """The name ``ckpt_path="last"`` resumes: the newest complete checkpoint among
-        ``candidates`` (rank 0's; Lightning's ``last*.ckpt`` names, a link standing
-        for the name it points at) and the ``last`` names the fast tier holds in
-        ``dirs`` (ModelCheckpoint's directories with ``save_last``); when none is
-        complete (a link to a save that never committed, a first save of ``last``
-        killed), the newest complete checkpoint of ``dirs``. None: nothing complete
-        (a fresh start). Newest: by commit time (a stock checkpoint's modification
-        time). Collective (broadcasts, one all-gather per lookup); blocking I/O on rank
-        0 (listings, a manifest per name). Raises on every rank alike."""
+        """The name ``ckpt_path="last"`` resumes (:func:`.lightning_last.resolve_last`).
+        Collective."""
+        from .lightning_last import resolve_last
+
         comm = Comm()
         self._agree(comm)
         self.finish(drain=True)
-
-        def lasts() -> list[str]:
-            names = {durable_name(link_target(c) or c) for c in candidates}
-            for d in dirs:
-                names.add(durable_name(join(d, "last.ckpt")))
-                if self.tier is not None:
-                    names |= {n for n in self.tier.names_in(durable_name(d), 0)
-                              if LAST_NAME.match(n.rsplit("/", 1)[-1])}
-            return sorted(names)
-
-        best = self._newest(comm, on_rank0(comm, lasts, "list the last checkpoints"))
-        if best is None and dirs:
-            def every() -> list[str]:
-                names = set()
-                for d in dirs:
-                    names |= set(checkpoints_in(d, self.storage_options))
-                    if self.tier is not None:
-                        names |= set(self.tier.names_in(durable_name(d), 0))
-                return sorted(names)
-
-            best = self._newest(comm, on_rank0(comm, every, "list the checkpoints"))
-            if best is not None and comm.rank == 0:
-                log.warning("no complete last checkpoint in %s (a link to a save that "
-                            "never committed, or a save of it killed): resuming from the "
-                            "newest complete checkpoint, %s", ", ".join(dirs), best)
-        return best
-
-    def _newest(self, comm: Comm, names: list[str]) -> str | None:
-        """The name of ``names`` (the same on every rank) whose complete copy (the fast
-        tier's when every rank holds it and it is not older than the durable one, else
-        the durable one) committed last; None when none is complete. Collective."""
-        opts = self.storage_options
-
-        def durable() -> list:
-            out = []
-            for n in names:
-                try:
-                    found = kind(n, opts)
-                    out.append(durable_stamp(n, found, opts))
-                except Exception as e:  # a damaged name is not a candidate
-                    log.warning("checkpoint %s cannot be read, not a candidate: %s", n, e)
-                    out.append(None)
-            return out
-
-        stamps = on_rank0(comm, durable, "look up the checkpoints")
-        helds = self.tier.held_many(names, comm) if self.tier else [None] * len(names)
-        best: tuple[float, str] | None = None
-        for name, st, held in zip(names, stamps, helds):
-            if held is not None and held.newer_than(st):
-                t = held.created
-            elif st is not None:
-                t = st[1]
-            else:
-                continue
-            if best is None or t > best[0]:
-                best = (t, name)
-        return None if best is None else best[1]
+        return resolve_last(comm, self.tier, self.storage_options, candidates, dirs)
 
     def load(self, target: dict, path: str, *, strict: bool, modules: list[str],
              weights_only: bool | None = None) -> tuple[Any, dict]:

@@ -55,19 +55,18 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from ..errors import CheckpointError
-from ..format import manifest as mf
 from ..protocol.async_save import SaveHandle, _Unstageable, at_thread_exit
 from ..protocol.collectives import Comm, OwnGroup, agree, on_rank0
-from ..protocol.restore import MAX_MANIFEST
 from ..engine.staging import StagingPool
 from ..storage.fsspec_storage import make_storage
 from ..tiers import local as tlocal
 from ..tiers import stager, stage_encoded
-from .lightning_place import place_agreed, stamp
+from . import lightning_slots as slots
+from .lightning_place import place_agreed
+from .lightning_slots import (PARENT_KEY, SLOT_PREFIX, Held,  # noqa: F401 (re-exported)
+                              job_prefix)
 
 log = logging.getLogger(__name__)
-SLOT_PREFIX = "lightning-"
-PARENT_KEY = "__dckpt_parent__"  # a value of rank 0's local commits (see Held.parent)
 MAX_QUEUED = 2  # durable copies waiting (not running) before a save waits
 
 # the tiers whose saves are drained at exit; weak: a dropped strategy (a sweep of trials
@@ -88,13 +87,6 @@ def _drain_at_exit() -> None:
 at_thread_exit(_drain_at_exit)
 
 
-def job_prefix(final: str) -> str:
-    """``lightning-<12 hex>-``: the slot prefix of the job saving ``final`` (a hash of
-    the directory ``final`` lives in). Pure."""
-    parent = final.rstrip("/").rsplit("/", 1)[0]
-    return f"{SLOT_PREFIX}{hashlib.sha256(parent.encode()).hexdigest()[:12]}-"
-
-
 @dataclass(eq=False)
 class CopyJob:
     """One durable copy: of the local commit of ``final``'s slot, to ``final``."""
@@ -105,31 +97,6 @@ class CopyJob:
     done: threading.Event = field(default_factory=threading.Event)
     started: bool = False
     superseded: bool = False
-
-
-@dataclass(frozen=True)
-class Held:
-    """A local commit every rank holds: the slot, its global save id and time, and
-    ``parent``: the save id the name's durable copy had when this commit was made, as
-    the saving process knew it (None: it did not know)."""
-
-    slot: str
-    save_id: str
-    created: float
-    parent: str | None = None
-
-    def newer_than(self, durable: list | None) -> bool:
-        """Whether this commit is the one to load rather than the durable copy
-        ``durable`` ([save id, commit time] or None). Pure. The durable copy is this
-        commit's own, or the one this commit was saved over (its parent): the local one
-        is as new or newer. The durable copy is another: someone saved the name since
-        (a run on other nodes), so it wins, whatever the two hosts' clocks say. Only a
-        commit whose parent was not known falls back to comparing commit times."""
-        if durable is None or durable[0] == self.save_id:
-            return True
-        if self.parent is not None:
-            return durable[0] == self.parent
-        return self.created > durable[1]
 
 
 class LocalTier:
@@ -182,28 +149,9 @@ class LocalTier:
             self._owned.add(job_prefix(final))
 
     def names_in(self, directory: str, rank: int) -> list[str]:
-        """The durable names of the slots of ``directory`` this rank holds a view of
-        (their views' ``owner``). Local I/O: a listing and a small read per slot; never
-        raises (an unreadable slot is skipped)."""
-        prefix = job_prefix(directory.rstrip("/") + "/x")
-        out = []
-        try:
-            entries = self.storage.listdir(self.root)
-        except OSError:
-            return out
-        for e in entries:
-            if not (e.is_dir and e.name.startswith(prefix)):
-                continue
-            path = self.storage.join(self.root, e.name, tlocal.view_name(rank))
-            try:
-                view = mf.parse(self.storage.read_file(path, MAX_MANIFEST), path)
-            except (OSError, CheckpointError):
-                continue
-            owner = view.meta.get("owner")
-            if isinstance(owner, str) and self.slot(owner) == self.storage.join(
-                    self.root, e.name):
-                out.append(owner)
-        return sorted(out)
+        """The durable names of ``directory`` whose slots this rank holds a view of
+        (:func:`.lightning_slots.names_in`). Local I/O; never raises."""
+        return slots.names_in(self.storage, self.root, self.slot, directory, rank)
 
     def _open(self, comm: Comm) -> None:
         """Collective on first use (and after a new default group): ``root`` on every
@@ -364,69 +312,9 @@ class LocalTier:
         self._copy_exec.submit(run)
 
     def _cleanup(self, rank: int) -> None:
-        """This rank's part of this job's slots beyond ``keep`` (by commit time) whose
-        durable copy is in place, and of its slots without this rank's view, except
-        those being written or queued. Another job's slots (another directory's
-        prefix) are never looked at. No collective; never raises. I/O: a listing, a
-        view per slot, and for a slot beyond ``keep`` its durable name's manifest."""
-        try:
-            with self._lock:
-                protected = set(self._busy) | {self.slot(j.final) for j in self._jobs}
-                owned = tuple(sorted(self._owned))
-            if not owned:
-                return
-            held, partial = [], []
-            for e in self.storage.listdir(self.root):
-                if not (e.is_dir and e.name.startswith(owned)):
-                    continue
-                d = self.storage.join(self.root, e.name)
-                if d in protected:
-                    continue
-                try:
-                    view = mf.parse(self.storage.read_file(
-                        self.storage.join(d, tlocal.view_name(rank)), MAX_MANIFEST), d)
-                    held.append((view.created, d, view))
-                except FileNotFoundError:
-                    partial.append(d)
-                except (OSError, CheckpointError) as err:
-                    log.info("rank %d: fast-tier slot %s is not usable (%s): removed",
-                             rank, d, err)
-                    partial.append(d)
-            keep = self.keep - len({d for d in protected if self.storage.exists(d)})
-            held.sort(key=lambda x: x[0], reverse=True)
-            beyond = [d for _, d, view in held[max(0, keep):] if self._copied(view, d, rank)]
-            for d in partial + beyond:
-                # Decided again under the lock a save marks its slot busy with (before it
-                # makes the directory): a save begun since ``protected`` was read would
-                # otherwise look like a dead partial slot and lose its files mid-write.
-                with self._lock:
-                    if d in self._busy or d in {self.slot(j.final) for j in self._jobs}:
-                        continue
-                    tlocal.drop_step(self.storage, d, rank)
-        except Exception as e:
-            log.warning("rank %d: fast-tier cleanup skipped: %s", rank, e)
-
-    def _copied(self, view: Any, slot: str, rank: int) -> bool:
-        """Whether the durable name of the local commit ``view`` holds that save or one
-        made after it, so the local copy may go. False when the store cannot tell (down,
-        or the name holds nothing): the local copy is then the only one. Blocking I/O:
-        the name's manifest."""
-        owner = view.meta.get("owner")
-        if not isinstance(owner, str):
-            return True  # not a slot this strategy wrote: nothing of a name to keep
-        try:
-            durable = stamp(owner, self.storage_options)
-        except Exception as e:
-            durable, why = None, f"its durable copy cannot be read ({e})"
-        else:
-            why = "it has no durable copy yet"
-        if durable is not None and (durable[0] == view.save_id or durable[1] > view.created):
-            return True
-        if owner not in self._kept:
-            self._kept.add(owner)
-            log.warning("rank %d: the fast-tier copy of %s is kept beyond keep_last_local: "
-                        "%s, so it is the only copy", rank, owner, why)
-        return False
+        """This rank's part of retention (:func:`.lightning_slots.cleanup`). Never
+        raises."""
+        slots.cleanup(self, rank)
 
     # ------------------------------------------------------------------ loading
     def held(self, final: str, comm: Comm) -> Held | None:
@@ -440,7 +328,8 @@ class LocalTier:
         size, its own files at their sizes), or None. Collective: one all-gather of a
         few bytes per name. Reads only this rank's files."""
         self._open(comm)
-        mine = [self._mine(final, comm) for final in finals]
+        mine = [slots.mine(self.storage, self.slot(final), final, comm)
+                for final in finals]
         views = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(mine).encode())]
         out: list[Held | None] = []
         for i, final in enumerate(finals):
@@ -450,25 +339,6 @@ class LocalTier:
             else:
                 out.append(Held(self.slot(final), *got[0]))
         return out
-
-    def _mine(self, final: str, comm: Comm) -> list | None:
-        """[save id, commit time, parent] of this rank's usable view of ``final``'s
-        slot, or None. Local I/O; never raises."""
-        slot = self.slot(final)
-        try:
-            path = self.storage.join(slot, tlocal.view_name(comm.rank))
-            view = mf.parse(self.storage.read_file(path, MAX_MANIFEST), path)
-            sizes = {x.name: x.size for x in self.storage.listdir(slot)}
-            if view.meta.get("owner") == final and view.world_size == comm.size and all(
-                    sizes.get(f.name) == f.size for f in view.files if f.rank == comm.rank):
-                parent = view.values.get(PARENT_KEY)
-                return [view.save_id, float(view.created),
-                        parent if isinstance(parent, str) else None]
-        except FileNotFoundError:
-            pass
-        except (OSError, CheckpointError) as e:
-            log.info("rank %d: local copy of %s not usable: %s", comm.rank, final, e)
-        return None
 
     # ------------------------------------------------------------------ waiting
     def wait_local(self, raise_error: bool = True) -> None:
