@@ -29,6 +29,7 @@ Requires ``pip install "dckpt[lightning]"``.
 """
 from __future__ import annotations
 
+import sys
 from datetime import timedelta
 from typing import Any, Callable, Literal
 
@@ -162,9 +163,16 @@ class DckptModelParallelStrategy(ModelParallelStrategy):
         return meta
 
     def teardown(self) -> None:
-        """Wait for the asynchronous save in flight, then the stock teardown."""
+        """Wait for the saves in flight (raising a failed one's error), then the stock
+        teardown. Called while an exception is propagating (the user's function
+        failed on this rank): a bounded wait without any collective on the training's
+        process group instead, so the user's error is the one seen (a collective would
+        pair with the other ranks' and abort them)."""
         try:
-            self._dckpt.finish(drain=True)
+            if sys.exc_info()[1] is not None:
+                self._dckpt.abandon()
+            else:
+                self._dckpt.finish(drain=True)
         finally:
             super().teardown()
 

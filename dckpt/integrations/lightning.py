@@ -45,6 +45,7 @@ Lightning.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Literal
@@ -52,7 +53,10 @@ from typing import Any, Literal
 try:
     from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
     from pytorch_lightning.core.optimizer import LightningOptimizer
+    from pytorch_lightning.callbacks import ModelCheckpoint
     from pytorch_lightning.strategies import ModelParallelStrategy
+    from pytorch_lightning.strategies.launchers.launcher import _Launcher
+    from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("dckpt.integrations.lightning needs pytorch-lightning >= 2.6: "
                       'pip install "dckpt[lightning]"') from e
@@ -85,6 +89,27 @@ class DckptModelParallelStrategy(ModelParallelStrategy):
                          process_group_backend=process_group_backend, timeout=timeout)
         self._dckpt = lio.Committer(storage_options, async_save, compression,
                                     local_root, keep_last_local)
+        self._failed: BaseException | None = None  # the training's error (on_exception)
+
+    # ModelCheckpoint's "last" is resolved by Lightning itself, per process, before the
+    # process group exists (CheckpointConnector._parse_ckpt_path: the newest existing
+    # last*.ckpt by mtime), so a save committed only in the fast tier, or a last.ckpt
+    # link to a save that never committed, would start the fit from step 0. The
+    # launcher is the first place that sees the trainer (Trainer.fit hands it over
+    # before resolving the path): there the strategy makes "last" its own question,
+    # answered collectively once the process group exists (resume_start).
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self._launcher is None:  # torchrun: the processes exist already
+            self._launcher = _InProcessLauncher()
+        inner, strategy = self._launcher.launch, self
+
+        def launch(function, *args, trainer=None, **kwargs):
+            if trainer is not None:
+                _own_last(strategy, trainer)
+            return inner(function, *args, trainer=trainer, **kwargs)
+
+        self._launcher.launch = launch
 
     # The states dump_checkpoint puts in the checkpoint dict: the live sharded tensors
     # (the stock strategy offloads copies to the CPU; dckpt copies what it writes
@@ -156,11 +181,114 @@ class DckptModelParallelStrategy(ModelParallelStrategy):
         flight commits, if any). Not collective; blocking I/O on rank 0."""
         self._dckpt.remove(str(filepath), self.is_global_zero)
 
+    def on_exception(self, exception: BaseException) -> None:
+        """Lightning's hook when the run fails on this rank: the teardown that follows
+        then enters no collective (see :meth:`teardown`)."""
+        self._failed = exception
+        super().on_exception(exception)
+
     def teardown(self) -> None:
-        """Wait for the asynchronous save in flight (committed and placed), then the
-        stock teardown. Its error, if any, is logged (the run is over)."""
-        try:
-            self._dckpt.finish(drain=True)
-        except Exception as e:
-            log.error("the last asynchronous checkpoint save failed: %s", e)
+        """End of the run. Normally: wait for the saves in flight (committed, placed,
+        and with the fast tier copied) and raise a failed save's error on every rank
+        (the fit fails, as with a synchronous save), after the stock teardown. After a
+        failure of this rank (``on_exception``): wait a bounded time for the save in
+        flight, without any collective on the training's process group (the other
+        ranks may still be training: a collective would pair with theirs and abort
+        them, hiding this rank's error); the training's error is the one raised."""
+        failed, self._failed = self._failed, None
+        error = None
+        if failed is not None or sys.exc_info()[1] is not None:
+            self._dckpt.abandon()
+        else:
+            try:
+                self._dckpt.finish(drain=True)
+            except Exception as e:
+                log.error("the last asynchronous checkpoint save failed: %s", e)
+                error = e
         super().teardown()
+        if error is not None:
+            raise error
+
+
+class _InProcessLauncher(_Launcher):
+    """The launcher where the processes are started by someone else (torchrun): runs
+    the function in this process (as Lightning does without a launcher)."""
+
+    @property
+    def is_interactive_compatible(self) -> bool:
+        return True
+
+    def launch(self, function, *args, trainer=None, **kwargs):
+        return function(*args, **kwargs)
+
+    def kill(self, signum) -> None:
+        pass
+
+
+class LastRequest(str):
+    """``ckpt_path="last"`` as the strategy answers it: the str is Lightning's own pick
+    (or the default last name); ``candidates`` are Lightning's ``last*.ckpt`` names
+    (links included, dangling or not), ``dirs`` the directories of the
+    ModelCheckpoints with ``save_last``. Resolved by :meth:`Committer.resolve_last`."""
+
+    candidates: list[str]
+    dirs: list[str]
+
+
+def _own_last(strategy: DckptModelParallelStrategy, trainer: Any) -> None:
+    """Make ``trainer`` ask ``strategy`` which checkpoint "last" is: its checkpoint
+    connector's ``_parse_ckpt_path`` turns "last" into a :class:`LastRequest`, and its
+    ``resume_start`` resolves that collectively (the process group exists by then).
+    Idempotent; instance attributes of that trainer's connector only."""
+    conn = trainer._checkpoint_connector
+    if getattr(conn, "_dckpt_strategy", None) is strategy:
+        return
+    parse, resume = type(conn)._parse_ckpt_path, type(conn).resume_start
+
+    def parse_ckpt_path(state_fn, ckpt_path, model_provided, model_connected):
+        if ckpt_path == "last" and strategy._save_distributed_checkpoint:
+            req = _last_request(trainer)
+            if req is not None:
+                return req
+        return parse(conn, state_fn, ckpt_path, model_provided, model_connected)
+
+    def resume_start(checkpoint_path=None, weights_only=None):
+        if isinstance(checkpoint_path, LastRequest):
+            checkpoint_path = strategy._dckpt.resolve_last(checkpoint_path.candidates,
+                                                           checkpoint_path.dirs)
+            if checkpoint_path is None:
+                rank_zero_warn('ckpt_path="last" is set, but there is no complete last '
+                               "checkpoint (in any tier). No checkpoint will be loaded.")
+        return resume(conn, checkpoint_path, weights_only)
+
+    conn._parse_ckpt_path = parse_ckpt_path
+    conn.resume_start = resume_start
+    conn._dckpt_strategy = strategy
+
+
+def _last_request(trainer: Any) -> LastRequest | None:
+    """Lightning's "last" lookup, kept whole for the strategy to decide on: the
+    ``last*.ckpt`` names of every ModelCheckpoint (as ``_find_last_checkpoints``
+    lists them, dangling links included) and an OnExceptionCheckpoint's path; None
+    when no ModelCheckpoint could hold one (Lightning's own answer stands then).
+    Blocking I/O: a listing per checkpoint directory (Lightning's own)."""
+    from pytorch_lightning.callbacks.on_exception_checkpoint import OnExceptionCheckpoint
+
+    candidates: set[str] = {p for p in (getattr(cb, "ckpt_path", None) for cb in
+                                        trainer.callbacks
+                                        if isinstance(cb, OnExceptionCheckpoint)) if p}
+    dirs: list[str] = []
+    for cb in trainer.checkpoint_callbacks:
+        if not isinstance(cb, ModelCheckpoint):
+            continue
+        candidates |= cb._find_last_checkpoints(trainer)
+        if cb.save_last:
+            resolve = getattr(cb, "_ModelCheckpoint__resolve_ckpt_dir", None)
+            d = cb.dirpath or (resolve(trainer) if resolve else None)
+            if d:
+                dirs.append(str(d))
+    if not candidates and not dirs:
+        return None
+    req = LastRequest(lio.join(dirs[0], "last.ckpt") if dirs else sorted(candidates)[-1])
+    req.candidates, req.dirs = sorted(map(str, candidates)), dirs
+    return req

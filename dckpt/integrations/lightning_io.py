@@ -27,6 +27,7 @@ when every rank holds it and it is not older than the name's durable copy.
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import os
 import threading
@@ -45,13 +46,16 @@ from ..tiers.chooser import fallback_worthy
 from ..view.open import MissingKeyError
 from . import lightning_meta
 from .lightning_state import BadStateError, ModelState, OptimizerState  # noqa: F401
-from .lightning_place import (PARTIAL, durable_name, is_url, kind,  # noqa: F401
-                              local_path, place, place_agreed, remove_whole,
-                              stamp, sweep)
+from .lightning_place import (PARTIAL, durable_name, durable_stamp,  # noqa: F401
+                              is_url, join, kind, local_path, place, place_agreed,
+                              remove_whole, stamp, sweep)
 from .lightning_tier import PARENT_KEY, LocalTier
 
 log = logging.getLogger(__name__)
 META_KEY = "__lightning__"
+# After the training failed on this rank: how long its teardown waits for the save in
+# flight (which the other ranks may be unable to finish) before giving up on it.
+ABANDON_WAIT_S = float(os.environ.get("DCKPT_ABANDON_WAIT_S", "60"))
 
 
 class Committer:
@@ -191,6 +195,31 @@ class Committer:
         err, self._error = self._error, None
         agree(Comm(), err, f"finish the save to {h.path}")
 
+    def abandon(self, timeout: float = ABANDON_WAIT_S) -> None:
+        """After a failure of the training (this rank raised): wait up to ``timeout``
+        seconds for the save in flight, then stop waiting. Enters no collective on the
+        training's process group (the other ranks may still be training: a collective
+        here would pair with theirs and abort them, hiding this rank's error; the
+        background commit runs on dckpt's own group). Never raises: the training's
+        error is the one the user must see; the save's fate is logged."""
+        try:
+            if self.tier is not None:
+                self.tier.abandon(timeout)
+                return
+            h, self._handle = self._handle, None
+            if h is None:
+                return
+            try:
+                h.result(timeout)
+            except cf.TimeoutError:
+                log.error("the checkpoint save to %s did not finish within %.0f s of the "
+                          "training's failure: not waited for (it is not placed unless it "
+                          "commits)", h.path, timeout)
+                return
+            self._placed.wait(timeout)
+        except Exception as e:
+            log.error("the checkpoint save in flight when the training failed: %s", e)
+
     def remove(self, path: str, is_rank0: bool) -> None:
         """Remove the checkpoint at ``path`` whole, on rank 0 (others: no-op). With a
         save in flight, after it commits. Not collective; blocking I/O. With the fast
@@ -221,24 +250,36 @@ class Committer:
 
         def durable() -> list:
             found = kind(path, opts)
-            return [found, stamp(path, opts) if found == "dckpt" and self.tier else None]
+            return [found, durable_stamp(path, found, opts) if self.tier else None]
 
         found, dstamp = on_rank0(comm, durable, f"look up the checkpoint {path}")
         spath = _broadcast(comm, str(path) if comm.rank == 0 else None)
-        if self.tier is None or found == "other":
+        if self.tier is None:
             return Source(found, spath, opts)
         held = self.tier.held(_broadcast(comm, durable_name(spath) if comm.rank == 0
                                          else None), comm)
-        if dstamp is not None:
+        if dstamp is not None and found == "dckpt":
             self.tier.seen[durable_name(spath)] = dstamp[0]
         # the node-local copy unless the name holds another commit saved since (a run
-        # on other nodes): never an older step resurrected over a newer one
+        # on other nodes; a stock checkpoint written after it): never an older step
+        # resurrected over a newer one, nor a newer local commit hidden by an older
+        # stock checkpoint of the same name (a run moving to this strategy)
         if held is not None and held.newer_than(dstamp):
             if comm.rank == 0:
                 log.info("loading %s from the fast tier %s", spath, held.slot)
             durable_src = Source(found, spath, opts) if found == "dckpt" else None
             return Source("dckpt", held.slot, None, _view_name(comm.rank), durable_src)
         return Source(found, spath, opts)
+
+    def resolve_last(self, candidates: list[str], dirs: list[str]) -> str | None:
+        """The name ``ckpt_path="last"`` resumes (:func:`.lightning_last.resolve_last`).
+        Collective."""
+        from .lightning_last import resolve_last
+
+        comm = Comm()
+        self._agree(comm)
+        self.finish(drain=True)
+        return resolve_last(comm, self.tier, self.storage_options, candidates, dirs)
 
     def load(self, target: dict, path: str, *, strict: bool, modules: list[str],
              weights_only: bool | None = None) -> tuple[Any, dict]:
@@ -269,9 +310,10 @@ class Committer:
         found: dict[str, Any] = {}
 
         def extra(m) -> dict:
-            tops = {k.split(".", 1)[0] for k in (*m.tensors, *m.values)}
             for key in list(target):
-                if key not in tops:
+                # the user's key may hold dots ("opt.main"): an entry is under it when
+                # it is the key or starts with the key and a dot
+                if not _has_entry(m, str(key)):
                     if strict:
                         raise MissingKeyError(
                             f"checkpoint {path} has no entry {key!r} that the state asks "
@@ -333,6 +375,13 @@ class Source:
         storage, root = make_storage(self.path, self.storage_options)
         name = self.manifest_name or mf.MANIFEST_NAME
         return mf.parse(read_manifest_bytes(storage, root, name), f"{self.path}/{name}")
+
+
+def _has_entry(manifest: Any, key: str) -> bool:
+    """Whether ``manifest`` holds an entry under the top-level ``key`` (which may
+    contain dots). O(entries) once per key; no I/O."""
+    head = key + "."
+    return any(k == key or k.startswith(head) for k in (*manifest.tensors, *manifest.values))
 
 
 def _world() -> Any:

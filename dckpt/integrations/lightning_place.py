@@ -214,3 +214,79 @@ def place_agreed(comm, target: str, final: str, staged: bool) -> None:
         except Exception as e:
             err = e
     agree(comm, err, f"move {target} to {final}")
+
+
+def join(directory: str, name: str) -> str:
+    """``directory/name`` for a local path or a URL. Pure."""
+    return directory.rstrip("/") + "/" + name if is_url(directory) else os.path.join(
+        local_path(directory), name)
+
+
+def link_target(path: str) -> str | None:
+    """The name a symbolic link ``path`` points at (ModelCheckpoint's
+    ``save_last="link"``), absolute; None when ``path`` is not a link (or a URL).
+    Local I/O: one readlink."""
+    if is_url(path):
+        return None
+    path = local_path(path)
+    try:
+        target = os.readlink(path)
+    except OSError:
+        return None
+    return os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), target))
+
+
+def modified(path: str, storage_options: dict | None = None) -> float | None:
+    """The modification time of ``path`` (a stock checkpoint: its file, or its
+    ``meta.pt``, written last), None when unknown. Blocking I/O: a stat."""
+    try:
+        if is_url(path):
+            from fsspec.core import url_to_fs
+
+            fs, p = url_to_fs(path, **(storage_options or {}))
+            p = p.rstrip("/")
+            p = p if fs.isfile(p) else p + "/meta.pt"
+            m = fs.modified(p)
+            return m.timestamp() if hasattr(m, "timestamp") else float(m)
+        path = local_path(path)
+        meta = os.path.join(path, "meta.pt")
+        return os.stat(meta if os.path.isdir(path) else path).st_mtime
+    except (OSError, NotImplementedError, ValueError):
+        return None
+
+
+def durable_stamp(path: str, found: str, storage_options: dict | None = None) -> list | None:
+    """[save id, time] of what ``path`` holds, as :func:`kind` found it: a dckpt
+    checkpoint's save id and commit time (:func:`stamp`), a stock checkpoint's
+    [None, modification time]; None for nothing complete. Blocking I/O; raises what
+    :func:`stamp` raises."""
+    if found == "dckpt":
+        return stamp(path, storage_options)
+    if found == "other":
+        t = modified(path, storage_options)
+        return None if t is None else [None, t]
+    return None
+
+
+def checkpoints_in(directory: str, storage_options: dict | None = None) -> list[str]:
+    """The ``*.ckpt`` names in ``directory`` (not hidden ones: partial and removed
+    saves), as durable names. Blocking I/O: one listing; [] when it is missing."""
+    if is_url(directory):
+        from fsspec.core import url_to_fs
+
+        fs, p = url_to_fs(directory, **(storage_options or {}))
+        scheme = directory.split("://", 1)[0]
+        try:
+            names = fs.ls(p, detail=False)
+        except FileNotFoundError:
+            return []
+        return [f"{scheme}://{n.rstrip('/')}" for n in names
+                if n.rstrip("/").endswith(".ckpt")
+                and not n.rstrip("/").rsplit("/", 1)[-1].startswith(".")]
+    directory = os.path.abspath(local_path(directory))
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return [os.path.join(directory, n) for n in names
+            if n.endswith(".ckpt") and not n.startswith(".")]

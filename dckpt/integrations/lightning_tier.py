@@ -3,10 +3,19 @@ node's own disk and returns; its copy to the name Lightning gave (a shared file 
 or an object store) runs in the background and appears there whole, as a direct save
 would (:mod:`.lightning_place`).
 
-Layout: ``local_root/lightning-<16 hex>/`` holds one checkpoint name's latest local
-commit (the hex: a hash of the durable name, which every rank's view records as its
-``owner``, checked at load); each rank writes its own data file and its own view
+Layout: ``local_root/lightning-<12 hex>-<16 hex>/`` holds one checkpoint name's latest
+local commit (the first hex: a hash of the directory the name lives in, the job's
+identity; the second: a hash of the durable name, which every rank's view records as
+its ``owner``, checked at load); each rank writes its own data file and its own view
 ``manifest-<rank>.json`` there (dckpt's node-local format, :mod:`dckpt.tiers.local`).
+
+Ownership: a job is the checkpoint directory it saves into (ModelCheckpoint's
+``dirpath``). Retention and the removal of dead slots look only at the slots of the
+directories this process saved into, so two jobs on one ``local_root`` (own
+directories; one after the other or at once) never trim or sweep each other's slots.
+No lock is needed for that: the prefixes are disjoint. (Two jobs saving into the same
+directory at once write the same names: that is a conflict on the durable side too,
+as with the stock strategy.)
 
 Threads and groups: a synchronous save commits locally in the training thread; an
 asynchronous one copies the state into host buffers, then commits in the ``local``
@@ -22,9 +31,13 @@ files are about to be replaced); one whose copy is running waits for it. More th
 ``MAX_QUEUED`` copies waiting make the next save wait (logged): the local disk holds
 what is queued, so the queue is bounded.
 
-Local retention: after each copy, each rank removes its part of the slots beyond the
-``keep_last_local`` newest (never one being written or queued for a copy), and of
-slots its own saves left without a view (killed mid-save).
+Local retention: after each copy, each rank removes its part of this job's slots
+beyond the ``keep_last_local`` newest (never one being written or queued for a copy),
+and of slots its own saves left without a view (killed mid-save). A slot beyond
+``keep_last_local`` is removed only once its durable name is seen to hold the same
+save (or a newer one): while the durable store is down, a checkpoint whose only copy
+is local is kept (the number of such names is bounded by ModelCheckpoint's
+``save_top_k``, whose removals take the local copy too).
 """
 from __future__ import annotations
 
@@ -42,19 +55,18 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from ..errors import CheckpointError
-from ..format import manifest as mf
 from ..protocol.async_save import SaveHandle, _Unstageable, at_thread_exit
 from ..protocol.collectives import Comm, OwnGroup, agree, on_rank0
-from ..protocol.restore import MAX_MANIFEST
 from ..engine.staging import StagingPool
 from ..storage.fsspec_storage import make_storage
 from ..tiers import local as tlocal
 from ..tiers import stager, stage_encoded
+from . import lightning_slots as slots
 from .lightning_place import place_agreed
+from .lightning_slots import (PARENT_KEY, SLOT_PREFIX, Held,  # noqa: F401 (re-exported)
+                              job_prefix)
 
 log = logging.getLogger(__name__)
-SLOT_PREFIX = "lightning-"
-PARENT_KEY = "__dckpt_parent__"  # a value of rank 0's local commits (see Held.parent)
 MAX_QUEUED = 2  # durable copies waiting (not running) before a save waits
 
 # the tiers whose saves are drained at exit; weak: a dropped strategy (a sweep of trials
@@ -87,31 +99,6 @@ class CopyJob:
     superseded: bool = False
 
 
-@dataclass(frozen=True)
-class Held:
-    """A local commit every rank holds: the slot, its global save id and time, and
-    ``parent``: the save id the name's durable copy had when this commit was made, as
-    the saving process knew it (None: it did not know)."""
-
-    slot: str
-    save_id: str
-    created: float
-    parent: str | None = None
-
-    def newer_than(self, durable: list | None) -> bool:
-        """Whether this commit is the one to load rather than the durable copy
-        ``durable`` ([save id, commit time] or None). Pure. The durable copy is this
-        commit's own, or the one this commit was saved over (its parent): the local one
-        is as new or newer. The durable copy is another: someone saved the name since
-        (a run on other nodes), so it wins, whatever the two hosts' clocks say. Only a
-        commit whose parent was not known falls back to comparing commit times."""
-        if durable is None or durable[0] == self.save_id:
-            return True
-        if self.parent is not None:
-            return durable[0] == self.parent
-        return self.created > durable[1]
-
-
 class LocalTier:
     """See the module docstring. Made in the strategy's constructor (no I/O); opened on
     the first save or load (collective: creates ``root`` on every rank, the two
@@ -135,6 +122,8 @@ class LocalTier:
         self._jobs: list[CopyJob] = []  # queued or running, in order
         self._busy: set[str] = set()  # slots being written locally
         self._gen: dict[str, int] = {}  # saves of each name begun (a removal's reference)
+        self._owned: set[str] = set()  # the slot prefixes of this job (see own())
+        self._kept: set[str] = set()  # names kept beyond keep_last_local (logged once)
         # the durable save id of each name as this process last saw it (a load's look
         # up, or a copy it committed): the parent recorded in the next local commit
         self.seen: dict[str, str] = {}
@@ -148,9 +137,21 @@ class LocalTier:
 
     # ------------------------------------------------------------------ naming
     def slot(self, final: str) -> str:
-        """The slot directory of the durable name ``final``. Pure."""
+        """The slot directory of the durable name ``final``: under its directory's
+        prefix (:func:`job_prefix`). Pure."""
         h = hashlib.sha256(final.encode()).hexdigest()[:16]
-        return self.storage.join(self.root, SLOT_PREFIX + h)
+        return self.storage.join(self.root, job_prefix(final) + h)
+
+    def own(self, final: str) -> None:
+        """Make the directory of ``final`` one of this job's (its slots are trimmed by
+        this process's retention). Pure bookkeeping."""
+        with self._lock:
+            self._owned.add(job_prefix(final))
+
+    def names_in(self, directory: str, rank: int) -> list[str]:
+        """The durable names of ``directory`` whose slots this rank holds a view of
+        (:func:`.lightning_slots.names_in`). Local I/O; never raises."""
+        return slots.names_in(self.storage, self.root, self.slot, directory, rank)
 
     def _open(self, comm: Comm) -> None:
         """Collective on first use (and after a new default group): ``root`` on every
@@ -183,6 +184,7 @@ class LocalTier:
         self._open(comm)
         self.wait_local(raise_error=True)
         slot = self.slot(final)
+        self.own(final)
         self._make_room(final)
         with self._lock:
             self._busy.add(slot)
@@ -310,65 +312,33 @@ class LocalTier:
         self._copy_exec.submit(run)
 
     def _cleanup(self, rank: int) -> None:
-        """This rank's part of the slots beyond ``keep`` (by commit time) or without its
-        view, except those being written or queued. No collective; never raises."""
-        try:
-            with self._lock:
-                protected = set(self._busy) | {self.slot(j.final) for j in self._jobs}
-            held, partial = [], []
-            for e in self.storage.listdir(self.root):
-                if not (e.is_dir and e.name.startswith(SLOT_PREFIX)):
-                    continue
-                d = self.storage.join(self.root, e.name)
-                if d in protected:
-                    continue
-                try:
-                    view = mf.parse(self.storage.read_file(
-                        self.storage.join(d, tlocal.view_name(rank)), MAX_MANIFEST), d)
-                    held.append((view.created, d))
-                except FileNotFoundError:
-                    partial.append(d)
-                except (OSError, CheckpointError) as err:
-                    log.info("rank %d: fast-tier slot %s is not usable (%s): removed",
-                             rank, d, err)
-                    partial.append(d)
-            keep = self.keep - len({d for d in protected if self.storage.exists(d)})
-            held.sort(reverse=True)
-            for d in partial + [d for _, d in held[max(0, keep):]]:
-                # Decided again under the lock a save marks its slot busy with (before it
-                # makes the directory): a save begun since ``protected`` was read would
-                # otherwise look like a dead partial slot and lose its files mid-write.
-                with self._lock:
-                    if d in self._busy or d in {self.slot(j.final) for j in self._jobs}:
-                        continue
-                    tlocal.drop_step(self.storage, d, rank)
-        except Exception as e:
-            log.warning("rank %d: fast-tier cleanup skipped: %s", rank, e)
+        """This rank's part of retention (:func:`.lightning_slots.cleanup`). Never
+        raises."""
+        slots.cleanup(self, rank)
 
     # ------------------------------------------------------------------ loading
     def held(self, final: str, comm: Comm) -> Held | None:
-        """The local commit of ``final`` that every rank holds (its view records
-        ``final``, the same save and world size, its own files at their sizes), or
-        None. Collective: one all-gather. Reads only this rank's files."""
+        """The local commit of ``final`` that every rank holds, or None (see
+        :meth:`held_many`). Collective: one all-gather."""
+        return self.held_many([final], comm)[0]
+
+    def held_many(self, finals: list[str], comm: Comm) -> list[Held | None]:
+        """For each durable name of ``finals`` (the same list on every rank), the local
+        commit every rank holds (its view records the name, the same save and world
+        size, its own files at their sizes), or None. Collective: one all-gather of a
+        few bytes per name. Reads only this rank's files."""
         self._open(comm)
-        slot, mine = self.slot(final), None
-        try:
-            path = self.storage.join(slot, tlocal.view_name(comm.rank))
-            view = mf.parse(self.storage.read_file(path, MAX_MANIFEST), path)
-            sizes = {x.name: x.size for x in self.storage.listdir(slot)}
-            if view.meta.get("owner") == final and view.world_size == comm.size and all(
-                    sizes.get(f.name) == f.size for f in view.files if f.rank == comm.rank):
-                parent = view.values.get(PARENT_KEY)
-                mine = [view.save_id, float(view.created),
-                        parent if isinstance(parent, str) else None]
-        except FileNotFoundError:
-            pass
-        except (OSError, CheckpointError) as e:
-            log.info("rank %d: local copy of %s not usable: %s", comm.rank, final, e)
+        mine = [slots.mine(self.storage, self.slot(final), final, comm)
+                for final in finals]
         views = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(mine).encode())]
-        if any(v is None or v[0] != views[0][0] for v in views):
-            return None
-        return Held(slot, *views[0])
+        out: list[Held | None] = []
+        for i, final in enumerate(finals):
+            got = [v[i] if isinstance(v, list) and i < len(v) else None for v in views]
+            if any(v is None or v[0] != got[0][0] for v in got):
+                out.append(None)
+            else:
+                out.append(Held(self.slot(final), *got[0]))
+        return out
 
     # ------------------------------------------------------------------ waiting
     def wait_local(self, raise_error: bool = True) -> None:
@@ -382,6 +352,24 @@ class LocalTier:
         if raise_error and self._errors:
             first, self._errors = self._errors[0], []
             raise first
+
+    def abandon(self, timeout: float) -> None:
+        """After the training failed on this rank: wait up to ``timeout`` seconds in all
+        for the local commit in flight and the copies queued (they run on dckpt's own
+        groups, never the training's), then stop waiting. Never raises (logged)."""
+        end = time.monotonic() + timeout
+        job, self._local_job = self._local_job, None
+        try:
+            if job is not None:
+                e = job.exception(timeout)
+                if e is not None:
+                    log.error("the fast-tier save in flight when the training failed: %s", e)
+            self._copy_exec.submit(lambda: None).result(max(0.0, end - time.monotonic()))
+        except cf.TimeoutError:
+            log.error("the fast tier's saves and copies in flight did not finish within "
+                      "%.0f s of the training's failure: not waited for", timeout)
+        except RuntimeError:  # shut down at exit
+            pass
 
     def drain(self, raise_error: bool = True) -> None:
         """Wait for the local commit in flight and every copy and removal queued, then

@@ -10,9 +10,10 @@ import sys
 
 
 def run_job(script: str, root: str, strategy: str, devices: int, *args: str,
-            timeout: float = 240, killed: bool = False) -> str:
+            timeout: float = 240, killed: bool = False, failed: bool = False) -> str:
     """Run ``script --strategy S --devices N --root R ARGS`` under a deadline; return its
-    output. It must exit 0, or with ``killed``, end by SIGKILL."""
+    output. It must exit 0, or with ``killed``, end by SIGKILL, or with ``failed``, exit
+    with an error status."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("DCKPT_FAULT", None)
     proc = subprocess.Popen([sys.executable, script, "--strategy", strategy, "--devices",
@@ -32,6 +33,8 @@ def run_job(script: str, root: str, strategy: str, devices: int, *args: str,
             pass
     if killed:
         assert proc.returncode == -signal.SIGKILL, out[-4000:]
+    elif failed:
+        assert proc.returncode not in (0, -signal.SIGKILL), out[-4000:]
     else:
         assert proc.returncode == 0, out[-4000:]
     return out

@@ -84,3 +84,12 @@ def test_dckpt_local_root_save_at_2_load_from_the_fast_tier_and_at_3(tmp_path):
         out: list = []
         assert run(root, "dckpt", n, "load", "--local-root", local, output=out) == want, n
         assert ("from the fast tier" in out[0]) == (n == 2), n
+
+
+@pytest.mark.parametrize("strategy", ["dckpt", "stock"])
+def test_state_keys_with_a_dot_load(tmp_path, strategy):
+    """``fabric.save(path, {"model": m, "opt.main": opt})`` then ``fabric.load`` of the
+    same keys restores the optimizer too, strict or not (the key is not cut at its
+    dot), as the stock strategy does."""
+    r = run(str(tmp_path), strategy, 2, "dotted")
+    assert r == {"strict=True": True, "strict=False": True}

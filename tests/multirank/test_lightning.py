@@ -22,9 +22,11 @@ pytestmark = pytest.mark.slow
 
 
 def run(root: str, strategy: str, devices: int, *args: str, timeout: float = 240,
-        killed: bool = False) -> str:
-    """Run the job; return its output. ``killed``: it must end by SIGKILL."""
-    return run_job(JOB, root, strategy, devices, *args, timeout=timeout, killed=killed)
+        killed: bool = False, failed: bool = False) -> str:
+    """Run the job; return its output. ``killed``: it must end by SIGKILL; ``failed``:
+    with an error status."""
+    return run_job(JOB, root, strategy, devices, *args, timeout=timeout, killed=killed,
+                   failed=failed)
 
 
 def ref(root: str, name: str) -> dict:

@@ -7,7 +7,9 @@
 "sched", "note"}); rank 0 writes ROOT/ref.pt (the full state, gathered). ``load``: a
 fresh model and optimizer, fabric.load of everything, then a partial load (the model
 alone), a strict load asking for a key the checkpoint lacks, and the same with
-strict=False. Rank 0 prints one line ``RESULT <json>`` with what it saw.
+strict=False. ``dotted``: 3 steps, fabric.save of {"model", "opt.main"} (a key with a
+dot), then fabric.load of the same keys into a fresh model and optimizer, strict and
+not. Rank 0 prints one line ``RESULT <json>`` with what it saw.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--strategy", choices=["dckpt", "stock"], required=True)
 p.add_argument("--devices", type=int, default=2)
 p.add_argument("--root", required=True)
-p.add_argument("mode", choices=["save", "load"])
+p.add_argument("mode", choices=["save", "load", "dotted"])
 p.add_argument("--local-root", default=None)  # dckpt's fast tier
 args = p.parse_args()
 
@@ -87,7 +89,22 @@ def main() -> None:
     model, opt, sched = build(fabric)
     path = os.path.join(args.root, "ckpt")
     out: dict = {}
-    if args.mode == "save":
+    if args.mode == "dotted":
+        for i in range(3):
+            fabric.backward(model(torch.randn(4, 8)).pow(2).mean())
+            opt.step()
+            opt.zero_grad()
+        dotted = os.path.join(args.root, "ckpt-dotted")
+        fabric.save(dotted, {"model": model, "opt.main": opt})
+        ref = full(model, opt)
+        for strict in (True, False):
+            model2, opt2, _ = build(fabric)
+            try:
+                fabric.load(dotted, {"model": model2, "opt.main": opt2}, strict=strict)
+                out[f"strict={strict}"] = same(full(model2, opt2), ref)
+            except Exception as e:
+                out[f"strict={strict}"] = f"{type(e).__name__}: {e}"[:300]
+    elif args.mode == "save":
         for i in range(3):
             x = torch.randn(4, 8)
             loss = model(x).pow(2).mean()

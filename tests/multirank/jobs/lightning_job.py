@@ -13,6 +13,12 @@ its vote; stock: in DCP's finish, before .metadata and meta.pt). ``--local-root 
 dckpt's fast tier there; ``--kill-before-copy S``: the durable copies of the saves at
 step S stall (the copies before are awaited first), and every rank is SIGKILLed at the
 next batch: the fast tier holds step S, the durable names hold step S - every.
+``--save-last link``: ModelCheckpoint(save_last="link"). ``--stall-commit-at S``: the
+first save at step S stalls in its vote (an asynchronous save returns meanwhile) and
+every rank is SIGKILLed at the next batch. ``--fail-last-save-at S``: the save of
+last.ckpt at step S fails (an injected I/O error in its vote, every rank).
+``--raise-at S``: rank ``--raise-rank`` raises RuntimeError in training_step at global
+step S (the others train on). ``--slow-vote SEC``: every save's vote sleeps SEC.
 """
 from __future__ import annotations
 
@@ -45,6 +51,12 @@ p.add_argument("--local-root", default=None)  # dckpt's fast tier
 p.add_argument("--dirpath", default=None)  # ModelCheckpoint's (default ROOT/ckpts)
 p.add_argument("--tp", type=int, default=1)  # tensor parallel size (devices = dp x tp)
 p.add_argument("--kill-before-copy", type=int, default=None)
+p.add_argument("--save-last", default="true", choices=["true", "link"])  # ModelCheckpoint's
+p.add_argument("--stall-commit-at", type=int, default=None)
+p.add_argument("--fail-last-save-at", type=int, default=None)
+p.add_argument("--raise-at", type=int, default=None)
+p.add_argument("--raise-rank", type=int, default=1)
+p.add_argument("--slow-vote", type=float, default=None)
 args = p.parse_args()
 
 
@@ -73,6 +85,8 @@ class Net(pl.LightningModule):
         x, y = batch
         loss = nn.functional.mse_loss(self.net(x), y)
         self.log("score", float(self.global_step + 1))
+        if args.raise_at == self.global_step and self.global_rank == args.raise_rank:
+            raise RuntimeError(f"boom at step {self.global_step} on rank {self.global_rank}")
         return loss
 
     def configure_optimizers(self):
@@ -106,12 +120,16 @@ class Refs(Callback):
             torch.save(st, os.path.join(args.root, "refs", f"save-{step}.pt"))
         if args.kill_last_at == step and self.saves[step] == 2:  # the save of last.ckpt
             arm_kill()
+        if args.stall_commit_at == step and self.saves[step] == 1:
+            os.environ["DCKPT_FAULT"] = "vote:*:sleep=600"
+        if args.fail_last_save_at == step and self.saves[step] == 2:
+            os.environ["DCKPT_FAULT"] = "vote:*:raise"
         if args.kill_before_copy == step and self.saves[step] == 1:
             trainer.strategy._dckpt.finish(drain=True)  # the copies before: done
             os.environ["DCKPT_FAULT"] = "stage:*:sleep=600"  # read by the copy thread
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if args.kill_before_copy is not None and trainer.global_step == args.kill_before_copy:
+        if trainer.global_step in (args.kill_before_copy, args.stall_commit_at):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def on_train_start(self, trainer, pl_module) -> None:
@@ -146,6 +164,8 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("dckpt").setLevel(logging.INFO)  # the tests read where loads came from
     os.makedirs(os.path.join(args.root, "refs"), exist_ok=True)
+    if args.slow_vote:
+        os.environ["DCKPT_FAULT"] = f"vote:*:sleep={args.slow_vote}"
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(64, 8), torch.randn(64, 4))
     if args.strategy == "dckpt":
@@ -160,7 +180,8 @@ def main() -> None:
                                          tensor_parallel_size=args.tp)
     ckpt = ModelCheckpoint(dirpath=args.dirpath or os.path.join(args.root, "ckpts"),
                            monitor="score",
-                           mode="max", save_top_k=args.top_k, save_last=True,
+                           mode="max", save_top_k=args.top_k,
+                           save_last="link" if args.save_last == "link" else True,
                            every_n_train_steps=args.every,
                            filename="{step}")
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy,
