@@ -45,14 +45,17 @@ Differences from torchtitan's DCP manager, on purpose:
   step starts an fp32 job, as with DCP's manager); a resume of the folder's own steps
   and a full initial load keep dckpt's strict dtype check.
 - A folder holding torchtitan's DCP steps (``step-N`` with ``.metadata``: a run that
-  switched from DCP's manager) resumes the newest step of the folder, by step number,
-  whichever manager wrote it (dckpt's at a tie): a DCP step is loaded by DCP as DCP's
-  manager lays it out (the model's keys at the top; optimizer, lr_scheduler,
+  switched from DCP's manager) resumes the newest commit of the folder, whichever
+  manager wrote it, on one timeline (:mod:`titan_resume`: a dckpt step's manifest
+  time, a DCP step's ``.metadata`` time; a step committed before a lower one was, as
+  after a rewind with ``load_step``, is abandoned; a damaged step falls back to the
+  next newest of either manager; dckpt's wins a tie). A DCP step is loaded by DCP as
+  DCP's manager lays it out (the model's keys at the top; optimizer, lr_scheduler,
   dataloader, train_state nested), with a log line saying so, and ``load_step=N``
   may name one. Later saves are dckpt's, beside DCP's folders, which dckpt never
   removes (nor counts in ``keep_latest_k``). A DCP step that cannot be resumed (a
   model-only last step, an HF-only export) raises a CheckpointError saying what to
-  do, never a silent fresh start.
+  do, never a silent fresh start nor an older step.
 """
 from __future__ import annotations
 
@@ -79,7 +82,7 @@ from ..errors import CheckpointError
 from ..manager.core import CheckpointManager
 from ..protocol.collectives import Comm, on_rank0
 from ..protocol.settings import agree_settings
-from . import titan_load
+from . import titan_load, titan_resume
 
 ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
 HF_SUFFIX = "-hf"  # the HF export of step N goes to step-N-hf beside step-N
@@ -324,58 +327,68 @@ class DckptCheckpointManager(BaseCheckpointManager):
 
     # ------------------------------------------------------------------ loading
     def _load(self, step: int = -1) -> bool:
-        """Restore ``step`` (-1: the newest step of the folder, by step number: dckpt's
-        newest committed step that loads, with dckpt's fallback to an older one when it
-        is damaged, or a newer step that torchtitan's DCP manager saved there) or, in a
-        folder without either, the initial checkpoint; returns whether anything was
-        loaded. Collective (rank 0 lists the folder; one broadcast each for dckpt's and
-        DCP's steps, then the load). Raises FileNotFoundError for a ``step`` that is
-        neither (as torchtitan's), ValueError for a bad initial_load_path, and
-        CheckpointError for a step that cannot be resumed (a failed load; a DCP step
-        holding only an HF export)."""
+        """Restore ``step`` (-1: the newest that loads: dckpt's restore, falling back
+        past damaged steps; in a folder where torchtitan's DCP manager saved too, the
+        newest commit of either manager, by :mod:`titan_resume`'s timeline rule) or,
+        in a folder without a committed step, the initial checkpoint; returns whether
+        anything was loaded. ``step`` is exact (dckpt's step N, else DCP's step-N).
+        Collective (rank 0 lists the folder and broadcasts; then the loads). Raises
+        FileNotFoundError for a ``step`` that is neither (as torchtitan's), ValueError
+        for a bad initial_load_path, and CheckpointError for a step that cannot be
+        resumed (a failed load; a DCP step lacking the training state: an HF export,
+        a model-only last step)."""
         has_folder = filesystem.exists(self.folder)
         if step != -1 and not has_folder:
             raise FileNotFoundError(f"--checkpoint.load_step={step} not found because "
                                     f"checkpoint.folder {self.folder} does not exist")
-        steps = self._steps() if has_folder else []
-        theirs = dict(self._dcp_steps()) if has_folder else {}
-        if step != -1 and step not in steps and step not in theirs:
+        theirs = titan_resume.dcp_steps(self.folder) if has_folder else []
+        kinds = {s: k for s, k, _ in theirs}
+        mine = titan_resume.dckpt_candidates(self.manager) if theirs else []
+        steps = sorted({c.step for c in mine}) if theirs else \
+            self._steps() if has_folder else []
+        if step != -1 and step not in steps and step not in kinds:
             raise FileNotFoundError(
                 f"--checkpoint.load_step={step} not found at {self.manager.path(step)} "
                 f"(committed steps: {steps or 'none'}"
-                + (f"; DCP steps: {sorted(theirs)}" if theirs else "") + ")")
-        if not steps and not theirs:
+                + (f"; DCP steps: {sorted(kinds)}" if kinds else "") + ")")
+        if not steps and not kinds:
             return self._initial_load()
-        newest = step if step != -1 else max([*steps, *theirs])
-        if newest not in steps:  # at a tie, dckpt's own step (checksummed) wins
-            return self._load_dcp(newest, theirs[newest])
+        if not kinds:  # dckpt's steps alone: the manager's restore, with its fallback
+            return self._restore(step if step != -1 else 0 if steps[-1] == 0 else None)
+        if step == -1:
+            wanted = None
+        elif step in steps:  # at a tie, dckpt's own step (checksummed) wins
+            wanted = titan_resume.Choice(titan_resume.DCKPT, step)
+        else:
+            wanted = titan_resume.Choice(titan_resume.DCP, step, kinds[step])
+        titan_resume.resume_folder(
+            self.manager, mine, theirs, self.folder, wanted,
+            lambda c: self._restore(c.step) if c.source == titan_resume.DCKPT
+            else self._load_dcp(c.step, c.kind))
+        return True
+
+    def _restore(self, step: int | None) -> bool:
+        """dckpt's ``step`` (None: the newest that loads, with the manager's fallback)
+        through :meth:`dckpt.CheckpointManager.restore`; returns whether a step was
+        loaded. Step 0 is a seed checkpoint (the model only). Collective."""
         begin = time.monotonic()
-        if newest == 0:  # step 0 is the seed checkpoint: the model only
+        if step == 0:  # step 0 is the seed checkpoint: the model only
             got = self.manager.restore({MODEL: self.states[MODEL]}, step=0, strict=False)
         else:
             # strict=False: what the state does not ask for is ignored, as DCP's load
             # does (exclude_from_loading; per-rank keys of ranks gone after a resize)
-            got = self.manager.restore(self._states_to_load(),
-                                       step=None if step == -1 else step, strict=False)
+            got = self.manager.restore(self._states_to_load(), step=step, strict=False)
             self._prepared = True  # the restore prepared the whole state's buffers
         logger.info(f"Loaded the checkpoint of step {got} ({self.manager.restored_from}) "
                     f"from {self.folder} in {time.monotonic() - begin:.2f} seconds.")
         return got is not None
 
-    def _dcp_steps(self) -> list[tuple[int, str]]:
-        """The steps torchtitan's DCP manager left in the folder (a run that switched
-        to dckpt), see :func:`titan_load.dcp_steps`. Collective: rank 0 lists, every
-        rank gets its result or its error."""
-        pairs = on_rank0(Comm(None), lambda: titan_load.dcp_steps(self.folder),
-                         f"list torchtitan's DCP checkpoints under {self.folder}")
-        return [(int(s), str(k)) for s, k in pairs]
-
     def _load_dcp(self, step: int, kind: str) -> bool:
         """Resume ``step-{step}`` that torchtitan's DCP CheckpointManager saved in the
         folder, as that manager resumes it (:func:`titan_load.resume_dcp`): the whole
         state (what exclude_from_loading leaves), the model only for step 0 (a seed
-        checkpoint). Collective. Raises CheckpointError saying what to do when the step
-        cannot be resumed."""
+        checkpoint). Collective. Raises, saying what to do, StateMismatchError when the
+        step lacks what the state asks for, CheckpointError when it is damaged."""
         begin = time.monotonic()
         target = {MODEL: self.states[MODEL]} if step == 0 else self._states_to_load()
         path = titan_load.resume_dcp(target, self.folder, step, kind)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -174,6 +175,54 @@ def _train_model_only_last(base: str) -> None:
     ck = config("dcp", interval=2).build(**parts.build_kwargs(base))  # model-only last step
     parts.train(ck, 4)
     ck.close()
+
+
+def _damage_dcp(step_dir: str) -> None:
+    """Truncate every data file of a DCP step (DCP keeps no checksums: a flipped bit
+    would load silently; a short file does not)."""
+    files = [f for f in os.listdir(step_dir) if f.endswith(".distcp")]
+    assert files, os.listdir(step_dir)
+    for f in files:
+        os.truncate(os.path.join(step_dir, f), 64)
+
+
+def test_a_damaged_newest_dcp_step_falls_back_to_the_dckpt_step_before_it(ranks, tmp_path):
+    """DCP saved steps 2 and 4; dckpt resumed 4 and saved its last step 5; DCP's manager
+    (which sees only its own steps) resumed 4 and saved 6. Step-6's files are damaged:
+    the resume skips it, saying so, and takes the newest commit before it, dckpt's
+    step 5, whole (not DCP's step-4, a lower step number)."""
+    base = str(tmp_path)
+    folder = os.path.join(base, "checkpoint")
+    ranks(2).run(_train, base, "dcp", 4, timeout=DEADLINE)
+    five = ranks(2).run(_train, base, "dckpt", 5, timeout=DEADLINE)
+    ranks(2).run(_train, base, "dcp", 6, timeout=DEADLINE)
+    assert _dckpt_steps(folder) == [5] and "step-6" in os.listdir(folder)
+    _damage_dcp(os.path.join(folder, "step-6"))
+    ours = ranks(2).run(_resume, base, "dckpt", timeout=DEADLINE)
+    for r in range(2):
+        assert ours[r]["train_state"]["step"] == 5, f"rank {r}"
+        assert_same(_strip(five[r]), _strip(ours[r]), f"rank {r}")
+    assert any("step-6" in line and "trying the next newest" in line
+               for line in ours[0]["log"]), ours[0]["log"]
+
+
+def test_a_rewind_to_a_dcp_step_holds_when_the_file_server_clock_is_ahead(ranks, tmp_path):
+    """DCP saved steps 2..8 on a file server whose clock is an hour ahead of the
+    training hosts' (the .metadata times say so); the job rewinds to DCP's step 2
+    (load_step=2) and saves dckpt's step 4. The restart resumes step 4: the rewind's
+    commit records the newest commit it had seen (manager.after), so it orders after
+    DCP's steps whatever the clocks say, and the log names the abandoned steps."""
+    base = str(tmp_path)
+    folder = os.path.join(base, "checkpoint")
+    ranks(2).run(_train, base, "dcp", 8, timeout=DEADLINE)
+    ahead = time.time() + 3600
+    for d in os.listdir(folder):
+        os.utime(os.path.join(folder, d, ".metadata"), (ahead, ahead))
+    ranks(2).run(_train, base, "dckpt", 4, 2, timeout=DEADLINE)
+    ours = ranks(2).run(_resume, base, "dckpt", timeout=DEADLINE)
+    assert _steps_of(ours) == [4, 4]
+    assert any("abandoned" in line and "step-8" in line and "step-6" in line
+               for line in ours[0]["log"]), ours[0]["log"]
 
 
 # ---------------------------------------------------------------- bf16 last step
