@@ -28,8 +28,9 @@ p = argparse.ArgumentParser()
 p.add_argument("--strategy", choices=["dckpt", "stock"], required=True)
 p.add_argument("--devices", type=int, default=2)
 p.add_argument("--root", required=True)
-p.add_argument("mode", choices=["save", "load", "dotted"])
+p.add_argument("mode", choices=["save", "load", "dotted", "asyncfail"])
 p.add_argument("--local-root", default=None)  # dckpt's fast tier
+p.add_argument("--async-save", action="store_true")  # dckpt's
 args = p.parse_args()
 
 
@@ -80,6 +81,8 @@ def main() -> None:
     if args.strategy == "dckpt":
         from dckpt.integrations.fabric import DckptModelParallelStrategy as S
         kw = {"local_root": args.local_root}
+        if args.async_save:
+            kw["async_save"] = True
     else:
         S = ModelParallelStrategy
     fabric = Fabric(accelerator="cpu", devices=args.devices,
@@ -89,7 +92,14 @@ def main() -> None:
     model, opt, sched = build(fabric)
     path = os.path.join(args.root, "ckpt")
     out: dict = {}
-    if args.mode == "dotted":
+    if args.mode == "asyncfail":
+        fabric.backward(model(torch.randn(4, 8)).pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+        os.environ["DCKPT_FAULT"] = "vote:*:raise"
+        fabric.save(path, {"model": model, "optimizer": opt, "step": 1})
+        out["saved_call_returned"] = True
+    elif args.mode == "dotted":
         for i in range(3):
             fabric.backward(model(torch.randn(4, 8)).pow(2).mean())
             opt.step()

@@ -19,6 +19,10 @@ every rank is SIGKILLed at the next batch. ``--fail-last-save-at S``: the save o
 last.ckpt at step S fails (an injected I/O error in its vote, every rank).
 ``--raise-at S``: rank ``--raise-rank`` raises RuntimeError in training_step at global
 step S (the others train on). ``--slow-vote SEC``: every save's vote sleeps SEC.
+``--slow-stage SEC``: every durable copy of the fast tier sleeps SEC (a durable store
+that hangs; local commits are fast).
+``--slow-last-vote-at S``: the vote of the save of last.ckpt at step S (and of every
+save after it) sleeps 300 s (a store that hangs from then on).
 """
 from __future__ import annotations
 
@@ -57,6 +61,8 @@ p.add_argument("--fail-last-save-at", type=int, default=None)
 p.add_argument("--raise-at", type=int, default=None)
 p.add_argument("--raise-rank", type=int, default=1)
 p.add_argument("--slow-vote", type=float, default=None)
+p.add_argument("--slow-stage", type=float, default=None)
+p.add_argument("--slow-last-vote-at", type=int, default=None)
 args = p.parse_args()
 
 
@@ -122,6 +128,8 @@ class Refs(Callback):
             arm_kill()
         if args.stall_commit_at == step and self.saves[step] == 1:
             os.environ["DCKPT_FAULT"] = "vote:*:sleep=600"
+        if args.slow_last_vote_at == step and self.saves[step] == 2:
+            os.environ["DCKPT_FAULT"] = "vote:*:sleep=300"
         if args.fail_last_save_at == step and self.saves[step] == 2:
             os.environ["DCKPT_FAULT"] = "vote:*:raise"
         if args.kill_before_copy == step and self.saves[step] == 1:
@@ -166,6 +174,8 @@ def main() -> None:
     os.makedirs(os.path.join(args.root, "refs"), exist_ok=True)
     if args.slow_vote:
         os.environ["DCKPT_FAULT"] = f"vote:*:sleep={args.slow_vote}"
+    if args.slow_stage:
+        os.environ["DCKPT_FAULT"] = f"stage:*:sleep={args.slow_stage}"
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(64, 8), torch.randn(64, 4))
     if args.strategy == "dckpt":
