@@ -79,6 +79,9 @@ class DckptModelParallelStrategy(ModelParallelStrategy):
                          process_group_backend=process_group_backend, timeout=timeout)
         self._dckpt = lio.Committer(storage_options, async_save, compression,
                                     local_root, keep_last_local)
+        # Fabric never calls the strategy after the user's last fabric.save: a failed
+        # asynchronous save nobody waited for fails the process at exit instead
+        self._dckpt.watch()
 
     def save_checkpoint(self, path: Any, state: dict[str, Any],
                         storage_options: Any | None = None,

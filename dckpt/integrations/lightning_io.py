@@ -47,8 +47,9 @@ from ..view.open import MissingKeyError
 from . import lightning_meta
 from .lightning_state import BadStateError, ModelState, OptimizerState  # noqa: F401
 from .lightning_place import (PARTIAL, durable_name, durable_stamp,  # noqa: F401
-                              is_url, join, kind, local_path, place, place_agreed,
-                              remove_whole, stamp, sweep)
+                              is_url, join, kind, link_target, local_path, place,
+                              place_agreed, remove_whole, stamp, sweep)
+from .lightning_exit import abandoned, watch
 from .lightning_tier import PARENT_KEY, LocalTier
 
 log = logging.getLogger(__name__)
@@ -56,8 +57,6 @@ META_KEY = "__lightning__"
 # After the training failed on this rank: how long its teardown waits for the save in
 # flight (which the other ranks may be unable to finish) before giving up on it.
 ABANDON_WAIT_S = float(os.environ.get("DCKPT_ABANDON_WAIT_S", "60"))
-
-
 class Committer:
     """Saves, loads and removes dckpt checkpoints under the names Lightning gives; one
     per strategy. ``async_save``: a save returns once its snapshot is started (the
@@ -215,10 +214,35 @@ class Committer:
                 log.error("the checkpoint save to %s did not finish within %.0f s of the "
                           "training's failure: not waited for (it is not placed unless it "
                           "commits)", h.path, timeout)
+                abandoned(lambda: not h.done())
                 return
             self._placed.wait(timeout)
         except Exception as e:
             log.error("the checkpoint save in flight when the training failed: %s", e)
+
+    def watch(self) -> None:
+        """Fail the process at exit (status 1) if an asynchronous save of this
+        Committer failed and nothing waited for it (:meth:`unobserved_error`)."""
+        watch(self)
+
+    def unobserved_error(self) -> BaseException | None:
+        """Wait for the save in flight (and with the fast tier, the local commit; the
+        durable copies' failures are logged, by design) and return its error, or one
+        kept that no call raised yet. Not collective; blocking."""
+        if self.tier is not None:
+            try:
+                self.tier.wait_local(raise_error=True)
+            except BaseException as e:
+                return e
+            return None
+        h, self._handle = self._handle, None
+        if h is None:
+            return None
+        e = h.exception()
+        if e is None:
+            self._placed.wait()
+            e, self._error = self._error, None
+        return e
 
     def remove(self, path: str, is_rank0: bool) -> None:
         """Remove the checkpoint at ``path`` whole, on rank 0 (others: no-op). With a
@@ -247,13 +271,16 @@ class Committer:
         self._agree(comm)
         self.finish(drain=True)
         opts = self.storage_options
+        # a link (save_last="link") stands for the name it points at, which may be
+        # complete only in the fast tier
+        path = link_target(str(path)) or str(path)
 
         def durable() -> list:
             found = kind(path, opts)
             return [found, durable_stamp(path, found, opts) if self.tier else None]
 
         found, dstamp = on_rank0(comm, durable, f"look up the checkpoint {path}")
-        spath = _broadcast(comm, str(path) if comm.rank == 0 else None)
+        spath = _broadcast(comm, path if comm.rank == 0 else None)
         if self.tier is None:
             return Source(found, spath, opts)
         held = self.tier.held(_broadcast(comm, durable_name(spath) if comm.rank == 0

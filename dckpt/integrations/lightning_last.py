@@ -1,16 +1,17 @@
 """What ``ckpt_path="last"`` resumes under dckpt's Lightning strategy: the newest
 complete checkpoint among Lightning's ``last*.ckpt`` names (links followed), the fast
-tier's ``last`` names of ModelCheckpoint's directories and, when none of those is
-complete, among every checkpoint of those directories. Collective (broadcasts and one
+tier's ``last`` names of ModelCheckpoint's directories, and every other checkpoint of
+those directories that holds a whole training state. Collective (broadcasts and one
 all-gather per lookup); rank 0 does the listings and manifest reads.
 """
 from __future__ import annotations
 
 import logging
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..protocol.collectives import Comm, on_rank0
+from .lightning_meta import resumable
 from .lightning_place import (checkpoints_in, durable_name, durable_stamp, join, kind,
                               link_target)
 
@@ -25,15 +26,18 @@ LAST_NAME = re.compile(r"^last(-v?\d+)?\.ckpt$")
 def resolve_last(comm: Comm, tier: "LocalTier | None", opts: dict | None,
                  candidates: list[str], dirs: list[str]) -> str | None:
     """The name ``ckpt_path="last"`` resumes: the newest complete checkpoint among
-    ``candidates`` (rank 0's; Lightning's ``last*.ckpt`` names, a link standing
-    for the name it points at) and the ``last`` names the fast tier holds in
-    ``dirs`` (ModelCheckpoint's directories with ``save_last``); when none is
-    complete (a link to a save that never committed, a first save of ``last``
-    killed), the newest complete checkpoint of ``dirs``. None: nothing complete
-    (a fresh start). Newest: by commit time (a stock checkpoint's modification
-    time). Collective over ``comm`` (broadcasts, one all-gather per lookup; call it after
-    the saves in flight are drained); blocking I/O on rank 0 (listings, a manifest per
-    name). Raises on every rank alike."""
+    ``candidates`` (rank 0's; Lightning's ``last*.ckpt`` names, a link standing for
+    the name it points at), the ``last`` names the fast tier holds in ``dirs``
+    (ModelCheckpoint's directories with ``save_last``), and every other dckpt
+    checkpoint of ``dirs`` (either tier) that holds a whole training state (not
+    ``save_weights_only``): a save of ``last.ckpt`` killed after the top-k save of
+    the same step, a ``save_last="link"`` link to a save that never committed, a
+    first save of ``last`` killed. None: nothing complete (a fresh start). Newest: by
+    commit time (a stock checkpoint's modification time; stock checkpoints count
+    only under a last name, as Lightning's lookup). Collective over ``comm``
+    (broadcasts, one all-gather; call it after the saves in flight are drained);
+    blocking I/O on rank 0 (listings, a manifest per dckpt checkpoint of ``dirs``).
+    Raises on every rank alike."""
     def lasts() -> list[str]:
         names = {durable_name(link_target(c) or c) for c in candidates}
         for d in dirs:
@@ -43,22 +47,42 @@ def resolve_last(comm: Comm, tier: "LocalTier | None", opts: dict | None,
                           if LAST_NAME.match(n.rsplit("/", 1)[-1])}
         return sorted(names)
 
-    best = newest(comm, tier, opts, on_rank0(comm, lasts, "list the last checkpoints"))
-    if best is None and dirs:
-        def every() -> list[str]:
-            names = set()
-            for d in dirs:
-                names |= set(checkpoints_in(d, opts))
-                if tier is not None:
-                    names |= set(tier.names_in(durable_name(d), 0))
-            return sorted(names)
+    def others(known: set[str]) -> list[str]:
+        names: set[str] = set()
+        for d in dirs:
+            for n in checkpoints_in(d, opts):
+                if n in known or LAST_NAME.match(n.rsplit("/", 1)[-1]):
+                    continue
+                try:
+                    if kind(n, opts) == "dckpt" and resumable(read_manifest(n, opts)):
+                        names.add(n)
+                except Exception as e:  # a damaged checkpoint is not a candidate
+                    log.warning("checkpoint %s cannot be read, not a candidate: %s", n, e)
+            if tier is not None:
+                names |= {n for n in tier.names_in(durable_name(d), 0, accept=resumable)
+                          if n not in known}
+        return sorted(names)
 
-        best = newest(comm, tier, opts, on_rank0(comm, every, "list the checkpoints"))
-        if best is not None and comm.rank == 0:
-            log.warning("no complete last checkpoint in %s (a link to a save that "
-                        "never committed, or a save of it killed): resuming from the "
-                        "newest complete checkpoint, %s", ", ".join(dirs), best)
+    lasts_ = on_rank0(comm, lasts, "list the last checkpoints")
+    rest = on_rank0(comm, lambda: others(set(lasts_)), "list the checkpoints") if dirs else []
+    best = newest(comm, tier, opts, lasts_ + rest)
+    if best is not None and best in rest and comm.rank == 0:
+        log.warning("resuming %s: it committed after every complete last checkpoint of "
+                    "%s (a save of last killed, or a link to a save that never "
+                    "committed)", best, ", ".join(dirs))
     return best
+
+
+def read_manifest(path: str, opts: dict | None) -> Any:
+    """The parsed manifest of the dckpt checkpoint at ``path``. Blocking I/O; raises
+    CheckpointError or OSError."""
+    from ..format import manifest as mf
+    from ..protocol.restore import read_manifest_bytes
+    from ..storage.fsspec_storage import make_storage
+
+    storage, root = make_storage(path, opts)
+    return mf.parse(read_manifest_bytes(storage, root, mf.MANIFEST_NAME),
+                    f"{path}/{mf.MANIFEST_NAME}")
 
 
 def newest(comm: Comm, tier: "LocalTier | None", opts: dict | None,

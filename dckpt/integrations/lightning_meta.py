@@ -190,3 +190,15 @@ def from_bytes(data: bytes) -> dict[str, Any] | None:
         out["pickle"] = ts.pop()
     out["tensors"] = ts
     return out
+
+
+def resumable(manifest: Any, key: str = "__lightning__") -> bool:
+    """Whether the checkpoint of ``manifest`` holds a whole training state as the
+    Trainer dumps it (its metadata has ``lr_schedulers``, which
+    ``dump_checkpoint(weights_only=True)`` leaves out), not the weights alone. Pure;
+    never raises (False for anything else)."""
+    try:
+        doc = dict(json.loads(manifest.values[key + ".tree"])["dict"])
+        return any(k == "lr_schedulers" for k, _ in doc["meta"]["dict"])
+    except Exception:
+        return False

@@ -57,6 +57,12 @@ class Held:
         return self.created > durable[1]
 
 
+def _parent(view: Any) -> str | None:
+    """The durable save id a local commit was made over (see :class:`Held`)."""
+    parent = view.values.get(PARENT_KEY)
+    return parent if isinstance(parent, str) else None
+
+
 def mine(storage, slot: str, final: str, comm: Comm) -> list | None:
     """[save id, commit time, parent] of this rank's usable view of ``final``'s
     ``slot`` (it records ``final``, this world size, this rank's files at their
@@ -65,11 +71,19 @@ def mine(storage, slot: str, final: str, comm: Comm) -> list | None:
         path = storage.join(slot, tlocal.view_name(comm.rank))
         view = mf.parse(storage.read_file(path, MAX_MANIFEST), path)
         sizes = {x.name: x.size for x in storage.listdir(slot)}
-        if view.meta.get("owner") == final and view.world_size == comm.size and all(
-                sizes.get(f.name) == f.size for f in view.files if f.rank == comm.rank):
-            parent = view.values.get(PARENT_KEY)
-            return [view.save_id, float(view.created),
-                    parent if isinstance(parent, str) else None]
+        if view.meta.get("owner") != final:
+            return None
+        if view.world_size != comm.size:
+            # a commit of another world size: its views and files are laid out per rank
+            # of that world, this one cannot read it; never skipped in silence
+            log.warning("rank %d: the fast tier holds a commit of %s saved at %d ranks "
+                        "(save %s); this run has %d, so it is not read: the durable "
+                        "copy is loaded instead, which is older if that commit was never "
+                        "copied", comm.rank, final, view.world_size, view.save_id,
+                        comm.size)
+            return None
+        if all(sizes.get(f.name) == f.size for f in view.files if f.rank == comm.rank):
+            return [view.save_id, float(view.created), _parent(view)]
     except FileNotFoundError:
         pass
     except (OSError, CheckpointError) as e:
@@ -78,11 +92,11 @@ def mine(storage, slot: str, final: str, comm: Comm) -> list | None:
 
 
 def names_in(storage, root: str, slot_of: Callable[[str], str], directory: str,
-             rank: int) -> list[str]:
+             rank: int, accept: Callable[[Any], bool] | None = None) -> list[str]:
     """The durable names of the slots of ``directory`` (in the fast tier ``root``,
     ``slot_of`` naming a name's slot) this rank holds a view of (their views'
-    ``owner``). Local I/O: a listing and a small read per slot; never
-    raises (an unreadable slot is skipped)."""
+    ``owner``), those whose view ``accept`` accepts when given. Local I/O: a listing
+    and a small read per slot; never raises (an unreadable slot is skipped)."""
     prefix = job_prefix(directory.rstrip("/") + "/x")
     out = []
     try:
@@ -98,8 +112,8 @@ def names_in(storage, root: str, slot_of: Callable[[str], str], directory: str,
         except (OSError, CheckpointError):
             continue
         owner = view.meta.get("owner")
-        if isinstance(owner, str) and slot_of(owner) == storage.join(
-                root, e.name):
+        if isinstance(owner, str) and slot_of(owner) == storage.join(root, e.name) and (
+                accept is None or accept(view)):
             out.append(owner)
     return sorted(out)
 
@@ -162,7 +176,11 @@ def copied(tier: Any, view: Any, rank: int) -> bool:
         durable, why = None, f"its durable copy cannot be read ({e})"
     else:
         why = "it has no durable copy yet"
-    if durable is not None and (durable[0] == view.save_id or durable[1] > view.created):
+    # the same rule as a load's choice (Held.newer_than): the durable copy is this save,
+    # or one saved since over it (a durable id other than the recorded parent); commit
+    # times of two hosts are compared only for a commit without a parent
+    if durable is not None and (durable[0] == view.save_id or not Held(
+            "", view.save_id, float(view.created), _parent(view)).newer_than(durable)):
         return True
     if owner not in tier._kept:
         tier._kept.add(owner)

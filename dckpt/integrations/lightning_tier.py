@@ -62,6 +62,7 @@ from ..storage.fsspec_storage import make_storage
 from ..tiers import local as tlocal
 from ..tiers import stager, stage_encoded
 from . import lightning_slots as slots
+from .lightning_exit import abandoned
 from .lightning_place import place_agreed
 from .lightning_slots import (PARENT_KEY, SLOT_PREFIX, Held,  # noqa: F401 (re-exported)
                               job_prefix)
@@ -148,10 +149,11 @@ class LocalTier:
         with self._lock:
             self._owned.add(job_prefix(final))
 
-    def names_in(self, directory: str, rank: int) -> list[str]:
+    def names_in(self, directory: str, rank: int,
+                 accept: Callable[[Any], bool] | None = None) -> list[str]:
         """The durable names of ``directory`` whose slots this rank holds a view of
         (:func:`.lightning_slots.names_in`). Local I/O; never raises."""
-        return slots.names_in(self.storage, self.root, self.slot, directory, rank)
+        return slots.names_in(self.storage, self.root, self.slot, directory, rank, accept)
 
     def _open(self, comm: Comm) -> None:
         """Collective on first use (and after a new default group): ``root`` on every
@@ -368,6 +370,8 @@ class LocalTier:
         except cf.TimeoutError:
             log.error("the fast tier's saves and copies in flight did not finish within "
                       "%.0f s of the training's failure: not waited for", timeout)
+            pending = self._copy_exec.submit(lambda: None)
+            abandoned(lambda: (job is not None and not job.done()) or not pending.done())
         except RuntimeError:  # shut down at exit
             pass
 
