@@ -490,6 +490,172 @@ def test_ranks_disagreeing_on_bytes_or_tensor_under_one_key_are_refused():
         plancache.fingerprints(as_tensor, localplan.encode(as_tensor))[0]
 
 
+def _rank_plan(state: dict) -> localplan.LocalPlan:
+    """A rank's local plan of ``state`` (1-D tensors and bytes), built as a save builds
+    it (flatten with blobs; one whole box per tensor), then sent through the wire."""
+    flat = flatten(state, blobs=True)
+    items = [(k, "U8" if t.dtype == torch.uint8 else "F32", tuple(t.shape))
+             for k, t in flat.tensors.items()]
+    boxes = np.array([x for t in flat.tensors.values() for x in (0, t.shape[0])], np.int64)
+    plan = localplan.LocalPlan(items, boxes, dict(flat.values), bytes_keys=flat.bytes_keys,
+                               tensors=flat.tensors)
+    return localplan.decode(localplan.encode(plan))
+
+
+def _writes(gp: gplan.GlobalPlan, plans: list, key: str) -> list[int]:
+    """The ranks whose write mask writes their item ``key``."""
+    return [r for r, p in enumerate(plans) for (k, _, _), w in zip(p.items, gp.writes[r])
+            if k == key and w]
+
+
+BIGGER = INLINE_BYTES + 4096
+
+
+@pytest.mark.parametrize("sizes", [(BIGGER, BIGGER), (BIGGER, BIGGER + 8192),
+                                   (INLINE_BYTES - 4096, BIGGER), (BIGGER, INLINE_BYTES - 4096),
+                                   (100, 200)],
+                         ids=["equal-sizes", "both-over", "inline-first", "inline-second",
+                              "both-inline"])
+def test_a_shared_bytes_key_keeps_the_lowest_ranks_value_with_a_conflict(sizes):
+    """A bytes key is a value whatever its size: the lowest rank holding it gives what
+    is saved (its inline tag, or its item, written by it alone), and a rank whose bytes
+    differ is reported in ``conflicts``, equal sizes with other contents included."""
+    t = torch.ones(4)
+    plans = [_rank_plan({"s": bytes([r + 1]) * n, "w": t}) for r, n in enumerate(sizes)]
+    gp = gplan.plan_global(plans)
+    assert gp.conflicts == {"s": 1}
+    if sizes[0] > INLINE_BYTES:
+        assert gp.bytes_keys == ["s"] and "s" not in gp.values
+        assert gp.tensors["s"].shape == (sizes[0],) and _writes(gp, plans, "s") == [0]
+        assert gp.bytes_per_rank[0] >= sizes[0] and gp.bytes_per_rank[1] < BIGGER
+    else:
+        assert "s" not in gp.tensors and sealed.user_value(gp.values["s"]) == b"\x01" * sizes[0]
+        assert _writes(gp, plans, "s") == [] and gp.bytes_keys == []
+        assert gp.shadowed == ({"s": 1} if sizes[1] > INLINE_BYTES else {})
+    assert "w" in gp.tensors and sorted(_writes(gp, plans, "w")) in ([0], [1])
+    assert [len(w) for w in gp.writes] == [len(p.items) for p in plans]
+
+
+def test_the_same_bytes_on_every_rank_are_written_once_by_the_lowest_without_conflict():
+    """Not a replicated tensor whose writer the round robin picks (here it would pick
+    rank 1: ranks 1-3 also share other tensors): the lowest rank's copy, and the ranks
+    keep one key table (no plan is copied)."""
+    plans = [_rank_plan({**({f"x{j}": torch.ones(2) for j in range(4)} if r else {}),
+                         "s": b"\x05" * BIGGER}) for r in range(4)]
+    gp = gplan.plan_global(plans)
+    assert gp.conflicts == {} and gp.bytes_keys == ["s"] and _writes(gp, plans, "s") == [0]
+    plans = [_rank_plan({"w": torch.ones(2), "s": b"\x05" * BIGGER}) for _ in range(4)]
+    gp = gplan.plan_global(plans)
+    assert gp.conflicts == {} and _writes(gp, plans, "s") == [0]
+    # a rank that does not hold the key at all changes nothing
+    plans[0] = _rank_plan({"w": torch.ones(2)})
+    gp = gplan.plan_global(plans)
+    assert gp.conflicts == {} and _writes(gp, plans, "s") == [1]
+
+
+def test_mixed_holders_keep_each_keys_lowest_copy_and_each_ranks_own_items():
+    """Several bytes keys at once: "a" the same size everywhere (dropped in place), "b"
+    inline on rank 0 (every item dropped), "c" other sizes (copies without it), "d"
+    rank 2's alone; the masks stay on each rank's own items."""
+    big = lambda r, n=BIGGER: bytes([r + 1]) * n  # noqa: E731
+    states = [{"a": big(0), "b": b"\x00", "w": torch.ones(4)},
+              {"a": big(1), "b": big(1), "c": big(1), "w": torch.ones(4)},
+              {"a": big(0), "b": big(2), "c": big(2, BIGGER + 1), "d": big(2), "w": torch.ones(4)},
+              {"c": big(1), "w": torch.ones(4)}]
+    plans = [_rank_plan(st) for st in states]
+    gp = gplan.plan_global(plans)
+    assert gp.bytes_keys == ["a", "c", "d"] and "b" in gp.values and gp.shadowed == {"b": 1}
+    assert gp.conflicts == {"a": 1, "b": 1, "c": 2}  # rank 3's "c" equals rank 1's
+    assert [_writes(gp, plans, k) for k in "abcd"] == [[0], [], [1], [2]]
+    assert gp.tensors["c"].shape == (BIGGER,)
+    assert [len(w) for w in gp.writes] == [len(p.items) for p in plans]
+    back = [gplan.decode_writes(gplan.encode_writes(gp), r) for r in range(4)]
+    assert all(np.array_equal(a, b) for a, b in zip(back, gp.writes))
+
+
+def test_per_rank_bytes_keys_are_each_ranks_own():
+    """torchtitan's ``dp_rank_<r>``: one key per rank, each written by its rank; the
+    plans are not copied."""
+    plans = [_rank_plan({f"dp_rank_{r}": bytes([r]) * BIGGER, "ws": 4, "w": torch.ones(2)})
+             for r in range(4)]
+    gp = gplan.plan_global(plans)
+    assert gp.conflicts == {} and gp.shadowed == {}
+    assert gp.bytes_keys == [f"dp_rank_{r}" for r in range(4)]
+    assert [_writes(gp, plans, f"dp_rank_{r}") for r in range(4)] == [[0], [1], [2], [3]]
+
+
+def test_a_bytes_key_held_as_a_tensor_of_another_shape_names_both():
+    a = _rank_plan({"k": b"\x01" * BIGGER})
+    b = _rank_plan({"k": torch.ones(3)})
+    with pytest.raises(StateMismatchError, match="'k' is a bytes value on one rank and a "
+                                                 "tensor on another"):
+        gplan.plan_global([a, b])
+    with pytest.raises(StateMismatchError, match="'k' is a bytes value on one rank and a "
+                                                 "tensor on another"):
+        gplan.plan_global([b, a])
+    # a lower rank's inline copy takes the key; a tensor under it is still refused
+    small = _rank_plan({"k": b"\x01"})
+    with pytest.raises(StateMismatchError, match="'k' is a tensor on one rank and a plain"):
+        gplan.plan_global([small, a, b])
+
+
+def test_a_plan_listing_a_bytes_key_it_does_not_hold_is_refused():
+    a = _rank_plan({"k": b"\x01" * BIGGER})
+    b = localplan.LocalPlan([("w", "F32", (2,))], np.array([0, 2], np.int64), bytes_keys=["k"])
+    with pytest.raises(StateMismatchError, match="rank 1 lists 'k' as a bytes value"):
+        gplan.plan_global([a, b])
+
+
+def test_plans_carry_a_content_hash_of_each_bytes_item():
+    a = _rank_plan({"k": b"\x01" * BIGGER})
+    b = _rank_plan({"k": b"\x02" * BIGGER})
+    assert set(a.bytes_digests) == {"k"} and a.bytes_digests != b.bytes_digests
+    assert a.bytes_digests == _rank_plan({"k": b"\x01" * BIGGER}).bytes_digests
+    bad = localplan.LocalPlan(a.items, a.boxes, bytes_keys=["k"], bytes_digests={"k": [1]})
+    with pytest.raises(ValueError, match="malformed local plan"):
+        localplan.decode(localplan.encode(bad))
+
+
+def _cache_with(plans: list) -> plancache.CoordCache:
+    """A coordinator cache holding the full plan of ``plans``."""
+    cache = plancache.CoordCache()
+    offers = [plancache.decode_offer(plancache.encode_offer(
+        False, plancache.fingerprints(p, localplan.encode(p)), localplan.encode(p)))
+        for p in plans]
+    cache.store(offers, plans, gplan.plan_global(plans))
+    return cache
+
+
+def _finish(cache: plancache.CoordCache, plans: list):
+    return cache._finish([(plancache.values_hash(p.values), p.values) for p in plans])
+
+
+def test_a_cached_plan_replans_when_the_value_that_shadowed_a_bytes_item_goes():
+    """Rank 0's inline copy took the key and rank 1's item is not written; a later save
+    with the same structures in which rank 0 no longer holds the key must not reuse
+    those masks (rank 1's item would be lost): the cache answers "plan again"."""
+    t = torch.ones(2)
+    plans = [_rank_plan({"s": b"\x01" * 100, "w": t}), _rank_plan({"s": b"\x02" * BIGGER, "w": t})]
+    cache = _cache_with(plans)
+    assert _finish(cache, plans) is not None  # unchanged: reused
+    gone = [_rank_plan({"w": t}), plans[1]]
+    assert _finish(cache, gone) is None
+    assert gplan.plan_global(gone).bytes_keys == ["s"]  # the full plan keeps rank 1's
+
+
+def test_a_cached_plan_drops_a_higher_ranks_inline_copy_and_replans_for_a_lower_one():
+    t = torch.ones(2)
+    big, small = {"s": b"\x01" * BIGGER, "w": t}, {"s": b"\x02", "w": t}
+    plans = [_rank_plan({"w": t}), _rank_plan(big), _rank_plan(small)]
+    gp = gplan.plan_global(plans)
+    assert gp.bytes_keys == ["s"] and "s" not in gp.values and gp.conflicts == {"s": 2}
+    cache = _cache_with(plans)
+    got = _finish(cache, plans)
+    assert got is not None and "s" not in got.values and got.conflicts == {"s": 2}
+    lower = [_rank_plan(small), plans[1], plans[2]]  # rank 0 now gives the key inline
+    assert _finish(cache, lower) is None
+
+
 def _entry_doc(tmp_path) -> dict:
     path = str(tmp_path / "src")
     dckpt.save({"dl": b"\x07" * (INLINE_BYTES + 5)}, path)

@@ -42,7 +42,8 @@ _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 BYTES_TAG = "$bytes"
 INLINE_BYTES = 64 << 10  # a save inlines bytes values up to this size
 # The largest tag a reader accepts: what saves before version 5 inlined (and what
-# flatten still inlines for callers that want no data-file entries, such as imports).
+# flatten still inlines for callers that want no data-file entries; saves and imports
+# store larger ones in data files).
 MAX_BYTES_TAG = 1 << 20
 _MAX_B64 = 4 * -(-MAX_BYTES_TAG // 3)  # its base64 length (padded)
 # The largest bytes value at all (a data-file entry): a load allocates it whole, so a

@@ -170,8 +170,10 @@ class DCPSource(Source):
                                   f"{type(e).__name__}: {msg}") from None
 
     def _load_values(self, keys: list[str], prefix: str) -> None:
-        """The non-tensor entries, flattened as dckpt.save would store them. Raises
-        UnsupportedValueError naming the key for an object that is not plain data."""
+        """The non-tensor entries, flattened as dckpt.save would store them (a bytes
+        value over 64 KiB, such as torchtitan's pickled dataloader state, as a uint8
+        tensor the import writes as a bytes entry). Raises UnsupportedValueError naming
+        the key for an object that is not plain data, or a bytes value over 4 GiB."""
         state: dict[str, Any] = {k: None for k in keys}
         try:
             self._dcp_load(state, f"{len(keys)} non-tensor entries ({preview(keys, 3)})")
@@ -186,12 +188,14 @@ class DCPSource(Source):
             raise
         for k, v in state.items():
             try:
-                flat = flatten({k: v})
+                flat = flatten({k: v}, blobs=True)  # large bytes values: data-file entries
             except CheckpointError as e:
                 raise UnsupportedValueError(f"{self.src}: entry {k!r}: {e}") from None
-            for name, t in flat.tensors.items():  # a tensor inside a pickled object
+            blobs = set(flat.bytes_keys)
+            for name, t in flat.tensors.items():  # a tensor inside a pickled object, or bytes
                 self.cache[name] = t
-                self.tensors.append(SourceTensor(prefix + name, name, t.dtype, tuple(t.shape)))
+                self.tensors.append(SourceTensor(prefix + name, name, t.dtype, tuple(t.shape),
+                                                 name in blobs))
             self.values.update({prefix + n: x for n, x in flat.values.items()})
             self.int_keys += [prefix + n for n in flat.int_keys]
 

@@ -10,6 +10,9 @@ replaced checkpoint's files removed after, this import's files removed on failur
 Unlike a save, the data are cut into several files of at most ``max_shard_size``
 bytes, and a tensor larger than that into slabs of rows, one per file: that is what
 bounds the memory, since a data file is written from buffers that are all in memory.
+A bytes value over 64 KiB (a DCP or torch.save checkpoint's pickled dataloader state)
+is a bytes entry of one data file, whole, as ``dckpt.save`` writes it (manifest
+version 5); a smaller one is a ``{"$bytes"}`` value in the manifest.
 """
 from __future__ import annotations
 
@@ -66,12 +69,13 @@ def import_checkpoint(src: str, dst: str, *, format: str = "auto", prefix: str |
     writes it once with fsync (plus hashing, and compressing if asked). Memory: one
     output data file of at most ``max_shard_size`` bytes (default 1 GB), plus for DCP
     its read temporaries of one saved chunk; a DCP tensor larger than the limit is held
-    whole, and a single row over it is one chunk. Returns the CheckpointInfo of the
+    whole, and a single row over it is one chunk; so is a bytes value over it (each is
+    in memory whole anyway, up to 4 GiB). Returns the CheckpointInfo of the
     commit (``world_size`` 1).
 
     Raises CheckpointError naming the file or key: an unknown or unreadable source, a
-    damaged safetensors header or index, a dtype or object dckpt cannot store
-    (UnsupportedValueError), a key that is both a tensor and a value, an alias of a
+    damaged safetensors header or index, a dtype or object dckpt cannot store, a bytes
+    value over 4 GiB (UnsupportedValueError), a key that is both a tensor and a value, an alias of a
     missing name; AlreadyExistsError when ``dst`` holds a checkpoint and not
     ``overwrite``. On any error nothing is committed: ``dst`` keeps what it had."""
     t0 = time.perf_counter()
@@ -131,7 +135,7 @@ def _aliases(source: Source, aliases: dict[str, str], prefix: str, src: str) -> 
         t = by_name.get(old)
         if t is None:
             raise CheckpointError(f"alias {new!r} -> {old!r}: {src} has no tensor {old!r}")
-        out.append(SourceTensor(prefix + new, old, t.dtype, t.shape))
+        out.append(SourceTensor(prefix + new, old, t.dtype, t.shape, t.bytes_value))
     return out
 
 
@@ -182,7 +186,8 @@ def _plan(tensors: list[SourceTensor], limit: int) -> list[list[Chunk]]:
     """Pack the tensors, in order, into data files of at most ``limit`` bytes. A tensor
     over the limit is cut into slabs of rows, each in a file of its own (a file holds
     one chunk of a tensor at most); the last slab's file takes the next tensors if they
-    fit. Tensors with no elements go in no file. Pure."""
+    fit. A bytes value is never cut (its entry is one chunk, as a save writes it).
+    Tensors with no elements go in no file. Pure."""
     files: list[list[Chunk]] = []
     cur: list[Chunk] = []
     size = 0
@@ -191,7 +196,7 @@ def _plan(tensors: list[SourceTensor], limit: int) -> list[list[Chunk]]:
         if n == 0:
             continue
         rows = t.shape[0] if t.shape else 1
-        if n <= limit or not t.shape:
+        if n <= limit or not t.shape or t.bytes_value:
             if cur and size + n > limit:
                 files.append(cur)
                 cur, size = [], 0
@@ -271,7 +276,8 @@ def _piece(source: Source, t: SourceTensor, r0: int, r1: int) -> LocalPiece:
 
 def _entry(t: SourceTensor, placed: list[tuple[int, int]]) -> mf.TensorEntry:
     """The manifest entry of ``t`` from the files holding its slabs, in row order: a
-    grid cut along dim 0 (the list form with no chunks for an empty tensor). Pure."""
+    grid cut along dim 0 (the list form with no chunks for an empty tensor), marked as
+    bytes for a bytes value. Pure."""
     nd = len(t.shape)
     if math.prod(t.shape) == 0:
         z = np.zeros((0, nd), np.int64)
@@ -281,6 +287,7 @@ def _entry(t: SourceTensor, placed: list[tuple[int, int]]) -> mf.TensorEntry:
                      for d in range(nd))
         offsets, sizes = mf.grid_cells(grid)
         chunks = mf.Chunks(offsets, sizes, np.array([f for f, _ in placed], np.int64), grid)
-    return mf.TensorEntry(t.key, to_code(t.dtype, t.key), t.shape, chunks)
+    return mf.TensorEntry(t.key, to_code(t.dtype, t.key), t.shape, chunks,
+                          bytes_value=t.bytes_value)
 
 

@@ -34,12 +34,15 @@ _PLAIN = re.compile(r"^[^/\\\x00]+\.safetensors$")
 @dataclass(frozen=True)
 class SourceTensor:
     """One tensor of a source: its dckpt key (prefix included), the source's own name
-    for it, dtype and shape."""
+    for it, dtype and shape. ``bytes_value``: a bytes value over 64 KiB held as a 1-D
+    uint8 tensor (dckpt.state.flatten with ``blobs``), written as a bytes entry, as
+    dckpt.save writes one (manifest version 5)."""
 
     key: str
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
+    bytes_value: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -262,8 +265,9 @@ class TorchSaveSource(Source):
     """A ``torch.save`` file (the zip format of torch >= 1.6), loaded with
     ``weights_only=True`` and ``mmap=True``: tensors are views of the mapped file, read
     when written out. Nested dicts/lists become dotted keys as ``dckpt.save`` makes
-    them; JSON scalars become values. The pages of each tensor are dropped from memory
-    once it has been written (see :func:`drop_pages`)."""
+    them; JSON scalars become values; bytes values as ``dckpt.save`` keeps them (over
+    64 KiB: a bytes entry of a data file, up to 4 GiB). The pages of each tensor are
+    dropped from memory once it has been written (see :func:`drop_pages`)."""
 
     kind = "torch.save"
 
@@ -281,7 +285,7 @@ class TorchSaveSource(Source):
                                   f"{' '.join(str(e).split())[:500]}") from None
         self.maps = file_mappings(src)
         try:
-            flat = flatten(obj)
+            flat = flatten(obj, blobs=True)  # large bytes values: data-file entries
         except CheckpointError as e:  # e.g. the file holds one tensor, not a dict
             raise type(e)(f"{src}: {e}") from None
         self.t = dict(flat.tensors)
@@ -292,7 +296,8 @@ class TorchSaveSource(Source):
             to_code(v.dtype, k)  # UnsupportedValueError (a CheckpointError) naming it
         self.values = {prefix + k: v for k, v in flat.values.items()}
         self.int_keys = [prefix + k for k in flat.int_keys]
-        self.tensors = [SourceTensor(prefix + k, k, v.dtype, tuple(v.shape))
+        blobs = set(flat.bytes_keys)
+        self.tensors = [SourceTensor(prefix + k, k, v.dtype, tuple(v.shape), k in blobs)
                         for k, v in self.t.items()]
 
     def read(self, name: str, r0: int, r1: int) -> torch.Tensor:

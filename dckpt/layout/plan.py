@@ -7,22 +7,23 @@ then it picks one writer per distinct box, spreading replicated boxes across the
 holders. Cost: O(N log N) in the number N of (rank, tensor) items, vectorised, and O(N)
 without a sort in the common case of one key table whose boxes ascend with the rank
 (:mod:`.keymajor`); key tables that are byte-identical across ranks are handled once.
+JSON values, and bytes values whether inline or planned as items (:mod:`.bytesplan`),
+follow the values rule: the lowest rank holding a key gives what is saved.
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Container, Sequence
 
 import numpy as np
 
 from ..errors import StateMismatchError
 from ..format import manifest as mf
 from ..format.dtypes import ITEMSIZE
-from . import keymajor
+from . import bytesplan, keymajor
 from ..format import tiling
-from .localplan import LocalPlan
+from .localplan import LocalPlan, key_table
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,8 +53,12 @@ class GlobalPlan:
     # per-rank mask list: ``writes`` is empty)
     packed_writes: bytes | None = None
     # tensors that are bytes values (dckpt.state.flatten.Flat.bytes_keys), sorted: the
-    # manifest marks their entries, so a load hands back bytes
+    # manifest marks their entries, so a load hands back bytes. Each is written by the
+    # lowest rank holding its key (the values rule: dckpt.layout.bytesplan)
     bytes_keys: list[str] = field(default_factory=list)
+    # bytes key -> the lowest rank whose bytes item the plan dropped because a lower
+    # rank gave the key as a JSON value (a plan cache must replan once that value is gone)
+    shadowed: dict[str, int] = field(default_factory=dict)
 
 
 def _same(a, b) -> bool:
@@ -61,15 +66,14 @@ def _same(a, b) -> bool:
     return type(a) is type(b) and (a == b or (a != a and b != b))
 
 
-def _key_table(plans: list[LocalPlan]):
-    """Global key order, dtype and shape; item -> global key id per distinct table."""
+def _key_table(plans: list[LocalPlan], blobs: Container[str] = ()):
+    """Global key order, dtype and shape; item -> global key id per distinct table.
+    ``blobs``: the bytes keys, named as such when a rank holds a tensor under one."""
     keys: dict[str, int] = {}
     meta: list[tuple[str, tuple[int, ...], int]] = []  # dtype, shape, first rank
     table_ids: dict[bytes, np.ndarray] = {}
     for r, p in enumerate(plans):
-        if not p.keys_json:  # built in memory, not decoded: derive the cache key
-            p.keys_json = json.dumps([[k, d, list(s)] for k, d, s in p.items]).encode()
-        if p.keys_json in table_ids:
+        if key_table(p) in table_ids:  # a table seen on a lower rank
             continue
         ids = np.empty(len(p.items), np.int64)
         for j, (k, dt, shape) in enumerate(p.items):
@@ -80,8 +84,10 @@ def _key_table(plans: list[LocalPlan]):
             else:
                 mdt, mshape, r0 = meta[kid]
                 if (mdt, mshape) != (dt, tuple(shape)):
+                    what = (f"key {k!r} is a bytes value on one rank and a tensor on another"
+                            if k in blobs else f"ranks disagree about tensor {k!r}")
                     raise StateMismatchError(
-                        f"ranks disagree about tensor {k!r}: rank {r0} has dtype {mdt} shape "
+                        f"{what}: rank {r0} has dtype {mdt} shape "
                         f"{list(mshape)}, rank {r} has dtype {dt} shape {list(shape)}")
             ids[j] = kid
         # A key listed more than once is a tensor of which the rank holds several
@@ -182,17 +188,24 @@ def plan_global(plans: list[LocalPlan]) -> GlobalPlan:
     """Validate all local plans and assign writers. Pure; raises StateMismatchError
     naming the tensor (and rank) at fault. Cost: with one key table whose boxes ascend
     with the rank (FSDP, DDP, TP), O(N) vectorised passes (:mod:`.keymajor`); else a
-    lexsort of the N items. Then O(boxes) per tensor for its tiling check."""
+    lexsort of the N items. Then O(boxes) per tensor for its tiling check. Values,
+    bytes values planned as items included, keep the lowest rank's (:mod:`.bytesplan`:
+    O(bytes keys), plus O(items) of a rank whose item another rank's copy replaces)."""
     world = len(plans)
-    names, meta, table_ids = _key_table(plans)
+    counts = [len(p.items) for p in plans]  # of each rank's own items (write masks)
     values: dict = {}
+    given: dict[str, int] = {}  # the rank each value came from
     conflicts: dict[str, int] = {}
     for r, p in enumerate(plans):  # the lowest rank holding a key gives its value
         for k, v in p.values.items():
             if k not in values:
-                values[k] = v
+                values[k], given[k] = v, r
             elif k not in conflicts and not _same(values[k], v):
                 conflicts[k] = r
+    settled = bytesplan.settle(plans, values, given, conflicts)
+    if settled is not None:
+        plans = settled.plans
+    names, meta, table_ids = _key_table(plans, settled.owned if settled else ())
     clash = set(values) & set(names)
     if clash:
         raise StateMismatchError(f"key {sorted(clash)[0]!r} is a tensor on one rank and a "
@@ -204,6 +217,7 @@ def plan_global(plans: list[LocalPlan]) -> GlobalPlan:
         rows = _sorted_rows(plans, meta, table_ids, names, shapes)
     kid, rank, local, offs, sizes, new = (rows.kid, rows.rank, rows.local, rows.offs,
                                           rows.sizes, rows.new)
+    own = bytesplan.check_rows(settled, names, meta, kid, rank, local) if settled else None
     gstart = np.flatnonzero(new)
     distinct = len(gstart) == len(kid)  # no replicas: every row is its own group
     gcount = np.diff(np.append(gstart, len(kid)))
@@ -230,16 +244,19 @@ def plan_global(plans: list[LocalPlan]) -> GlobalPlan:
         cls = np.cumsum(first) - 1
         pos = np.arange(len(by)) - np.flatnonzero(first)[cls]
         pick[rep[by]] = (pos + cls) % gcount[rep[by]]
+        if own is not None:  # a bytes value: its owner's row, the group's first, writes
+            pick[rep[own[kid[gstart[rep]]] >= 0]] = 0
     if distinct:  # every box has one holder, its writer (FSDP): no gathers
         wr, wl = rank, local
     else:
         writer_row = gstart + pick
         wr, wl = rank[writer_row], local[writer_row]
-    counts = np.array([len(p.items) for p in plans], np.int64)
-    base = np.concatenate(([0], np.cumsum(counts)))
+    base = np.concatenate(([0], np.cumsum([len(p.items) for p in plans], dtype=np.int64)))
     mask = np.zeros(int(base[-1]), bool)
     mask[base[wr] + wl] = True
     writes = np.split(mask, base[1:-1])
+    if settled is not None:
+        writes = settled.expand(writes, counts)
     bytes_per_rank = np.bincount(wr, weights=gbytes, minlength=world).astype(np.int64)
 
     # Per-key tiling over the distinct boxes.
@@ -264,32 +281,10 @@ def plan_global(plans: list[LocalPlan]) -> GlobalPlan:
             o, s, w = o[t.order], s[t.order], w[t.order]
         tensors[name] = PlannedTensor(name, dt, shape, o, s, w, t.grid)
     int_keys = sorted({k for p in plans for k in p.int_keys})
+    if settled is None:
+        return GlobalPlan(tensors, values, writes, bytes_per_rank, conflicts, int_keys)
     return GlobalPlan(tensors, values, writes, bytes_per_rank, conflicts, int_keys,
-                      bytes_keys=_bytes_keys(plans, tensors))
-
-
-def _bytes_keys(plans: list[LocalPlan], tensors: dict[str, PlannedTensor]) -> list[str]:
-    """The keys that are bytes values, sorted, once every rank that holds one of them
-    holds it as bytes, as a 1-D U8 item. O(items) Python over the ranks, paid only when
-    some rank has a bytes value. Raises StateMismatchError naming the key and rank
-    (one rank's bytes value and another's uint8 tensor under one key: one of them would
-    load back as the other's kind)."""
-    marked = {k for p in plans for k in p.bytes_keys}
-    if not marked:
-        return []
-    for k in marked:
-        t = tensors.get(k)
-        if t is None or t.dtype != "U8" or len(t.shape) != 1:
-            raise StateMismatchError(f"key {k!r} is listed as a bytes value but is not "
-                                     "planned as a 1-D U8 item (a malformed plan)")
-    for r, p in enumerate(plans):
-        mine = set(p.bytes_keys)
-        other = next((k for k, _, _ in p.items if k in marked and k not in mine), None)
-        if other is not None:
-            raise StateMismatchError(
-                f"key {other!r} is a bytes value on one rank and a uint8 tensor on rank "
-                f"{r}: give them different keys")
-    return sorted(marked)
+                      bytes_keys=sorted(settled.owned), shadowed=settled.shadowed)
 
 
 def encode_writes(plan: GlobalPlan) -> bytes:

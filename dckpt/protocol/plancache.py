@@ -255,8 +255,23 @@ class CoordCache:
         return self._finish(per_rank)
 
     def _finish(self, per_rank: list) -> gplan.GlobalPlan | None:
-        values, conflicts = merge_values(per_rank)
-        if set(values) & set(self.gp.tensors):
+        """The cached plan with these (values hash, values) per rank merged in, or None
+        (plan again) when they no longer fit it: a value where a tensor was, or a bytes
+        key whose first holder changed. O(distinct values sets x values + bytes keys)."""
+        first: dict[str, int] = {}
+        values, conflicts = merge_values(per_rank, first)
+        gp, world = self.gp, len(per_rank)
+        # Bytes keys follow the values rule (dckpt.layout.bytesplan): the cached masks
+        # hold only while the rank that gave the key still gives it first.
+        if any(first.get(k, world) > r for k, r in gp.shadowed.items()):
+            return None  # the value that took the key is gone: a dropped item must write
+        for k in set(values).intersection(gp.bytes_keys):
+            w = int(gp.tensors[k].writer[0])
+            if first[k] < w:
+                return None  # a lower rank's value now takes the key: plan again
+            del values[k]  # a higher rank's inline copy: the item is kept, as planned
+            conflicts[k] = first[k]
+        if set(values) & set(gp.tensors):
             return None  # a value where a tensor was: let the full path report it
         self.values_hash = [h for h, _ in per_rank]
         self.values = {h: v for h, v in per_rank}
@@ -300,10 +315,12 @@ class CoordCache:
         return self.plan_id
 
 
-def merge_values(per_rank: list[tuple[bytes, dict]]) -> tuple[dict, dict]:
+def merge_values(per_rank: list[tuple[bytes, dict]],
+                 first: dict[str, int] | None = None) -> tuple[dict, dict]:
     """(values, conflicts) as :func:`dckpt.layout.plan.plan_global` merges them (the
     lowest rank's value wins; a differing later rank is reported), visiting each
-    distinct values set once: O(distinct sets x values), not O(ranks x values)."""
+    distinct values set once: O(distinct sets x values), not O(ranks x values).
+    ``first``, when given, receives the rank each kept value came from."""
     values: dict = {}
     conflicts: dict[str, int] = {}
     seen: set[bytes] = set()
@@ -314,6 +331,8 @@ def merge_values(per_rank: list[tuple[bytes, dict]]) -> tuple[dict, dict]:
         for k, v in vals.items():
             if k not in values:
                 values[k] = v
+                if first is not None:
+                    first[k] = r
             elif k not in conflicts and not gplan._same(values[k], v):
                 conflicts[k] = r
     return values, conflicts

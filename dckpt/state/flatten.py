@@ -113,10 +113,10 @@ def _check_size(key: str, raw: bytes, limit: int) -> bytes:
     if len(raw) > limit:
         raise UnsupportedValueError(
             f"the bytes value at key {key!r} is {len(raw)} bytes, over the {limit}-byte "
-            "limit for bytes values" + (" kept in a manifest (dckpt.save stores larger ones "
-                                        "in its data files)" if limit == MAX_BYTES_TAG else
-                                        " (a load allocates it whole): split it, or store "
-                                        "it as a tensor"))
+            "limit for bytes values" + (" kept inline (dckpt.save and dckpt import store "
+                                        "larger ones in data files)" if limit == MAX_BYTES_TAG
+                                        else " (a load allocates it whole): split it, or "
+                                        "store it as a tensor"))
     return raw
 
 
@@ -141,8 +141,8 @@ def flatten(state: Any, *, target: bool = False, blobs: bool = False) -> Flat:
     load's target, whose leaves only name what to read: a bytes leaf stays as it is (any
     length, not encoded). ``blobs`` (a save): a bytes value over INLINE_BYTES becomes a
     1-D uint8 tensor (a copy: :func:`bytes_tensor`), its key listed in ``bytes_keys``;
-    without it, every bytes value is a tag (what imports, which write no data file for
-    values, keep). Raises UnsupportedValueError before any I/O: for an unsupported type
+    without it, every bytes value is a tag (for callers that write no data file for
+    values). Raises UnsupportedValueError before any I/O: for an unsupported type
     (bytearray and memoryview included), a key or str that is not valid UTF-8 (a lone
     surrogate), an int too long for JSON, a bytes value over MAX_BYTES_VALUE (over
     MAX_BYTES_TAG without ``blobs``), colliding keys."""

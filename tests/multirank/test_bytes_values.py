@@ -172,3 +172,55 @@ def test_megabyte_bytes_values_per_rank_reload_at_2_1_and_3_ranks(ranks, tmp_pat
 
 def _load_as_mod(path: str) -> int:
     return _load_as(path, dist.get_rank() % 2)
+
+
+def _shared_key_saves(base: str) -> tuple[list[str], list[bool]]:
+    """Saves of one key every rank holds with its own bytes (a rank-local blob under a
+    shared key), in one process group so later saves may reuse the plan: (rank 0's
+    coordinator warnings, whether each save reused the plan)."""
+    import logging
+
+    import dckpt
+
+    r = dist.get_rank()
+    got: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda rec: got.append(rec.getMessage())  # type: ignore[method-assign]
+    log = logging.getLogger("dckpt.protocol.coordinator")
+    log.addHandler(handler)
+    big, w = 70 << 10, torch.ones(2)
+    try:
+        cached = [
+            # equal sizes, different contents; then the same structure with new contents
+            dckpt.save({"s": bytes([r + 1]) * big, "w": w}, f"{base}/equal").plan_cached,
+            dckpt.save({"s": bytes([r + 5]) * big, "w": w}, f"{base}/again").plan_cached,
+            # rank 0 inline, rank 1 in its data file; then rank 0 drops the key
+            dckpt.save({"s": b"\x01" * (60 << 10) if r == 0 else b"\x02" * big, "w": w},
+                       f"{base}/inline").plan_cached,
+            dckpt.save({"s": b"\x02" * big, "w": w} if r else {"w": w},
+                       f"{base}/gone").plan_cached,
+        ]
+    finally:
+        log.removeHandler(handler)
+    return got, cached
+
+
+def test_a_shared_bytes_key_keeps_rank_0s_bytes_and_warns_whatever_the_sizes(ranks, tmp_path):
+    """The values rule for bytes over 64 KiB: the lowest rank's copy is saved and a
+    differing one warns, equal sizes included (they were a silent "replicated tensor"
+    whose writer was whichever rank the round robin picked); a later save that reuses
+    the plan keeps to the rule, and replans when the inline value that took the key is
+    gone (rank 1's data-file copy is then saved, not lost)."""
+    import dckpt
+
+    base = str(tmp_path)
+    out = ranks(2).run(_shared_key_saves, base, timeout=DEADLINE)
+    warned, cached = out[0]
+    assert cached == [False, True, False, False], cached
+    assert len(warned) == 2 and all("'s' on rank 1" in m for m in warned), warned
+    big = 70 << 10
+    want = {"equal": b"\x01" * big, "again": b"\x05" * big, "inline": b"\x01" * (60 << 10),
+            "gone": b"\x02" * big}
+    for name, value in want.items():
+        with dckpt.open(os.path.join(base, name)) as ck:
+            assert ck["s"] == value, name
