@@ -84,8 +84,9 @@ def test_save_of_last_killed_resumes_from_previous(tmp_path, strategy):
     """The save of last.ckpt at step 4 is SIGKILLed on every rank after the shard files
     are written, before the commit; the restart with ``ckpt_path="last"``:
 
-    - dckpt: last.ckpt still holds step 2 whole; resume at global step 2 with exactly
-      step 2's state; the folder verifies.
+    - dckpt: last.ckpt still holds step 2 whole and step=4.ckpt (saved just before)
+      is complete: ``ckpt_path="last"`` resumes the newest complete checkpoint, step 4,
+      with exactly step 4's state; the folders verify.
     - stock: DCP has rewritten the shard files in place and the kill came before
       .metadata and meta.pt, so last.ckpt is found and loaded without any error at
       global step 2 (meta.pt) with weights that are not step 2's: a silent mix.
@@ -94,12 +95,14 @@ def test_save_of_last_killed_resumes_from_previous(tmp_path, strategy):
     run(root, strategy, 2, "--max-steps", "6", "--every", "2", "--kill-last-at", "4",
         killed=True)
     out = run(root, strategy, 2, "--max-steps", "6", "--ckpt-path", "last")
-    assert "TRAIN START global_step=2" in out
     resumed, saved2 = ref(root, "resumed-2"), ref(root, "save-2")
     if strategy == "dckpt":
-        assert equal(resumed, saved2)
+        assert "TRAIN START global_step=4" in out
+        assert equal(resumed, ref(root, "save-4"))
+        assert verify_checkpoint(os.path.join(root, "ckpts", "last.ckpt")).ok
         assert verify_checkpoint(os.path.join(root, "ckpts", "step=4.ckpt")).ok
     else:
+        assert "TRAIN START global_step=2" in out
         assert not equal(resumed, saved2)
         assert not any(torch.equal(resumed["model"][k], saved2["model"][k])
                        for k in saved2["model"])

@@ -72,10 +72,11 @@ def test_last_link_to_a_save_killed_in_its_commit_resumes_the_newest_complete(tm
 
 @pytest.mark.parametrize("tier", ["direct", "local_root"])
 def test_failed_last_async_save_fails_the_fit(tmp_path, tier):
-    """``async_save=True``: the fit's final save (last.ckpt at step 4) fails on every
-    rank. The fit raises that error (the script fails, as with a synchronous save)
-    instead of returning normally with last.ckpt at step 2; last.ckpt still holds
-    step 2 whole."""
+    """``async_save=True``: the fit's final save (last.ckpt at step 4, after
+    step=4.ckpt committed) fails on every rank. The fit raises that error (the script
+    fails, as with a synchronous save) instead of returning normally; last.ckpt still
+    holds step 2 whole, and ``ckpt_path="last"`` resumes the newest complete
+    checkpoint, step=4.ckpt."""
     root = str(tmp_path / "run")
     extra = ["--local-root", str(tmp_path / "local")] if tier == "local_root" else []
     out = run(root, "dckpt", 2, "--max-steps", "4", "--every", "2", "--async-save",
@@ -83,8 +84,9 @@ def test_failed_last_async_save_fails_the_fit(tmp_path, tier):
     assert "injected fault at vote" in out and "FIT DONE" not in out
     last = os.path.join(root, "ckpts", "last.ckpt")
     assert verify_checkpoint(last).ok
-    out = run(root, "dckpt", 2, "--max-steps", "4", "--ckpt-path", "last")
-    assert "TRAIN START global_step=2" in out
+    out = run(root, "dckpt", 2, "--max-steps", "5", "--ckpt-path", "last")
+    assert "TRAIN START global_step=4" in out
+    assert equal(ref(root, "resumed-2"), ref(root, "save-4"))
 
 
 def test_a_rank_that_raises_with_an_async_save_in_flight_reports_its_error(tmp_path):

@@ -128,10 +128,12 @@ class Refs(Callback):
             arm_kill()
         if args.stall_commit_at == step and self.saves[step] == 1:
             os.environ["DCKPT_FAULT"] = "vote:*:sleep=600"
-        if args.slow_last_vote_at == step and self.saves[step] == 2:
-            os.environ["DCKPT_FAULT"] = "vote:*:sleep=300"
-        if args.fail_last_save_at == step and self.saves[step] == 2:
-            os.environ["DCKPT_FAULT"] = "vote:*:raise"
+        if step in (args.slow_last_vote_at, args.fail_last_save_at) and self.saves[step] == 2:
+            # the save before (an async top-k save of this step) commits first, so the
+            # fault hits the save of last.ckpt only (every rank calls this: collective)
+            trainer.strategy._dckpt.finish()
+            os.environ["DCKPT_FAULT"] = ("vote:*:sleep=300" if step == args.slow_last_vote_at
+                                         else "vote:*:raise")
         if args.kill_before_copy == step and self.saves[step] == 1:
             trainer.strategy._dckpt.finish(drain=True)  # the copies before: done
             os.environ["DCKPT_FAULT"] = "stage:*:sleep=600"  # read by the copy thread
