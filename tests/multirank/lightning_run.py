@@ -10,10 +10,11 @@ import sys
 
 
 def run_job(script: str, root: str, strategy: str, devices: int, *args: str,
-            timeout: float = 240, killed: bool = False, failed: bool = False) -> str:
+            timeout: float = 240, killed: bool = False, failed: bool = False,
+            any_status: bool = False) -> str:
     """Run ``script --strategy S --devices N --root R ARGS`` under a deadline; return its
     output. It must exit 0, or with ``killed``, end by SIGKILL, or with ``failed``, exit
-    with an error status."""
+    with an error status; with ``any_status``, however it ends (not by the deadline)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("DCKPT_FAULT", None)
     proc = subprocess.Popen([sys.executable, script, "--strategy", strategy, "--devices",
@@ -31,7 +32,9 @@ def run_job(script: str, root: str, strategy: str, devices: int, *args: str,
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    if killed:
+    if any_status:
+        pass
+    elif killed:
         assert proc.returncode == -signal.SIGKILL, out[-4000:]
     elif failed:
         assert proc.returncode not in (0, -signal.SIGKILL), out[-4000:]

@@ -79,29 +79,8 @@ def test_explicit_last_link_to_a_fast_tier_only_save_loads(tmp_path):
 
 def _run_any(root: str, *args: str, devices: int = 2, timeout: float = 240) -> str:
     """The Lightning job, whatever its exit status (the output is what is checked)."""
-    import subprocess
-    import signal
-    import sys
-
     job = os.path.join(os.path.dirname(__file__), "jobs", "lightning_job.py")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("DCKPT_FAULT", None)
-    proc = subprocess.Popen([sys.executable, job, "--strategy", "dckpt", "--devices",
-                             str(devices), "--root", root, *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"job timed out after {timeout} s:\n{out[-4000:]}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return out
+    return run_job(job, root, "dckpt", devices, *args, timeout=timeout, any_status=True)
 
 
 @pytest.mark.parametrize("tier", ["direct", "local_root"])
