@@ -248,7 +248,7 @@ def test_manifest_is_json_not_pickle(tmp_path):
     # (docs/LIGHTNING.md says so).
     readers = {os.path.join(root, "interop", "dcp_source.py"),
                os.path.join(root, "interop", "sources.py"),
-               os.path.join(root, "integrations", "lightning_meta.py")}
+               os.path.join(root, "integrations", "lightning", "meta.py")}
     for dirpath, _, files in os.walk(root):
         for f in files:
             if f.endswith(".py") and os.path.join(dirpath, f) not in readers:

@@ -1,17 +1,17 @@
 """The rule that picks what a torchtitan job resumes from a folder holding dckpt's and
-DCP's steps (dckpt.integrations.titan_resume), pure, in one process."""
+DCP's steps (dckpt.integrations.torchtitan.resume), pure, in one process."""
 from __future__ import annotations
 
 import pytest
 
 from dckpt.errors import CheckpointError, IntegrityError, StateMismatchError
-from dckpt.integrations.titan_resume import (DCKPT, DCP, Choice, dcp_candidates, order,
+from dckpt.integrations.torchtitan.resume import (DCKPT, DCP, Choice, dcp_candidates, order,
                                              resume)
 from dckpt.tiers.chooser import Candidate
 
 
 def _dcp(*steps_times):
-    """DCP's steps as titan_load.dcp_steps lists them, kind "dcp"."""
+    """DCP's steps as load.dcp_steps lists them, kind "dcp"."""
     return [(s, "dcp", t) for s, t in steps_times]
 
 

@@ -130,7 +130,7 @@ def test_metadata_codec_json_tensors_and_pickled_leftovers():
     import math
 
     from dckpt.errors import ManifestError
-    from dckpt.integrations import lightning_meta as lm
+    from dckpt.integrations.lightning import meta as lm
 
     plain = {"epoch": 1, "loops": {"fit": {3: (1, "a")}}, "lr": [0.5, math.inf, math.nan],
              "best": torch.tensor(2.5), "none": None}
@@ -158,7 +158,7 @@ def test_committer_places_overwrites_removes_and_checks_strictness(tmp_path):
     from torch import nn
 
     from dckpt.errors import CheckpointError, StateMismatchError
-    from dckpt.integrations import lightning_io as lio
+    from dckpt.integrations.lightning import committer as lio
 
     with pytest.raises(CheckpointError, match="compression"):
         lio.Committer(compression="gzip")
@@ -251,7 +251,7 @@ def test_local_root_async(tmp_path):
 
 
 def _tiny_save(io, model, path: str, step: int) -> None:
-    from dckpt.integrations import lightning_io as lio
+    from dckpt.integrations.lightning import committer as lio
 
     with torch.no_grad():
         model.weight.fill_(float(step))
@@ -263,7 +263,7 @@ def _tiny_save(io, model, path: str, step: int) -> None:
 def _tiny_load(io, path: str):
     from torch import nn
 
-    from dckpt.integrations import lightning_io as lio
+    from dckpt.integrations.lightning import committer as lio
 
     fresh = nn.Linear(3, 2)
     meta, _ = io.load({"state_dict": lio.ModelState(fresh)}, path, strict=True,
@@ -283,7 +283,7 @@ def test_fast_tier_one_process(tmp_path, monkeypatch, caplog):
     from torch import nn
 
     from dckpt.errors import CheckpointError
-    from dckpt.integrations import lightning_io as lio
+    from dckpt.integrations.lightning import committer as lio
 
     with pytest.raises(CheckpointError, match="local_root"):
         lio.Committer(local_root="s3://bucket/x")
@@ -360,7 +360,7 @@ def test_fast_tier_never_resurrects_over_a_later_save_whatever_the_clocks(tmp_pa
 
     from torch import nn
 
-    from dckpt.integrations import lightning_io as lio
+    from dckpt.integrations.lightning import committer as lio
 
     local = str(tmp_path / "local")
     last = str(tmp_path / "ckpts" / "last.ckpt")

@@ -109,7 +109,7 @@ def test_two_jobs_on_one_local_root_never_trim_each_others_slots(tmp_path, monke
     keep_last_local. A's retention leaves B's slots alone: B's restart loads step 4."""
     from torch import nn
 
-    from dckpt.integrations import lightning_io as lio
+    from dckpt.integrations.lightning import committer as lio
 
     local = str(tmp_path / "local")
     model = nn.Linear(3, 2)
@@ -135,7 +135,7 @@ def test_store_down_never_trims_a_checkpoint_whose_only_copy_is_local(tmp_path, 
     store is back, the next copies let retention trim the fast tier again."""
     from torch import nn
 
-    from dckpt.integrations import lightning_io as lio
+    from dckpt.integrations.lightning import committer as lio
 
     local = str(tmp_path / "local")
     ck = tmp_path / "ckpts"
@@ -164,7 +164,7 @@ def test_store_down_never_trims_a_checkpoint_whose_only_copy_is_local(tmp_path, 
 
 def test_job_prefix_is_per_directory():
     """Slots of names in one directory share a prefix no other directory's has."""
-    from dckpt.integrations.lightning_tier import job_prefix
+    from dckpt.integrations.lightning.tier import job_prefix
 
     assert job_prefix("/r/a/last.ckpt") == job_prefix("/r/a/step=2.ckpt")
     assert job_prefix("/r/a/last.ckpt") != job_prefix("/r/b/last.ckpt")

@@ -16,7 +16,7 @@ from .test_lightning import _tiny_load, _tiny_save  # noqa: E402
 
 
 def _lio():
-    from dckpt.integrations import lightning_io as lio
+    from dckpt.integrations.lightning import committer as lio
 
     return lio
 
@@ -125,7 +125,7 @@ def _save_with(base: str, kw_by_rank: dict) -> str:
     Returns "no error" or the error's type and message."""
     import torch.distributed as dist
 
-    from dckpt.integrations import lightning_io as lio
+    from dckpt.integrations.lightning import committer as lio
 
     r = dist.get_rank()
     kw = {k: (v.replace("{rank}", str(r)) if isinstance(v, str) else v)

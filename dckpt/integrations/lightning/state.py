@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 
 
 class BadStateError(CheckpointError, ValueError):

@@ -12,7 +12,7 @@ import sys
 import weakref
 from typing import Any, Callable
 
-from ..protocol.async_save import at_thread_exit
+from ...protocol.async_save import at_thread_exit
 
 log = logging.getLogger(__name__)
 # Work given up on after a failure ("still running?" probes): at exit, dckpt's own exit
@@ -68,7 +68,7 @@ def _exit_unobserved() -> None:
 
 def watch(committer: Any) -> None:
     """Fail the process at exit if an asynchronous save of ``committer`` (a
-    lightning_io.Committer) failed and nothing waited for it."""
+    committer.Committer) failed and nothing waited for it."""
     if not _WATCHED:
         at_thread_exit(_exit_unobserved)
     _WATCHED.add(committer)

@@ -17,7 +17,7 @@ What changes against the stock strategy (read from pytorch_lightning 2.6's
   dckpt two-phase commit. The stock strategy writes DCP files in place and then
   ``meta.pt`` (a pickle) from rank 0, so a save killed half-way leaves a folder that
   ``ckpt_path="last"`` picks and loads as a mix of two steps. Here the name appears only
-  complete (:mod:`.lightning_io`): killed at any moment, resume takes the previous
+  complete (:mod:`.committer`): killed at any moment, resume takes the previous
   complete checkpoint. The metadata is JSON in dckpt's manifest plus tensors; values
   that are neither (an ``argparse.Namespace`` in the hyper-parameters) are pickled
   into one byte tensor of the checkpoint, which dckpt checksums but does not control.
@@ -61,7 +61,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("dckpt.integrations.lightning needs pytorch-lightning >= 2.6: "
                       'pip install "dckpt[lightning]"') from e
 
-from . import lightning_io as lio
+from . import committer as lio
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class DckptModelParallelStrategy(ModelParallelStrategy):
     constructor, plus (keyword-only) ``storage_options`` (a dict for fsspec, used by
     every save, load and removal), ``async_save`` (bool) and ``compression`` (None,
     "zstd", "lz4"), ``local_root`` (a node-local directory: the fast tier, see
-    :mod:`.lightning_tier`) and ``keep_last_local`` (its checkpoints kept per rank).
+    :mod:`.tier`) and ``keep_last_local`` (its checkpoints kept per rank).
     Raises CheckpointError for a bad option. See the module docstring for what each
     checkpoint method does differently."""
 

@@ -11,7 +11,7 @@ import re
 import stat
 from typing import Any
 
-from ..errors import CheckpointError, StateMismatchError
+from ...errors import CheckpointError, StateMismatchError
 
 MODEL = "model"
 DCP_METADATA = ".metadata"  # what makes a folder a DCP checkpoint
@@ -23,7 +23,7 @@ DCP_STEP = re.compile(r"^step-(\d+)$")
 
 
 def _is_dcp(path: str) -> bool:
-    from ..storage.fsspec_storage import make_storage
+    from ...storage.fsspec_storage import make_storage
 
     storage, root = make_storage(path, None)
     return storage.exists(storage.join(root, DCP_METADATA))
@@ -39,7 +39,7 @@ def dcp_steps(folder: str) -> list[tuple[int, str, float | None]]:
     where the storage reports none. Not collective: one rank lists the folder and
     stats at most two files per step directory; [] for a missing folder. Raises
     OSError when the folder cannot be listed."""
-    from ..storage.fsspec_storage import make_storage
+    from ...storage.fsspec_storage import make_storage
 
     storage, root = make_storage(folder, None)
     try:
@@ -71,7 +71,7 @@ def _mtime(storage: Any, path: str) -> float | None:
         if not stat.S_ISREG(st.st_mode):
             raise FileNotFoundError(path)
         return st.st_mtime
-    from ..storage.fsspec_storage import entry_mtime
+    from ...storage.fsspec_storage import entry_mtime
 
     fs.invalidate_cache(path)
     info = fs.info(path)
@@ -198,8 +198,8 @@ def load_initial(target: dict[str, Any], path: str, *, cast: bool = False) -> No
     if _is_dcp(path):
         load_dcp(target, path)
         return
-    from ..protocol.restore import load
-    from ..view.open import open as open_checkpoint
+    from ...protocol.restore import load
+    from ...view.open import open as open_checkpoint
 
     with open_checkpoint(path) as ckpt:
         keys = ckpt.keys()
@@ -220,7 +220,7 @@ def load_hf_model(model: Any, adapter: Any, path: str, quantized: bool) -> None:
 
         torch_dcp.load(hf_sd, storage_reader=adapter.get_hf_storage_reader(path, True))
     else:
-        from ..interop.hf_load import load_hf
+        from ...interop.hf_load import load_hf
 
         load_hf(hf_sd, path)
     model.load_state_dict(adapter.from_hf(hf_sd))

@@ -10,15 +10,15 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..errors import CheckpointError
-from ..format import manifest as mf
-from ..protocol.collectives import Comm
-from ..protocol.restore import MAX_MANIFEST
-from ..tiers import local as tlocal
-from .lightning_place import stamp
+from ...errors import CheckpointError
+from ...format import manifest as mf
+from ...protocol.collectives import Comm
+from ...protocol.restore import MAX_MANIFEST
+from ...tiers import local as tlocal
+from ..common.place import stamp
 
 log = logging.getLogger(__name__)
-# ``tier`` arguments below are a lightning_tier.LocalTier (not imported: it imports
+# ``tier`` arguments below are a tier.LocalTier (not imported: it imports
 # this module).
 SLOT_PREFIX = "lightning-"
 PARENT_KEY = "__dckpt_parent__"  # a value of rank 0's local commits (see Held.parent)

@@ -10,13 +10,13 @@ import logging
 import re
 from typing import TYPE_CHECKING, Any
 
-from ..protocol.collectives import Comm, on_rank0
-from .lightning_meta import resumable
-from .lightning_place import (checkpoints_in, durable_name, durable_stamp, join, kind,
+from ...protocol.collectives import Comm, on_rank0
+from .meta import resumable
+from ..common.place import (checkpoints_in, durable_name, durable_stamp, join, kind,
                               link_target)
 
 if TYPE_CHECKING:
-    from .lightning_tier import LocalTier
+    from .tier import LocalTier
 
 log = logging.getLogger(__name__)
 # ModelCheckpoint's "last" names: last.ckpt, last-v1.ckpt (its version counter)
@@ -76,9 +76,9 @@ def resolve_last(comm: Comm, tier: "LocalTier | None", opts: dict | None,
 def read_manifest(path: str, opts: dict | None) -> Any:
     """The parsed manifest of the dckpt checkpoint at ``path``. Blocking I/O; raises
     CheckpointError or OSError."""
-    from ..format import manifest as mf
-    from ..protocol.restore import read_manifest_bytes
-    from ..storage.fsspec_storage import make_storage
+    from ...format import manifest as mf
+    from ...protocol.restore import read_manifest_bytes
+    from ...storage.fsspec_storage import make_storage
 
     storage, root = make_storage(path, opts)
     return mf.parse(read_manifest_bytes(storage, root, mf.MANIFEST_NAME),

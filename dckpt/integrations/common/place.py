@@ -20,8 +20,8 @@ import socket
 import time
 import uuid
 
-from ..format.manifest import MANIFEST_NAME
-from ..storage.local import _fsync_dir  # fsync of a directory entry (the rename is durable)
+from ...format.manifest import MANIFEST_NAME
+from ...storage.local import _fsync_dir  # fsync of a directory entry (the rename is durable)
 
 log = logging.getLogger(__name__)
 PARTIAL = ".dckpt-partial-"
@@ -79,7 +79,7 @@ def _in_use(path: str) -> bool:
     process of this host that is gone (SIGKILLed: its leftovers go at once). An
     intent that cannot be read counts as live. No intent: a dead save's (the lease is
     taken before any data file is written, and ended after the commit)."""
-    from ..protocol.intent import INTENT_FILE, LEASE_S
+    from ...protocol.intent import INTENT_FILE, LEASE_S
 
     try:
         names = [n for n in os.listdir(path) if INTENT_FILE.match(n)]
@@ -190,9 +190,9 @@ def stamp(path: str, storage_options: dict | None = None) -> list | None:
     """[save id, commit time] of the committed dckpt checkpoint at ``path``, None when
     none is committed there. Blocking I/O: reads and parses its manifest. Raises its
     CheckpointError (an unreadable or invalid manifest) or OSError."""
-    from ..format import manifest as mf
-    from ..protocol.restore import read_manifest_bytes
-    from ..storage.fsspec_storage import make_storage
+    from ...format import manifest as mf
+    from ...protocol.restore import read_manifest_bytes
+    from ...storage.fsspec_storage import make_storage
 
     if kind(path, storage_options) != "dckpt":
         return None
@@ -205,7 +205,7 @@ def place_agreed(comm, target: str, final: str, staged: bool) -> None:
     """After a commit at ``target``: rank 0 moves it to ``final`` when ``staged``
     (:func:`place`), and every rank raises its error alike. Collective (one small
     all-gather); blocking I/O on rank 0."""
-    from ..protocol.collectives import agree
+    from ...protocol.collectives import agree
 
     err = None
     if comm.rank == 0 and staged:

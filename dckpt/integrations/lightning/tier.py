@@ -1,7 +1,7 @@
 """The Lightning/Fabric strategies' fast tier (``local_root``): a save commits on every
 node's own disk and returns; its copy to the name Lightning gave (a shared file system
 or an object store) runs in the background and appears there whole, as a direct save
-would (:mod:`.lightning_place`).
+would (:mod:`dckpt.integrations.common.place`).
 
 Layout: ``local_root/lightning-<12 hex>-<16 hex>/`` holds one checkpoint name's latest
 local commit (the first hex: a hash of the directory the name lives in, the job's
@@ -54,17 +54,17 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from ..errors import CheckpointError
-from ..protocol.async_save import SaveHandle, _Unstageable, at_thread_exit
-from ..protocol.collectives import Comm, OwnGroup, agree, on_rank0
-from ..engine.staging import StagingPool
-from ..storage.fsspec_storage import make_storage
-from ..tiers import local as tlocal
-from ..tiers import stager, stage_encoded
-from . import lightning_slots as slots
-from .lightning_exit import abandoned
-from .lightning_place import place_agreed
-from .lightning_slots import (PARENT_KEY, SLOT_PREFIX, Held,  # noqa: F401 (re-exported)
+from ...errors import CheckpointError
+from ...protocol.async_save import SaveHandle, _Unstageable, at_thread_exit
+from ...protocol.collectives import Comm, OwnGroup, agree, on_rank0
+from ...engine.staging import StagingPool
+from ...storage.fsspec_storage import make_storage
+from ...tiers import local as tlocal
+from ...tiers import stager, stage_encoded
+from . import slots as slots
+from .exit import abandoned
+from ..common.place import place_agreed
+from .slots import (PARENT_KEY, SLOT_PREFIX, Held,  # noqa: F401 (re-exported)
                               job_prefix)
 
 log = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ class LocalTier:
     def names_in(self, directory: str, rank: int,
                  accept: Callable[[Any], bool] | None = None) -> list[str]:
         """The durable names of ``directory`` whose slots this rank holds a view of
-        (:func:`.lightning_slots.names_in`). Local I/O; never raises."""
+        (:func:`.slots.names_in`). Local I/O; never raises."""
         return slots.names_in(self.storage, self.root, self.slot, directory, rank, accept)
 
     def _open(self, comm: Comm) -> None:
@@ -314,7 +314,7 @@ class LocalTier:
         self._copy_exec.submit(run)
 
     def _cleanup(self, rank: int) -> None:
-        """This rank's part of retention (:func:`.lightning_slots.cleanup`). Never
+        """This rank's part of retention (:func:`.slots.cleanup`). Never
         raises."""
         slots.cleanup(self, rank)
 

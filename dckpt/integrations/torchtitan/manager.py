@@ -46,7 +46,7 @@ Differences from torchtitan's DCP manager, on purpose:
   and a full initial load keep dckpt's strict dtype check.
 - A folder holding torchtitan's DCP steps (``step-N`` with ``.metadata``: a run that
   switched from DCP's manager) resumes the newest commit of the folder, whichever
-  manager wrote it, on one timeline (:mod:`titan_resume`: a dckpt step's manifest
+  manager wrote it, on one timeline (:mod:`.resume`: a dckpt step's manifest
   time, a DCP step's ``.metadata`` time; a step committed before a lower one was, as
   after a rewind with ``load_step``, is abandoned; a damaged step falls back to the
   next newest of either manager; dckpt's wins a tie). A DCP step is loaded by DCP as
@@ -78,11 +78,11 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("dckpt.integrations.torchtitan needs torchtitan >= 0.3.0: "
                       'pip install "dckpt[torchtitan]"') from e
 
-from ..errors import CheckpointError
-from ..manager.core import CheckpointManager
-from ..protocol.collectives import Comm, on_rank0
-from ..protocol.settings import agree_settings
-from . import titan_load, titan_resume
+from ...errors import CheckpointError
+from ...manager.core import CheckpointManager
+from ...protocol.collectives import Comm, on_rank0
+from ...protocol.settings import agree_settings
+from . import load, resume
 
 ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
 HF_SUFFIX = "-hf"  # the HF export of step N goes to step-N-hf beside step-N
@@ -313,7 +313,7 @@ class DckptCheckpointManager(BaseCheckpointManager):
     def _export_hf(self, step: int) -> None:
         """Rank 0 exports the committed ``step`` to ``step-N-hf``; every rank gets its
         result or error. Collective; reads the model once, memory bounded."""
-        from ..interop.hf_export import export
+        from ...interop.hf_export import export
 
         src = self.manager.path(step)
         out = src + HF_SUFFIX
@@ -329,7 +329,7 @@ class DckptCheckpointManager(BaseCheckpointManager):
     def _load(self, step: int = -1) -> bool:
         """Restore ``step`` (-1: the newest that loads: dckpt's restore, falling back
         past damaged steps; in a folder where torchtitan's DCP manager saved too, the
-        newest commit of either manager, by :mod:`titan_resume`'s timeline rule) or,
+        newest commit of either manager, by :mod:`.resume`'s timeline rule) or,
         in a folder without a committed step, the initial checkpoint; returns whether
         anything was loaded. ``step`` is exact (dckpt's step N, else DCP's step-N).
         Collective (rank 0 lists the folder and broadcasts; then the loads). Raises
@@ -341,9 +341,9 @@ class DckptCheckpointManager(BaseCheckpointManager):
         if step != -1 and not has_folder:
             raise FileNotFoundError(f"--checkpoint.load_step={step} not found because "
                                     f"checkpoint.folder {self.folder} does not exist")
-        theirs = titan_resume.dcp_steps(self.folder) if has_folder else []
+        theirs = resume.dcp_steps(self.folder) if has_folder else []
         kinds = {s: k for s, k, _ in theirs}
-        mine = titan_resume.dckpt_candidates(self.manager) if theirs else []
+        mine = resume.dckpt_candidates(self.manager) if theirs else []
         steps = sorted({c.step for c in mine}) if theirs else \
             self._steps() if has_folder else []
         if step != -1 and step not in steps and step not in kinds:
@@ -358,12 +358,12 @@ class DckptCheckpointManager(BaseCheckpointManager):
         if step == -1:
             wanted = None
         elif step in steps:  # at a tie, dckpt's own step (checksummed) wins
-            wanted = titan_resume.Choice(titan_resume.DCKPT, step)
+            wanted = resume.Choice(resume.DCKPT, step)
         else:
-            wanted = titan_resume.Choice(titan_resume.DCP, step, kinds[step])
-        titan_resume.resume_folder(
+            wanted = resume.Choice(resume.DCP, step, kinds[step])
+        resume.resume_folder(
             self.manager, mine, theirs, self.folder, wanted,
-            lambda c: self._restore(c.step) if c.source == titan_resume.DCKPT
+            lambda c: self._restore(c.step) if c.source == resume.DCKPT
             else self._load_dcp(c.step, c.kind))
         return True
 
@@ -385,13 +385,13 @@ class DckptCheckpointManager(BaseCheckpointManager):
 
     def _load_dcp(self, step: int, kind: str) -> bool:
         """Resume ``step-{step}`` that torchtitan's DCP CheckpointManager saved in the
-        folder, as that manager resumes it (:func:`titan_load.resume_dcp`): the whole
+        folder, as that manager resumes it (:func:`load.resume_dcp`): the whole
         state (what exclude_from_loading leaves), the model only for step 0 (a seed
         checkpoint). Collective. Raises, saying what to do, StateMismatchError when the
         step lacks what the state asks for, CheckpointError when it is damaged."""
         begin = time.monotonic()
         target = {MODEL: self.states[MODEL]} if step == 0 else self._states_to_load()
-        path = titan_load.resume_dcp(target, self.folder, step, kind)
+        path = load.resume_dcp(target, self.folder, step, kind)
         logger.info(f"Resumed the DCP checkpoint step-{step} at {path} (written by "
                     "torchtitan's DCP CheckpointManager; dckpt saves the next steps "
                     f"beside it) in {time.monotonic() - begin:.2f} seconds.")
@@ -436,7 +436,7 @@ class DckptCheckpointManager(BaseCheckpointManager):
         if from_hf:
             if self.sd_adapter is None:
                 raise ValueError("initial_load_in_hf needs the model's sd_adapter")
-            titan_load.load_hf_model(self.states[MODEL], self.sd_adapter, path,
+            load.load_hf_model(self.states[MODEL], self.sd_adapter, path,
                                      self.initial_load_in_hf_quantized)
         else:
             target = {MODEL: self.states[MODEL]} if model_only else self._states_to_load()
@@ -444,7 +444,7 @@ class DckptCheckpointManager(BaseCheckpointManager):
             # is often a bf16 last_save_model_only export and this job trains in fp32. A
             # full initial load (and a resume of this folder's steps) stays dtype-strict:
             # an optimizer state in another dtype is a different job, not an export.
-            titan_load.load_initial(target, path, cast=model_only)
+            load.load_initial(target, path, cast=model_only)
         logger.info(f"Loaded the initial checkpoint {path} in "
                     f"{time.monotonic() - begin:.2f} seconds.")
         return True

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from ..errors import ManifestError
-from ..format.dtypes import to_code, to_torch
+from ...errors import ManifestError
+from ...format.dtypes import to_code, to_torch
 
 FORMAT = 1
 _SCALARS = (type(None), bool, int, str)

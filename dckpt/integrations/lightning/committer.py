@@ -8,7 +8,7 @@ read it): the distributed module's sharded state under its key (``state_dict`` f
 Trainer, the user's key for Fabric), each optimizer's FQN-keyed state under its key
 (``optimizer_0``...; the user's key for Fabric), both as torch's distributed
 state_dict helpers give them (so any world size and sharding loads them), and
-everything else under ``__lightning__`` (:mod:`.lightning_meta`: JSON in the manifest,
+everything else under ``__lightning__`` (:mod:`.meta`: JSON in the manifest,
 tensors, and only if needed a pickled leftover).
 
 Placement (local paths): Lightning takes a folder for a checkpoint as soon as its name
@@ -19,9 +19,9 @@ already holds a committed dckpt checkpoint (``last.ckpt``, overwritten on every 
 is overwritten in place by dckpt's own atomic overwrite (the old manifest stays until
 the new one commits). On object stores (no rename) the save goes to the name itself:
 the manifest is the commit, a load of an uncommitted prefix raises NotCommittedError.
-The file-system side of this is :mod:`.lightning_place`.
+The file-system side of this is :mod:`dckpt.integrations.common.place`.
 
-With ``local_root`` (:mod:`.lightning_tier`), a save commits on every node's own disk
+With ``local_root`` (:mod:`.tier`), a save commits on every node's own disk
 and its copy to the name runs in the background; a load reads the node-local copy
 when every rank holds it and it is not older than the name's durable copy.
 """
@@ -35,22 +35,22 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CheckpointError, NotCommittedError, StateMismatchError
-from ..protocol.async_save import SaveHandle, async_save
-from ..protocol.collectives import Comm, agree, on_rank0, rank0_bytes
-from ..protocol.commit import save
-from ..manager.restore import failure_causes
-from ..protocol.restore import load
-from ..protocol.settings import agree_settings
-from ..tiers.chooser import fallback_worthy
-from ..view.open import MissingKeyError
-from . import lightning_meta
-from .lightning_state import BadStateError, ModelState, OptimizerState  # noqa: F401
-from .lightning_place import (PARTIAL, durable_name, durable_stamp,  # noqa: F401
+from ...errors import CheckpointError, NotCommittedError, StateMismatchError
+from ...protocol.async_save import SaveHandle, async_save
+from ...protocol.collectives import Comm, agree, on_rank0, rank0_bytes
+from ...protocol.commit import save
+from ...manager.restore import failure_causes
+from ...protocol.restore import load
+from ...protocol.settings import agree_settings
+from ...tiers.chooser import fallback_worthy
+from ...view.open import MissingKeyError
+from . import meta as lightning_meta
+from .state import BadStateError, ModelState, OptimizerState  # noqa: F401
+from ..common.place import (PARTIAL, durable_name, durable_stamp,  # noqa: F401
                               is_url, join, kind, link_target, local_path, place,
                               place_agreed, remove_whole, stamp, sweep)
-from .lightning_exit import abandoned, watch
-from .lightning_tier import PARENT_KEY, LocalTier
+from .exit import abandoned, watch
+from .tier import PARENT_KEY, LocalTier
 
 log = logging.getLogger(__name__)
 META_KEY = "__lightning__"
@@ -299,9 +299,9 @@ class Committer:
         return Source(found, spath, opts)
 
     def resolve_last(self, candidates: list[str], dirs: list[str]) -> str | None:
-        """The name ``ckpt_path="last"`` resumes (:func:`.lightning_last.resolve_last`).
+        """The name ``ckpt_path="last"`` resumes (:func:`.last.resolve_last`).
         Collective."""
-        from .lightning_last import resolve_last
+        from .last import resolve_last
 
         comm = Comm()
         self._agree(comm)
@@ -395,9 +395,9 @@ class Source:
 
     def manifest(self, rank: int) -> Any:
         """This source's manifest as ``rank`` reads it (parsed). Blocking I/O."""
-        from ..format import manifest as mf
-        from ..protocol.restore import read_manifest_bytes
-        from ..storage.fsspec_storage import make_storage
+        from ...format import manifest as mf
+        from ...protocol.restore import read_manifest_bytes
+        from ...storage.fsspec_storage import make_storage
 
         storage, root = make_storage(self.path, self.storage_options)
         name = self.manifest_name or mf.MANIFEST_NAME
@@ -419,7 +419,7 @@ def _world() -> Any:
 
 
 def _view_name(rank: int) -> str:
-    from ..tiers.local import view_name
+    from ...tiers.local import view_name
 
     return view_name(rank)
 

@@ -31,11 +31,11 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..errors import CheckpointError
-from ..manager.restore import failure_causes
-from ..protocol.collectives import Comm, on_rank0
-from ..tiers.chooser import Candidate, fallback_worthy, live_timeline
-from . import titan_load
+from ...errors import CheckpointError
+from ...manager.restore import failure_causes
+from ...protocol.collectives import Comm, on_rank0
+from ...tiers.chooser import Candidate, fallback_worthy, live_timeline
+from . import load
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ DCKPT, DCP = "dckpt", "dcp"  # Choice.source; DCP is also the Candidate.tier of 
 class Choice:
     """One checkpoint to try: ``source`` ``"dckpt"`` (a committed step of either of the
     manager's tiers: its ``restore(step=...)`` picks the save and the tier) or
-    ``"dcp"`` (``kind`` ``"dcp"`` or ``"hf"``, from :func:`titan_load.dcp_steps`)."""
+    ``"dcp"`` (``kind`` ``"dcp"`` or ``"hf"``, from :func:`load.dcp_steps`)."""
 
     source: str
     step: int
@@ -57,15 +57,15 @@ class Choice:
 
 
 def dcp_steps(folder: str) -> list[tuple[int, str, float | None]]:
-    """:func:`titan_load.dcp_steps` of ``folder`` on every rank. Collective: rank 0
+    """:func:`load.dcp_steps` of ``folder`` on every rank. Collective: rank 0
     lists, every rank gets its result or its error."""
-    found = on_rank0(Comm(None), lambda: titan_load.dcp_steps(folder),
+    found = on_rank0(Comm(None), lambda: load.dcp_steps(folder),
                      f"list torchtitan's DCP checkpoints under {folder}")
     return [(int(s), str(k), None if t is None else float(t)) for s, k, t in found]
 
 
 def dcp_candidates(steps: list[tuple[int, str, float | None]]) -> list[Candidate]:
-    """DCP's steps (``(step, kind, mtime)`` from :func:`titan_load.dcp_steps`) as
+    """DCP's steps (``(step, kind, mtime)`` from :func:`load.dcp_steps`) as
     timeline candidates (tier ``"dcp"``, no save id), each time raised to the newest
     of the DCP steps up to it (DCP's own order is by step number). Pure."""
     out, high = [], -math.inf
@@ -161,7 +161,7 @@ def resume(choices: list[Choice], load: Callable[[Choice], Any], folder: str,
 def resume_folder(manager: Any, mine: list[Candidate],
                   theirs: list[tuple[int, str, float | None]], folder: str,
                   wanted: Choice | None, load: Callable[[Choice], Any]) -> Choice:
-    """Resume ``folder``, which holds DCP's steps ``theirs`` (:func:`titan_load.dcp_steps`)
+    """Resume ``folder``, which holds DCP's steps ``theirs`` (:func:`load.dcp_steps`)
     and dckpt's ``mine`` (:func:`dckpt_candidates`): ``wanted`` exactly (a
     ``load_step``: no fallback), or (None) the newest commit that loads, by the rule
     of this module (abandoned steps logged), through ``load``; then
