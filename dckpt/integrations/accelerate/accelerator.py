@@ -1,0 +1,263 @@
+"""``DckptAccelerator``: ``accelerate.Accelerator`` whose ``save_state``/``load_state``
+write and read dckpt checkpoints: one atomic commit per save (the name appears only
+complete), sharded (no gather), no pickle, resumable at any world size, with the newest
+*committed* checkpoint picked at resume and rotation in commit order after the commit.
+
+Accelerate's own save writes in place and picks "the newest" by the number in the
+folder name, so a killed save is picked at resume; see docs/HF.md for what changes.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any
+
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+
+from ...errors import CheckpointError, NotCommittedError
+from ...protocol.collectives import Comm, agree, on_rank0
+from ...protocol.settings import agree_settings
+from ..common import resolve, tree
+from ..common.commit import Committer, broadcast_json
+from ..common.place import is_url, join, kind, local_path, remove_whole
+from ..common.rotation import to_remove
+from . import contents as cn
+
+log = logging.getLogger(__name__)
+NAME = re.compile(r"checkpoint_[0-9]+")
+REFUSED = ("DEEPSPEED", "MEGATRON_LM", "XLA")
+
+
+class DckptAccelerator(Accelerator):
+    """``accelerate.Accelerator`` with dckpt checkpoints. Takes ``Accelerator``'s
+    arguments, plus keyword-only ``storage_options`` (fsspec's, for an object-store
+    ``project_dir``/``output_dir``), ``async_save`` (``save_state`` returns after the
+    snapshot; the optimizers' next ``step()`` waits for the copy), ``compression``
+    (None, "zstd", "lz4"). ``local_root``/``keep_last_local`` (a node-local fast
+    tier) are not supported by this adapter yet: passing ``local_root`` raises.
+    Raises CheckpointError on a bad option, and for DeepSpeed, Megatron-LM and XLA
+    (their engines write their own checkpoints: keep ``accelerate.Accelerator``)."""
+
+    def __init__(self, *args: Any, storage_options: dict | None = None,
+                 async_save: bool = False, compression: str | None = None,
+                 local_root: str | None = None, keep_last_local: int = 2,
+                 **kwargs: Any) -> None:
+        if local_root is not None:
+            raise CheckpointError("DckptAccelerator: local_root (a node-local fast tier) is "
+                                  "not supported yet; save to shared storage or an object "
+                                  "store")
+        if not isinstance(keep_last_local, int) or keep_last_local < 1:
+            raise CheckpointError(f"keep_last_local must be an int >= 1, got {keep_last_local!r}")
+        committer = Committer(storage_options, async_save, compression)  # validates
+        super().__init__(*args, **kwargs)
+        dt = getattr(self.distributed_type, "name", str(self.distributed_type))
+        if dt in REFUSED:
+            raise CheckpointError(
+                f"DckptAccelerator does not support DistributedType.{dt}: its engine writes "
+                "its own checkpoints; use accelerate.Accelerator for it")
+        self._dckpt = committer
+        self._dckpt_agreed: Any = None
+        self._dckpt_warned = False
+
+    # ------------------------------------------------------------------ helpers
+    def _dckpt_agree(self, comm: Comm) -> None:
+        """The settings that shape the collectives, the same on every rank (one
+        all-gather, on the first call of each process group), else CheckpointError on
+        every rank naming them."""
+        import torch.distributed as dist
+
+        world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        if self._dckpt_agreed is not None and self._dckpt_agreed is world:
+            return
+        pc = self.project_configuration
+        bad = None
+        if pc.total_limit is not None and (not isinstance(pc.total_limit, int)
+                                           or pc.total_limit < 1):
+            bad = f"total_limit must be None or an int >= 1, got {pc.total_limit!r}"
+        agree_settings(comm, {"async_save": self._dckpt.async_save,
+                              "compression": self._dckpt.compression,
+                              "automatic_checkpoint_naming": pc.automatic_checkpoint_naming,
+                              "total_limit": pc.total_limit}, bad, "DckptAccelerator")
+        self._dckpt_agreed = world
+
+    def _checkpoints_dir(self) -> str:
+        return join(self.project_dir, "checkpoints")
+
+    # ------------------------------------------------------------------ saving
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
+                   **save_model_func_kwargs: Any) -> str:
+        """Save everything stock ``save_state`` saves as one dckpt commit and return its
+        path. Collective; blocking I/O (each rank writes its own shards; rank 0 renames
+        the staged folder into place and, with ``total_limit``, removes the oldest
+        committed checkpoints after the commit). With ``async_save`` it returns after
+        the snapshot and the rest runs in the background (the next save/load and
+        ``end_training`` raise its error). ``safe_serialization`` is ignored (nothing
+        is pickled). Raises on every rank alike: ValueError (automatic naming and the
+        name exists, as stock), CheckpointError (the commit's, a hook's, a value that
+        cannot be stored)."""
+        comm = Comm()
+        self._dckpt_agree(comm)
+        pc = self.project_configuration
+        if pc.save_on_each_node and not self._dckpt_warned:
+            self._dckpt_warned = True
+            log.warning("save_on_each_node is ignored: every rank writes its own files of "
+                        "one checkpoint (without shared storage, use an object store)")
+        auto = pc.automatic_checkpoint_naming
+        if auto:
+            parent = self._checkpoints_dir()
+            output_dir = join(parent, f"checkpoint_{self.save_iteration}")
+            self._dckpt.finish()
+            exists = on_rank0(comm, lambda: kind(output_dir, self._dckpt.storage_options)
+                              != "none" or (not is_url(output_dir)
+                                            and os.path.exists(local_path(output_dir))),
+                              f"look up {output_dir}")
+            if exists:
+                raise ValueError(
+                    f"Checkpoint directory {output_dir} ({self.save_iteration}) already "
+                    "exists. Please manually override `self.save_iteration` with what "
+                    "iteration to start with.")
+        elif output_dir is None:
+            raise CheckpointError("save_state needs output_dir without "
+                                  "ProjectConfiguration(automatic_checkpoint_naming=True)")
+        output_dir = os.fspath(output_dir)
+        plan = self._dckpt.plan(output_dir)
+        skip = self._run_save_hooks(comm, plan.target)
+        built, err = None, None
+        try:
+            c = cn.contents(self, skip, comm.rank)
+            built = tree.build(c, comm.rank, cn.META_KEY)
+        except Exception as e:
+            err = e
+        agree(comm, err, f"collect the state to save to {output_dir}")
+        after = None
+        if auto and pc.total_limit is not None:
+            after = self._rotation(plan.final, pc.total_limit)
+        self._dckpt.commit(built, plan, fence=tree.fence_targets(c), after=after)
+        pc.iteration += 1
+        return plan.final
+
+    def _run_save_hooks(self, comm: Comm, target: str) -> set[int]:
+        """Run the save pre-hooks with (models, weights, the staging folder) as stock
+        does; return the models whose weights entry a hook removed on rank 0 (not saved
+        by dckpt). Collective (errors agreed, then a broadcast)."""
+        hooks = list(self._save_model_state_pre_hook.values())
+        if not hooks:
+            return set()
+        fsdp = self.distributed_type == DistributedType.FSDP
+        err, dropped = None, []
+        try:
+            weights, owners = [], []
+            if not fsdp:
+                for i, m in enumerate(self._models):
+                    weights.append(self.get_state_dict(m, unwrap=False))
+                    owners.append(i)
+            before = list(weights)
+            for hook in hooks:
+                hook(self._models, weights, target)
+            kept = {id(w) for w in weights}
+            dropped = [owners[k] for k, w in enumerate(before) if id(w) not in kept]
+        except Exception as e:
+            err = e
+        agree(comm, err, "the save_state pre-hooks")
+        return set(broadcast_json(comm, dropped))
+
+    def _rotation(self, just_saved: str, limit: int):
+        opts = self._dckpt.storage_options
+        parent = self._checkpoints_dir()
+
+        def rotate() -> None:
+            from ... import _faults
+
+            entries = resolve.committed_in(parent, NAME, opts)
+            for path in to_remove(entries, limit, just_saved):
+                _faults.fault("rotate", 0)  # crash tests: a kill between removals
+                remove_whole(path, opts)
+                log.info("total_limit=%d: removed %s", limit, path)
+        return rotate
+
+    # ------------------------------------------------------------------ loading
+    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None,
+                   **load_model_func_kwargs: Any) -> None:
+        """Load a dckpt checkpoint saved by :meth:`save_state` at any world size:
+        ``input_dir``, or with automatic naming the newest *committed*
+        ``checkpoint_<i>`` in commit order (a damaged one is skipped with a warning and
+        the one before it tried). Restores the models, optimizers, schedulers, scaler,
+        dataloaders, registered objects, ``step``, ``project_configuration.iteration``
+        (saved + 1) and each rank's RNG (rank r >= the saved world size: a stream
+        derived from rank r mod N's). A folder without a dckpt manifest (a stock
+        checkpoint) goes to ``accelerate.Accelerator.load_state``. Collective;
+        blocking I/O. Raises on every rank alike: ValueError (a missing folder; no
+        input_dir without automatic naming), NotCommittedError (nothing committed),
+        IntegrityError, StateMismatchError, MissingKeyError."""
+        comm = Comm()
+        self._dckpt_agree(comm)
+        self._dckpt.finish()
+        opts = self._dckpt.storage_options
+        if input_dir is not None:
+            input_dir = os.path.expanduser(os.fspath(input_dir))
+
+            def look() -> str:
+                k = kind(input_dir, opts)
+                if k == "none" and not is_url(input_dir) and not os.path.isdir(input_dir):
+                    return "missing"
+                return "stock" if k == "none" and not is_url(input_dir) else k
+            found = on_rank0(comm, look, f"look up {input_dir}")
+            if found == "missing":
+                raise ValueError(f"Tried to find {input_dir} but folder does not exist")
+            if found == "stock":
+                log.info("%s is not a dckpt checkpoint: loading it with Accelerate's own "
+                         "load_state", input_dir)
+                return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
+            if found != "dckpt":
+                raise NotCommittedError(f"{input_dir}: no committed checkpoint there")
+            self._load_one(comm, input_dir)
+            return
+        if not self.project_configuration.automatic_checkpoint_naming:
+            raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
+        parent = self._checkpoints_dir()
+        dckpt_paths, stock = resolve.listed(
+            lambda: [[c.path for c in resolve.committed_in(parent, NAME, opts)],
+                     resolve.stock_in(parent, NAME)], f"list {parent}")
+        if dckpt_paths:
+            resolve.load_newest(dckpt_paths, lambda p: self._load_one(comm, p))
+            return
+        if stock:
+            log.info("no dckpt checkpoint under %s: loading the newest stock one with "
+                     "Accelerate's own load_state", parent)
+            return super().load_state(None, load_kwargs, **load_model_func_kwargs)
+        raise NotCommittedError(f"no committed checkpoint under {parent}")
+
+    def _load_one(self, comm: Comm, path: str) -> None:
+        fsdp = self.distributed_type == DistributedType.FSDP
+        err, skip = None, []
+        try:
+            listed = [] if fsdp else list(self._models)
+            before = list(listed)
+            for hook in self._load_model_state_pre_hook.values():
+                hook(listed, path)
+            kept = {id(m) for m in listed}
+            skip = [i for i, m in enumerate(self._models) if m in before and id(m) not in kept]
+        except Exception as e:
+            err = e
+        agree(comm, err, "the load_state pre-hooks")
+        c = tree.Contents(list(self._models), set(skip), cn.optimizers(self))
+        loaded = tree.load(path, c, cn.META_KEY, storage_options=self._dckpt.storage_options,
+                           check=cn.check(self, path))
+        err = None
+        try:
+            cn.apply(self, loaded.objects)
+        except Exception as e:
+            err = e
+        agree(comm, err, f"load the objects of {path}")
+        self.step = int(loaded.meta.get("step", 0))
+        self.project_configuration.iteration = int(loaded.meta.get("iteration", -1)) + 1
+        loaded.restore_rng()
+        log.info("loaded %s (saved at %d ranks)", path, loaded.world_size)
+
+    def end_training(self) -> None:
+        """Wait for an asynchronous save in flight (raising its error on every rank),
+        then Accelerate's ``end_training``. Collective when a save was in flight."""
+        self._dckpt.finish()
+        super().end_training()

@@ -1,0 +1,162 @@
+"""A checkpoint's commit under its final name: planned under a hidden sibling, saved
+(synchronously or in the background), placed by a rename once committed, then the
+adapter's after-commit work (rotation) on rank 0. Local disks: the name appears only
+complete; object stores: the manifest is the commit (no staging).
+
+Call order (every rank): :meth:`Committer.plan` (collective), write anything extra
+into ``plan.target`` (a framework's pre-hooks), :meth:`Committer.commit`
+(collective); :meth:`Committer.finish` waits for an asynchronous one and raises its
+error on every rank."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ... import _faults
+from ...errors import CheckpointError
+from ...protocol.async_save import SaveHandle, async_save
+from ...protocol.collectives import Comm, agree, on_rank0
+from ...protocol.commit import save
+from .place import PARTIAL, is_url, local_path, place, sweep
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where a save goes: ``final`` (the name), ``target`` (where dckpt writes: a
+    hidden sibling when ``staged``, else ``final``)."""
+
+    final: str
+    target: str
+    staged: bool
+
+
+class Committer:
+    """Commits trees under names, one save in flight at most. ``async_save``: a
+    commit returns after the snapshot (the ``fence`` optimizers' next ``step()`` waits
+    for the copy); the commit, placement and ``after`` run in the background and
+    :meth:`finish` raises their error. Raises CheckpointError on a bad option."""
+
+    def __init__(self, storage_options: dict | None = None, async_save: bool = False,
+                 compression: str | None = None) -> None:
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise CheckpointError(f"storage_options must be a dict, got {storage_options!r}")
+        if compression not in (None, "zstd", "lz4"):
+            raise CheckpointError(f"compression must be None, 'zstd' or 'lz4', got {compression!r}")
+        if not isinstance(async_save, bool):
+            raise CheckpointError(f"async_save must be a bool, got {async_save!r}")
+        self.storage_options, self.async_save = storage_options, async_save
+        self.compression = compression
+        self._handle: SaveHandle | None = None
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def plan(self, final: str) -> Plan:
+        """Rank 0 decides where the save of ``final`` goes (and, locally, creates the
+        hidden staging folder and sweeps what killed saves left beside it); every rank
+        gets the same Plan. Waits for the save in flight first (:meth:`finish`).
+        Collective (a broadcast); blocking I/O on rank 0. Raises rank 0's error on every
+        rank."""
+        comm = Comm()
+        self.finish()  # one save at a time: the sweep never races a save in flight
+
+        def decide() -> list:
+            if is_url(final):
+                return [final.rstrip("/"), final.rstrip("/"), False]
+            path = os.path.abspath(local_path(final))
+            parent, name = os.path.split(path)
+            os.makedirs(parent, exist_ok=True)
+            sweep(parent, name)
+            tmp = os.path.join(parent, f".{name}{PARTIAL}{uuid.uuid4().hex[:12]}")
+            os.makedirs(tmp)
+            return [path, tmp, True]
+
+        return Plan(*on_rank0(comm, decide, f"plan the checkpoint {final}"))
+
+    def commit(self, tree: dict, plan: Plan, *, fence: list | None = None,
+               after: Callable[[], None] | None = None) -> None:
+        """Commit ``tree`` at ``plan.target``, place it at ``plan.final``, then run
+        ``after()`` on rank 0 (its error is raised on every rank). Collective.
+        Synchronous: all of it before returning; raises the commit's CheckpointError
+        on every rank alike (nothing is placed then). Asynchronous: returns after the
+        snapshot; :meth:`finish` raises. Blocking I/O: the writes (each rank its
+        shards), one rename and ``after`` on rank 0."""
+        comm = Comm()
+        self.finish()
+        kw = dict(storage_options=self.storage_options, compression=self.compression)
+        if not self.async_save:
+            save(tree, plan.target, **kw)
+            err = None
+            if comm.rank == 0:
+                try:
+                    self._place(plan, after)
+                except Exception as e:
+                    err = e
+            agree(comm, err, f"place the checkpoint {plan.final}")
+            return
+        self._done.clear()
+        self._error = None
+        handle = async_save(tree, plan.target, fence=fence or None, **kw)
+        self._handle = handle
+
+        def done(h: SaveHandle) -> None:
+            try:
+                if h.exception() is None and comm.rank == 0:
+                    self._place(plan, after)
+            except Exception as e:  # raised on every rank by the next finish()
+                log.error("after the commit of %s: %s", plan.final, e)
+                self._error = e
+            finally:
+                self._done.set()
+
+        handle.add_done_callback(done)
+
+    def _place(self, plan: Plan, after: Callable[[], None] | None) -> None:
+        if plan.staged:
+            _faults.fault("place", 0)  # crash tests: committed, not yet renamed
+            place(plan.target, plan.final)
+        if after is not None:
+            after()
+
+    @property
+    def pending(self) -> bool:
+        """Whether an asynchronous save has not been waited for. No I/O."""
+        return self._handle is not None
+
+    def finish(self) -> None:
+        """Wait for the asynchronous save in flight, its placement and ``after``, and
+        raise their error on every rank alike. Collective when one was in flight (every
+        rank has one then); else a no-op."""
+        h, self._handle = self._handle, None
+        if h is None:
+            return
+        h.result()  # the commit's error: the same on every rank
+        self._done.wait()
+        err, self._error = self._error, None
+        agree(Comm(), err, f"finish the save to {h.path}")
+
+    def abandon(self, timeout: float = 60.0) -> None:
+        """After a failure of the training on this rank: wait up to ``timeout`` s for
+        the save in flight without entering a collective on the training's group. Never
+        raises (the training's error is the one to see); the save's fate is logged."""
+        h, self._handle = self._handle, None
+        if h is None:
+            return
+        try:
+            h.result(timeout)
+            self._done.wait(timeout)
+        except Exception as e:
+            log.error("the checkpoint save to %s in flight when the training failed: %s",
+                      h.path, e)
+
+
+def broadcast_json(comm: Comm, obj: Any) -> Any:
+    """Rank 0's small JSON-able ``obj`` on every rank (one broadcast)."""
+    data = comm.broadcast_bytes(json.dumps(obj).encode() if comm.rank == 0 else None)
+    return json.loads(data)

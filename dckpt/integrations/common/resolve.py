@@ -1,0 +1,107 @@
+"""The committed checkpoints of a folder in commit order, and the load of the newest
+one that loads, falling back past damaged ones with a warning (as
+:meth:`dckpt.CheckpointManager.restore`)."""
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any, Callable, TypeVar
+
+from ...errors import CheckpointError
+from ...manager.restore import failure_causes
+from ...protocol.collectives import Comm, on_rank0
+from ...tiers.chooser import fallback_worthy
+from .place import is_url, kind, local_path, stamp
+from .rotation import Committed, commit_order
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def committed_in(directory: str, pattern: "re.Pattern[str]",
+                 storage_options: dict | None = None) -> list[Committed]:
+    """The committed dckpt checkpoints among ``directory``'s entries whose name
+    ``pattern`` fullmatches (hidden ones never: staging and removals), oldest commit
+    first. A name whose manifest cannot be read counts as committed at time 0 (the
+    load then reports its damage). Blocking I/O: a listing and one manifest read per
+    match; [] when the folder is missing."""
+    names: list[tuple[str, str]] = []
+    if is_url(directory):
+        from fsspec.core import url_to_fs
+
+        fs, p = url_to_fs(directory, **(storage_options or {}))
+        scheme = directory.split("://", 1)[0]
+        try:
+            listed = fs.ls(p, detail=False)
+        except FileNotFoundError:
+            return []
+        for n in listed:
+            base = n.rstrip("/").rsplit("/", 1)[-1]
+            names.append((base, f"{scheme}://{n.rstrip('/')}"))
+    else:
+        d = os.path.abspath(local_path(directory))
+        try:
+            names = [(n, os.path.join(d, n)) for n in os.listdir(d)]
+        except OSError:
+            return []
+    out = []
+    for base, path in names:
+        if base.startswith(".") or not pattern.fullmatch(base):
+            continue
+        if kind(path, storage_options) != "dckpt":
+            continue
+        try:
+            sid, created = stamp(path, storage_options)
+        except (CheckpointError, OSError, TypeError):
+            sid, created = "", 0.0
+        out.append(Committed(path, float(created), str(sid)))
+    return commit_order(out)
+
+
+def stock_in(directory: str, pattern: "re.Pattern[str]") -> list[str]:
+    """The local folders of ``directory`` matching ``pattern`` that are not dckpt
+    checkpoints (a framework's own, for migration). Blocking I/O: a listing."""
+    if is_url(directory):
+        return []
+    d = os.path.abspath(local_path(directory))
+    try:
+        entries = os.listdir(d)
+    except OSError:
+        return []
+    return sorted(os.path.join(d, n) for n in entries if not n.startswith(".")
+                  and pattern.fullmatch(n) and os.path.isdir(os.path.join(d, n))
+                  and kind(os.path.join(d, n)) != "dckpt")
+
+
+def load_newest(candidates: list[str], load: Callable[[str], T],
+                what: str = "checkpoint") -> tuple[str, T]:
+    """Try ``load(path)`` (a collective that raises the same error on every rank) on
+    ``candidates`` (every rank's same list, oldest first) from the newest: the first
+    that loads is returned as (path, its result). A damaged one (an integrity error, a
+    missing or unreadable file: :func:`dckpt.tiers.chooser.fallback_worthy`) is
+    skipped with a warning naming the cause; any other error (the state does not match,
+    a rank died) is raised at once. Collective. Raises CheckpointError listing each
+    tried when none loads."""
+    tried: list[str] = []
+    last: BaseException | None = None
+    for path in reversed(candidates):
+        try:
+            return path, load(path)
+        except CheckpointError as e:
+            if not fallback_worthy(e):
+                raise
+            cause = failure_causes(e)
+            tried.append(f"{path}: {cause}")
+            last = e
+            if Comm().rank == 0:
+                log.warning("%s %s could not be loaded (%s); trying the one before it",
+                            what, path, cause)
+    raise CheckpointError(f"no {what} could be loaded; tried, newest first:\n  "
+                          + "\n  ".join(tried)) from last
+
+
+def listed(fn: Callable[[], Any], what: str) -> Any:
+    """Rank 0's JSON-able ``fn()`` (a listing) on every rank, or its error on every
+    rank. Collective (a broadcast)."""
+    return on_rank0(Comm(), fn, what)
