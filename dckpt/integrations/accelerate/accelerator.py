@@ -226,7 +226,11 @@ class DckptAccelerator(Accelerator):
         if stock:
             log.info("no dckpt checkpoint under %s: loading the newest stock one with "
                      "Accelerate's own load_state", parent)
-            return super().load_state(None, load_kwargs, **load_model_func_kwargs)
+            super().load_state(None, load_kwargs, **load_model_func_kwargs)
+            # stock never restores the iteration (the next save would be checkpoint_0)
+            self.project_configuration.iteration = 1 + max(
+                int(os.path.basename(s).split("_")[1]) for s in stock)
+            return
         raise NotCommittedError(f"no committed checkpoint under {parent}")
 
     def _load_one(self, comm: Comm, path: str) -> None:
