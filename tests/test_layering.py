@@ -168,3 +168,41 @@ def test_the_checks_fail_on_an_upward_import_and_a_cycle(tmp_path):
 @pytest.mark.parametrize("mod", sorted(modules()))
 def test_every_module_is_in_a_layer(mod):
     layer(mod)
+
+
+def cross_adapter(graph: dict[str, set[str]]) -> list[str]:
+    """Imports from one integration package (``dckpt.integrations.<name>``) into another
+    one's, and from the shared ``common`` package into any adapter's: an adapter
+    imports only the shared ``dckpt.integrations.common`` (and the layers below)."""
+    def pkg(mod: str) -> str | None:
+        parts = mod.split(".")
+        return parts[2] if len(parts) > 3 and parts[1] == "integrations" else None
+
+    out = []
+    for m, ds in graph.items():
+        src = pkg(m)
+        if src is None:
+            continue
+        for d in ds:
+            dst = pkg(d)
+            if dst is not None and dst != src and dst != "common":
+                out.append(f"{m} imports {d}")
+    return sorted(out)
+
+
+def test_no_adapter_imports_another_adapters_package():
+    assert cross_adapter(imports(modules())) == []
+
+
+def test_the_adapter_rule_is_not_vacuous(tmp_path):
+    import shutil
+
+    copy = tmp_path / "dckpt"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    with open(copy / "integrations" / "accelerate" / "contents.py", "a") as f:
+        f.write("\n\ndef _bad():\n    from ..lightning import state  # noqa\n")
+    with open(copy / "integrations" / "common" / "tree.py", "a") as f:
+        f.write("\n\ndef _bad():\n    from ..accelerate import contents  # noqa\n")
+    bad = cross_adapter(imports(modules(str(copy))))
+    assert "dckpt.integrations.accelerate.contents imports dckpt.integrations.lightning.state" in bad
+    assert "dckpt.integrations.common.tree imports dckpt.integrations.accelerate.contents" in bad
