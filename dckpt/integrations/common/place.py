@@ -190,15 +190,22 @@ def stamp(path: str, storage_options: dict | None = None) -> list | None:
     """[save id, commit time] of the committed dckpt checkpoint at ``path``, None when
     none is committed there. Blocking I/O: reads and parses its manifest. Raises its
     CheckpointError (an unreadable or invalid manifest) or OSError."""
+    if kind(path, storage_options) != "dckpt":
+        return None
+    m = read_manifest(path, storage_options)
+    return [m.save_id, float(m.created)]
+
+
+def read_manifest(path: str, storage_options: dict | None = None):
+    """The parsed manifest of the committed dckpt checkpoint at ``path``. Blocking
+    I/O: one read. Raises its CheckpointError (missing, unreadable or invalid) or
+    OSError."""
     from ...format import manifest as mf
     from ...protocol.restore import read_manifest_bytes
     from ...storage.fsspec_storage import make_storage
 
-    if kind(path, storage_options) != "dckpt":
-        return None
     storage, root = make_storage(path, storage_options)
-    m = mf.parse(read_manifest_bytes(storage, root, MANIFEST_NAME), f"{path}/{MANIFEST_NAME}")
-    return [m.save_id, float(m.created)]
+    return mf.parse(read_manifest_bytes(storage, root, MANIFEST_NAME), f"{path}/{MANIFEST_NAME}")
 
 
 def place_agreed(comm, target: str, final: str, staged: bool) -> None:

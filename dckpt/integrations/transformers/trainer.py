@@ -1,0 +1,293 @@
+"""``DckptTrainerMixin`` / ``DckptTrainer``: the transformers ``Trainer`` whose checkpoint
+saves are dckpt commits under ``{output_dir}/checkpoint-{global_step}`` (staged under a
+hidden name, placed only once committed, so ``get_last_checkpoint`` never sees a partial
+one), sharded (no gather), without pickle, rotated in commit order after the commit, and
+resumed from the newest *committed* checkpoint at any world size.
+
+The Trainer's own save writes each file in place into ``checkpoint-N`` and its resume
+takes the highest number with a folder, complete or not; see docs/HF.md.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any
+
+from transformers import Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
+
+from ...errors import CheckpointError, StateMismatchError
+from ...protocol.collectives import Comm, agree
+from ...view.open import MissingKeyError
+from ..common import resolve, tree
+from ..common.commit import Committer
+from ..common.place import durable_name, is_url, kind, read_manifest, remove_whole
+from ..common.rotation import to_remove
+from ..common.verify import verify_shared
+
+log = logging.getLogger(__name__)
+NAME = re.compile(PREFIX_CHECKPOINT_DIR + r"-[0-9]+")
+META_KEY = "__transformers__"
+STATE_FILE = "trainer_state.json"  # transformers.trainer.TRAINER_STATE_NAME
+ARGS_FILE = "training_args.json"
+
+
+def _inner(opt: Any) -> Any:
+    return getattr(opt, "optimizer", opt)
+
+
+class DckptTrainerMixin:
+    """Mix into a ``transformers.Trainer`` (sub)class, first:
+    ``class MySFT(DckptTrainerMixin, trl.SFTTrainer)``. Takes the Trainer's arguments,
+    plus keyword-only ``compression`` (None, "zstd", "lz4"). ``storage_options``,
+    ``async_save=True`` and ``local_root`` are accepted for symmetry with
+    ``DckptAccelerator`` but not supported yet (the Trainer reads its checkpoints from
+    a local ``output_dir``): a non-default value raises. Raises CheckpointError on a
+    bad option, an object-store ``output_dir``, and under DeepSpeed (its engine writes
+    its own checkpoints: keep ``transformers.Trainer``)."""
+
+    def __init__(self, *args: Any, storage_options: dict | None = None,
+                 async_save: bool = False, compression: str | None = None,
+                 local_root: str | None = None, keep_last_local: int = 2,
+                 **kwargs: Any) -> None:
+        for name, value, default in (("storage_options", storage_options, None),
+                                     ("async_save", async_save, False),
+                                     ("local_root", local_root, None)):
+            if value != default:
+                raise CheckpointError(f"DckptTrainer: {name}={value!r} is not supported yet "
+                                      "(the Trainer's checkpoints live on a local output_dir)")
+        committer = Committer(None, False, compression)  # validates compression
+        super().__init__(*args, **kwargs)
+        if getattr(self, "is_deepspeed_enabled", False):
+            raise CheckpointError("DckptTrainer does not support DeepSpeed: its engine writes "
+                                  "its own checkpoints; use transformers.Trainer for it")
+        if is_url(str(self.args.output_dir)):
+            raise CheckpointError(f"DckptTrainer: output_dir {self.args.output_dir!r} is a "
+                                  "URL; the Trainer reads its checkpoints locally")
+        self._dckpt = committer
+        self._dckpt_resume: str | None = None  # the dckpt checkpoint train() resumes
+        self._dckpt_loaded: Any = None  # its load (the RNG, set at _load_rng_state)
+
+    # ------------------------------------------------------------------ saving
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """Save the model and optimizer (sharded as trained: FSDP2, FSDP1, DDP or one
+        process), the lr_scheduler, the scaler, each rank's RNG, ``trainer_state.json``,
+        ``config.json`` and ``training_args.json`` as one dckpt commit placed at
+        ``{run_dir}/checkpoint-{global_step}`` once committed; ``save_only_model``: the
+        model only. Then, on rank 0, ``save_total_limit`` removes the oldest committed
+        checkpoints (commit order, never the new one nor ``best_model_checkpoint``).
+        Collective; blocking I/O (each rank writes its own shards; rank 0 the JSON
+        files, one rename and the removals). Raises the same CheckpointError on every
+        rank (nothing is placed then), UnsupportedValueError for a scheduler value that
+        cannot be stored."""
+        comm = Comm()
+        folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        run_dir = self._get_output_dir(trial=trial)
+        output_dir = os.path.join(run_dir, folder)
+        plan = self._dckpt.plan(output_dir)
+        if (self.args.save_strategy in [SaveStrategy.STEPS, SaveStrategy.EPOCH,
+                                        SaveStrategy.BEST] and self.state.best_global_step):
+            best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+            if os.path.abspath(best) == plan.final or os.path.exists(best):
+                self.state.best_model_checkpoint = best
+        built, err = None, None
+        try:
+            if comm.rank == 0:
+                self._dckpt_write_json(plan.target)
+            built = tree.build(self._dckpt_contents(comm.rank), comm.rank, META_KEY)
+        except Exception as e:
+            err = e
+        agree(comm, err, f"collect the state to save to {output_dir}")
+        self._dckpt.commit(built, plan, after=self._dckpt_rotation(run_dir, plan.final))
+        if self.args.push_to_hub:
+            self._push_from_checkpoint(output_dir)
+
+    def _dckpt_write_json(self, target: str) -> None:
+        """Rank 0: the stateful callbacks' states into ``self.state`` (as stock), then
+        trainer_state.json, training_args.json and the model's config.json into the
+        staging folder (they appear with the checkpoint)."""
+        from transformers.trainer_callback import ExportableState
+
+        for cb in [c for c in self.callback_handler.callbacks + [self.control]
+                   if isinstance(c, ExportableState)]:
+            name = cb.__class__.__name__
+            if isinstance(self.state.stateful_callbacks.get(name), list):
+                self.state.stateful_callbacks[name].append(cb.state())
+            else:
+                self.state.stateful_callbacks[name] = cb.state()
+        self.state.save_to_json(os.path.join(target, STATE_FILE))
+        with open(os.path.join(target, ARGS_FILE), "w", encoding="utf-8") as f:
+            f.write(self.args.to_json_string())
+        config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
+        if config is not None and hasattr(config, "to_json_file"):
+            config.to_json_file(os.path.join(target, "config.json"))
+
+    def _dckpt_contents(self, rank: int) -> tree.Contents:
+        only = bool(self.args.save_only_model)
+        opts = [] if only or self.optimizer is None else [(_inner(self.optimizer), 0)]
+        objects: dict[str, Any] = {}
+        meta = None
+        if rank == 0:
+            if not only and self.lr_scheduler is not None:
+                objects["scheduler"] = self.lr_scheduler.state_dict()
+            scaler = getattr(self.accelerator, "scaler", None)
+            if not only and scaler is not None:
+                objects["scaler"] = scaler.state_dict()
+            import transformers
+
+            meta = {"framework": "transformers", "transformers": transformers.__version__,
+                    "global_step": int(self.state.global_step), "model_only": only,
+                    "scheduler": "scheduler" in objects, "scaler": "scaler" in objects}
+        # FSDP: self.model is the prepared (sharded) model; else the unwrapped one, whose
+        # parameters are the optimizer's (DDP's own prefix never enters the keys)
+        return tree.Contents([self.model], set(), opts, objects, meta)
+
+    def _dckpt_rotation(self, run_dir: str, just_saved: str):
+        limit = self.args.save_total_limit
+        if limit is None or limit <= 0:
+            return None
+        best = self.state.best_model_checkpoint
+        best = durable_name(best) if best else None
+
+        def rotate() -> None:
+            from ... import _faults
+
+            entries = resolve.committed_in(run_dir, NAME)
+            keep_best = best is not None and best != just_saved and any(
+                c.path == best for c in entries)
+            pool = [c for c in entries if not (keep_best and c.path == best)]
+            for path in to_remove(pool, max(1, limit - int(keep_best)), just_saved):
+                _faults.fault("rotate", 0)  # crash tests: a kill between removals
+                remove_whole(path)
+                log.info("save_total_limit=%d: removed %s", limit, path)
+        return rotate
+
+    # ------------------------------------------------------------------ resuming
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
+              ignore_keys_for_eval: list[str] | None = None, **kwargs: Any):
+        """``Trainer.train``. ``resume_from_checkpoint=True``: the newest *committed*
+        ``checkpoint-N`` of ``output_dir`` in commit order, verified by all ranks
+        together before the Trainer reads it (a damaged one is skipped with a warning
+        naming the cause, the one before it tried); no dckpt checkpoint there: the
+        stock lookup (stock folders, migration). A path: a dckpt checkpoint loads at
+        any world size (model, optimizer, scheduler, scaler, RNG by the r mod N rule;
+        the step and the data skip from its trainer_state.json, as stock); any other
+        folder goes to the stock ``Trainer.train``. Collective; blocking I/O (with
+        ``True``: the verification reads the checkpoint once, spread over the ranks,
+        then the load reads what each rank needs). Raises on every rank alike:
+        CheckpointError when no candidate verifies (listing each), NotCommittedError,
+        IntegrityError, StateMismatchError, MissingKeyError; ValueError when
+        ``output_dir`` holds no checkpoint (as stock)."""
+        comm = Comm()
+        call = dict(trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        path: str | None = None
+        if resume_from_checkpoint is True:
+            out = str(self.args.output_dir)
+            paths = resolve.listed(lambda: [c.path for c in resolve.committed_in(out, NAME)],
+                                   f"list {out}")
+            if paths:
+                path, _ = resolve.load_newest(paths, lambda p: verify_shared(p))
+        elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            p = os.path.abspath(os.path.expanduser(os.fspath(resume_from_checkpoint)))
+            if resolve.listed(lambda: kind(p), f"look up {p}") == "dckpt":
+                path = p
+            else:
+                log.info("%s is not a dckpt checkpoint: the stock Trainer resumes it", p)
+        if path is None:
+            return super().train(resume_from_checkpoint, **call)
+        self._dckpt_resume, self._dckpt_loaded = path, None
+        try:
+            return super().train(path, **call)
+        finally:
+            self._dckpt_resume = self._dckpt_loaded = None
+
+    def _dckpt_ours(self, checkpoint: str | None) -> bool:
+        return (checkpoint is not None and self._dckpt_resume is not None
+                and os.path.abspath(checkpoint) == self._dckpt_resume)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """A dckpt resume: nothing here (the model loads with the optimizer, after the
+        Trainer has prepared both: :meth:`_load_optimizer_and_scheduler`); else stock."""
+        if self._dckpt_ours(resume_from_checkpoint):
+            return
+        return super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """A dckpt resume: load the model, optimizer (resharded to this world size and
+        parallelism), lr_scheduler and scaler from ``checkpoint``; else stock.
+        Collective; blocking I/O. Raises on every rank alike: IntegrityError,
+        StateMismatchError (another model, another framework's checkpoint),
+        MissingKeyError (a scheduler the checkpoint lacks)."""
+        if not self._dckpt_ours(checkpoint):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        comm = Comm()
+        has_opt = resolve.listed(lambda: any(k.startswith("optimizers.") for k in
+                                             read_manifest(checkpoint).tensors),
+                                 f"read the manifest of {checkpoint}")
+        opts = [(_inner(self.optimizer), 0)] if has_opt and self.optimizer is not None else []
+        c = tree.Contents([self.model], set(), opts)
+        loaded = tree.load(checkpoint, c, META_KEY, check=self._dckpt_check(checkpoint),
+                           ignore=() if opts else ("optimizers.",))
+        err = None
+        try:
+            if not loaded.meta.get("model_only"):
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.load_state_dict(loaded.objects["scheduler"])
+                scaler = getattr(self.accelerator, "scaler", None)
+                if scaler is not None and "scaler" in loaded.objects:
+                    scaler.load_state_dict(loaded.objects["scaler"])
+        except Exception as e:
+            err = e
+        agree(comm, err, f"load the scheduler and scaler of {checkpoint}")
+        self._dckpt_loaded = None if loaded.meta.get("model_only") else loaded
+        if comm.rank == 0:
+            log.info("loaded %s (saved at %d ranks, global step %s)", checkpoint,
+                     loaded.world_size, loaded.meta.get("global_step"))
+
+    def _dckpt_check(self, path: str):
+        def run(meta: dict, names: set) -> None:
+            if meta.get("framework") != "transformers":
+                raise StateMismatchError(f"{path} is a dckpt checkpoint of "
+                                         f"{meta.get('framework')!r}, not of the Trainer")
+            if (not meta.get("model_only") and self.lr_scheduler is not None
+                    and "scheduler" not in names):
+                raise MissingKeyError(f"checkpoint {path} holds no lr_scheduler state")
+        return run
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        """A dckpt resume: loaded with the optimizer; else stock."""
+        if self._dckpt_ours(checkpoint):
+            return
+        return super()._load_scaler(checkpoint)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        """A dckpt resume: this rank's saved generators (rank r >= the saved world size
+        N: a stream derived from rank r mod N's and r); a model-only checkpoint holds
+        none (as stock). Never raises. Else stock."""
+        if not self._dckpt_ours(checkpoint):
+            return super()._load_rng_state(checkpoint)
+        if self._dckpt_loaded is not None:
+            self._dckpt_loaded.restore_rng()
+
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: a dckpt ``best_model_checkpoint`` loads the model
+        only (resharded); else stock. Collective; blocking I/O."""
+        best = self.state.best_model_checkpoint
+        if best is None or resolve.listed(lambda: kind(best), f"look up {best}") != "dckpt":
+            return super()._load_best_model()
+        tree.load(best, tree.Contents([self.model]), META_KEY, check=self._dckpt_check(best),
+                  ignore=("optimizers.",))
+        if Comm().rank == 0:
+            log.info("loaded the best model from %s (score: %s)", best, self.state.best_metric)
+
+
+class DckptTrainer(DckptTrainerMixin, Trainer):
+    """``transformers.Trainer`` with dckpt checkpoints:
+    ``from dckpt.integrations.transformers import DckptTrainer as Trainer``. See
+    :class:`DckptTrainerMixin`."""
+
+
+__all__ = ["DckptTrainer", "DckptTrainerMixin"]

@@ -1,0 +1,97 @@
+"""A tiny Llama (2 layers, hidden 16) trained by the real transformers Trainer on CPU
+ranks (torchrun, gloo: DDP), with dckpt's DckptTrainer or the stock Trainer.
+
+    [torchrun --nproc-per-node N] trainer_job.py --impl dckpt|stock --out DIR
+        --steps S [--every E] [--limit L] [--resume [PATH]] [--kill-at STEP]
+
+Saves every E steps to DIR/checkpoint-<step>. After each save, rank r writes
+DIR/../refs/save-<step>-r<r>.pt: the full model and optimizer state, the scheduler's
+state, the global step and the torch RNG state the save captured. ``--resume``:
+train(resume_from_checkpoint=True or PATH); once the RNG is restored, the same record as
+refs/resumed-<world>-r<r>.pt and a line "RESUMED step=<global_step>". ``--kill-at S``:
+every rank is SIGKILLed in the save at step S, before it is complete: dckpt before its
+commit (the fault point "commit"), stock after the model is written (in
+_save_optimizer_and_scheduler).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+
+import torch
+
+p = argparse.ArgumentParser()
+p.add_argument("--impl", choices=["dckpt", "stock"], required=True)
+p.add_argument("--out", required=True)
+p.add_argument("--steps", type=int, default=6)
+p.add_argument("--every", type=int, default=2)
+p.add_argument("--limit", type=int, default=None)
+p.add_argument("--resume", nargs="?", const=True, default=None)
+p.add_argument("--kill-at", type=int, default=None)
+a = p.parse_args()
+
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
+
+rank = int(os.environ.get("RANK", "0"))
+world = int(os.environ.get("WORLD_SIZE", "1"))
+refs = os.path.join(os.path.dirname(os.path.abspath(a.out)), "refs")
+os.makedirs(refs, exist_ok=True)
+
+if a.impl == "dckpt":
+    from dckpt.integrations.transformers import DckptTrainer as Base
+else:
+    Base = Trainer
+
+
+def full_state(t) -> dict:
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                         get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    o = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
+    msd = get_model_state_dict(t.model, options=o)
+    osd = get_optimizer_state_dict(t.model, t.optimizer.optimizer, options=o)
+    return {"model": {k: v.detach().clone() for k, v in msd.items()},
+            "optim": {k: (v.detach().clone() if torch.is_tensor(v) else v)
+                      for k, v in osd.items()},
+            "sched": {k: v for k, v in t.lr_scheduler.state_dict().items()
+                      if k in ("last_epoch", "_step_count", "_last_lr", "base_lrs")},
+            "step": t.state.global_step}
+
+
+class Job(Base):
+    def _save_checkpoint(self, model, trial):
+        if a.kill_at == self.state.global_step and a.impl == "dckpt":
+            os.environ["DCKPT_FAULT"] = "commit:0:kill;commit:*:kill"
+        rng = torch.get_rng_state().clone()
+        super()._save_checkpoint(model, trial)
+        torch.save({**full_state(self), "rng": rng},
+                   os.path.join(refs, f"save-{self.state.global_step}-r{rank}.pt"))
+
+    def _save_optimizer_and_scheduler(self, output_dir):
+        if a.kill_at == self.state.global_step:
+            os.kill(os.getpid(), signal.SIGKILL)  # stock: the model is written
+        super()._save_optimizer_and_scheduler(output_dir)
+
+    def _load_rng_state(self, checkpoint):
+        super()._load_rng_state(checkpoint)
+        torch.save({**full_state(self), "rng": torch.get_rng_state().clone()},
+                   os.path.join(refs, f"resumed-{world}-r{rank}.pt"))
+        print(f"RESUMED step={self.state.global_step} from={checkpoint}", flush=True)
+
+
+torch.manual_seed(0)
+cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+model = LlamaForCausalLM(cfg)
+g = torch.Generator().manual_seed(1)
+data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (48, 8), generator=g)]
+args = TrainingArguments(output_dir=a.out, max_steps=a.steps, save_strategy="steps",
+                         save_steps=a.every, save_total_limit=a.limit, logging_steps=1000,
+                         per_device_train_batch_size=2, learning_rate=1e-2, use_cpu=True,
+                         report_to=[], disable_tqdm=True, dataloader_num_workers=0, seed=7,
+                         lr_scheduler_type="linear", warmup_steps=1)
+trainer = Job(model=model, args=args, train_dataset=data)
+trainer.train(resume_from_checkpoint=a.resume)
+print(f"DONE step={trainer.state.global_step}", flush=True)
