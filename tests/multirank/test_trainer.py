@@ -1,0 +1,151 @@
+"""DckptTrainer with the real transformers Trainer on gloo CPU ranks (torchrun: DDP), a
+tiny Llama, next to the stock Trainer in the same scenario (issue 45, part 2).
+Job script: tests/multirank/jobs/trainer_job.py."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+JOB = os.path.join(os.path.dirname(__file__), "jobs", "trainer_job.py")
+
+
+def run(out, impl: str, n: int | None, *args: str, ok: bool = True,
+        timeout: float = 150) -> str:
+    """torchrun ``n`` ranks of the job (``n`` None: one plain process) under a
+    deadline, the whole session reaped; must exit 0 when ``ok``."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("DCKPT_FAULT", None)
+    cmd = ([sys.executable, JOB] if n is None else
+           [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={n}", JOB])
+    cmd += ["--impl", impl, "--out", str(out)] + list(args)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    try:
+        text, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        text, _ = proc.communicate()
+        raise AssertionError(f"job timed out after {timeout} s:\n{text[-4000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if ok:
+        assert proc.returncode == 0, text[-4000:]
+    else:
+        assert proc.returncode != 0, text[-4000:]
+    return text
+
+
+def ref(tmp, name: str) -> dict:
+    return torch.load(os.path.join(tmp, "refs", f"{name}.pt"), weights_only=True)
+
+
+def same(a: dict, b: dict) -> bool:
+    """Model, optimizer, scheduler and global step equal (bitwise)."""
+    for part in ("model", "optim"):
+        if a[part].keys() != b[part].keys():
+            return False
+        for k, v in a[part].items():
+            w = b[part][k]
+            if not (torch.equal(v, w) if torch.is_tensor(v) else v == w):
+                return False
+    return a["sched"] == b["sched"] and a["step"] == b["step"]
+
+
+def ckpts(out) -> list[str]:
+    """What the Trainer's lookup and a user see (dckpt's staging is hidden)."""
+    return sorted(n for n in os.listdir(out) if not n.startswith("."))
+
+
+def test_options_are_checked():
+    from transformers import TrainingArguments
+
+    from dckpt import CheckpointError
+    from dckpt.integrations.transformers import DckptTrainer
+
+    for kw in ({"async_save": True}, {"local_root": "/tmp/x"}, {"compression": "gzip"},
+               {"storage_options": {"anon": True}}):
+        with pytest.raises(CheckpointError):
+            DckptTrainer(model=torch.nn.Linear(2, 2),
+                         args=TrainingArguments(output_dir="unused", use_cpu=True,
+                                                report_to=[]), **kw)
+
+
+def test_rotation_resume_at_3_ranks_and_a_damaged_newest(tmp_path):
+    out = tmp_path / "out"
+    run(out, "dckpt", 2, "--steps", "6", "--every", "2", "--limit", "2")
+    assert ckpts(out) == ["checkpoint-4", "checkpoint-6"]  # save_total_limit, commit order
+    for c in ckpts(out):
+        files = os.listdir(out / c)
+        assert all(f.endswith((".safetensors", ".json")) for f in files), files  # no pickle
+        assert "trainer_state.json" in files and "training_args.bin" not in files
+    r = subprocess.run([sys.executable, "-m", "dckpt", "verify", str(out / "checkpoint-6")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    saved = [ref(tmp_path, f"save-6-r{r}") for r in range(2)]
+    # 3 ranks: the newest committed checkpoint; everything as saved
+    text = run(out, "dckpt", 3, "--steps", "8", "--every", "2", "--limit", "2", "--resume")
+    assert text.count(f"RESUMED step=6 from={out}/checkpoint-6") == 3, text[-3000:]
+    got = [ref(tmp_path, f"resumed-3-r{r}") for r in range(3)]
+    for r in range(3):
+        assert same(got[r], saved[0]), r
+    assert torch.equal(got[0]["rng"], saved[0]["rng"])
+    assert torch.equal(got[1]["rng"], saved[1]["rng"])
+    assert not torch.equal(got[2]["rng"], saved[0]["rng"])  # rank 2: a derived stream
+    assert ckpts(out) == ["checkpoint-6", "checkpoint-8"]
+    # a flipped byte in the newest: skipped with a warning, the one before it resumes
+    d = out / "checkpoint-8"
+    f = next(d / n for n in sorted(os.listdir(d)) if n.endswith(".safetensors"))
+    with open(f, "r+b") as fh:
+        fh.seek(os.path.getsize(f) - 8)
+        b = fh.read(1)
+        fh.seek(os.path.getsize(f) - 8)
+        fh.write(bytes([b[0] ^ 0xFF]))
+    text = run(out, "dckpt", None, "--steps", "8", "--every", "2", "--limit", "2", "--resume")
+    assert "checkpoint-8 could not be loaded" in text, text[-3000:]
+    assert f"RESUMED step=6 from={out}/checkpoint-6" in text
+    assert same(ref(tmp_path, "resumed-1-r0"), saved[0])
+    assert ckpts(out) == ["checkpoint-6", "checkpoint-8"]  # checkpoint-8 saved again, whole
+
+
+def test_sigkill_before_the_commit_resumes_the_previous_one_stock_picks_the_partial(tmp_path):
+    from transformers.trainer_utils import get_last_checkpoint
+
+    # dckpt: every rank killed in the save of step 4, before its commit
+    out = tmp_path / "dckpt" / "out"
+    run(out, "dckpt", 2, "--steps", "6", "--every", "2", "--kill-at", "4", ok=False)
+    assert ckpts(out) == ["checkpoint-2"]  # the partial one is hidden, never checkpoint-4
+    assert get_last_checkpoint(str(out)) == str(out / "checkpoint-2")  # HF's scripts' lookup
+    text = run(out, "dckpt", 2, "--steps", "6", "--every", "2", "--resume")
+    assert text.count(f"RESUMED step=2 from={out}/checkpoint-2") == 2, text[-3000:]
+    for r in range(2):
+        got, saved = ref(tmp_path / "dckpt", f"resumed-2-r{r}"), ref(tmp_path / "dckpt",
+                                                                      f"save-2-r{r}")
+        assert same(got, saved) and torch.equal(got["rng"], saved["rng"]), r
+    assert ckpts(out) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    # stock, the same scenario: killed after the model was written
+    out = tmp_path / "stock" / "out"
+    run(out, "stock", 2, "--steps", "6", "--every", "2", "--kill-at", "4", ok=False)
+    assert ckpts(out) == ["checkpoint-2", "checkpoint-4"]
+    assert get_last_checkpoint(str(out)) == str(out / "checkpoint-4")  # the partial one
+    assert "trainer_state.json" not in os.listdir(out / "checkpoint-4")
+    text = run(out, "stock", 2, "--steps", "6", "--every", "2", "--resume", ok=False)
+    assert "checkpoint-4/trainer_state.json" in text and "FileNotFoundError" in text
+    # migration: DckptTrainer resumes the stock checkpoint-2 (stock path), saves dckpt ones;
+    # its commit of step 4 replaces the stock partial folder whole
+    text = run(out, "dckpt", 2, "--steps", "6", "--every", "2", "--resume",
+               str(out / "checkpoint-2"))
+    assert text.count(f"RESUMED step=2 from={out}/checkpoint-2") == 2, text[-3000:]
+    assert "manifest.json" in os.listdir(out / "checkpoint-4")
+    assert not any(f.endswith((".pt", ".bin")) for f in os.listdir(out / "checkpoint-4"))
