@@ -149,3 +149,63 @@ def test_sigkill_before_the_commit_resumes_the_previous_one_stock_picks_the_part
     assert text.count(f"RESUMED step=2 from={out}/checkpoint-2") == 2, text[-3000:]
     assert "manifest.json" in os.listdir(out / "checkpoint-4")
     assert not any(f.endswith((".pt", ".bin")) for f in os.listdir(out / "checkpoint-4"))
+
+
+def _tiny():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    g = torch.Generator().manual_seed(1)
+    data = [{"input_ids": i, "labels": i} for i in torch.randint(0, 64, (16, 8), generator=g)]
+    return LlamaForCausalLM(cfg), data
+
+
+def _args(out, **kw):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(output_dir=str(out), save_strategy="steps", save_steps=2,
+                             per_device_train_batch_size=2, learning_rate=1e-2, use_cpu=True,
+                             report_to=[], disable_tqdm=True, logging_steps=1000, **kw)
+
+
+def test_one_process_best_checkpoint_kept_and_loaded_and_model_only(tmp_path):
+    import dckpt
+    from transformers import TrainerCallback
+
+    from dckpt.integrations.transformers import DckptTrainer
+
+    model, data = _tiny()
+    t = DckptTrainer(model=model, train_dataset=data, eval_dataset=data[:4], args=_args(
+        tmp_path / "a", max_steps=6, eval_strategy="steps", eval_steps=2, save_total_limit=2,
+        load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True))
+    t.train()
+    best = os.path.basename(t.state.best_model_checkpoint)
+    assert best == "checkpoint-2"  # the eval loss falls: the first is the "greatest"
+    # stock's rule: the best is kept beside the newest (checkpoint-4 went, in commit order)
+    assert ckpts(tmp_path / "a") == ["checkpoint-2", "checkpoint-6"]
+    with dckpt.open(str(tmp_path / "a" / best)) as ck:  # the best model was loaded at the end
+        for k, v in t.model.state_dict().items():
+            assert torch.equal(v, ck[f"models.0.{k}"]), k
+    # save_only_model: no optimizer in the checkpoint; a resume restores the model and step
+    model, data = _tiny()
+    t = DckptTrainer(model=model, train_dataset=data,
+                     args=_args(tmp_path / "b", max_steps=2, save_only_model=True))
+    t.train()
+    with dckpt.open(str(tmp_path / "b" / "checkpoint-2")) as ck:
+        assert not any(k.startswith("optimizers.") for k in ck.keys())
+        saved = {k[len("models.0."):]: ck[k] for k in ck.keys() if k.startswith("models.0.")}
+    seen = {}
+
+    class Seen(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kw):
+            seen["step"] = state.global_step
+            seen["model"] = {k: v.clone() for k, v in model.state_dict().items()}
+
+    model, data = _tiny()
+    t = DckptTrainer(model=model, train_dataset=data, callbacks=[Seen()],
+                     args=_args(tmp_path / "b", max_steps=4, save_only_model=True))
+    t.train(resume_from_checkpoint=True)
+    assert seen["step"] == 2 and t.state.global_step == 4
+    assert all(torch.equal(seen["model"][k], v) for k, v in saved.items())
