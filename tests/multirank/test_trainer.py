@@ -209,3 +209,33 @@ def test_one_process_best_checkpoint_kept_and_loaded_and_model_only(tmp_path):
     t.train(resume_from_checkpoint=True)
     assert seen["step"] == 2 and t.state.global_step == 4
     assert all(torch.equal(seen["model"][k], v) for k, v in saved.items())
+
+
+def test_one_process_refuses_another_frameworks_checkpoint_and_skips_a_stateless_one(
+        tmp_path, caplog):
+    import dckpt
+    from transformers import TrainerCallback
+
+    from dckpt.errors import StateMismatchError
+    from dckpt.integrations.transformers import DckptTrainer
+
+    dckpt.save({"x": torch.zeros(2)}, str(tmp_path / "other"))
+    model, data = _tiny()
+    t = DckptTrainer(model=model, train_dataset=data, args=_args(tmp_path / "a", max_steps=4))
+    with pytest.raises(StateMismatchError, match="not of the transformers Trainer"):
+        t.train(resume_from_checkpoint=str(tmp_path / "other"))
+    t.train()
+    os.remove(tmp_path / "a" / "checkpoint-4" / "trainer_state.json")  # by hand
+    seen = {}
+
+    class Seen(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            seen["step"] = state.global_step
+
+    model, data = _tiny()
+    t = DckptTrainer(model=model, train_dataset=data, callbacks=[Seen()],
+                     args=_args(tmp_path / "a", max_steps=4))
+    with caplog.at_level("WARNING"):
+        t.train(resume_from_checkpoint=True)
+    assert seen["step"] == 2
+    assert "checkpoint-4 could not be loaded" in caplog.text and "trainer_state.json" in caplog.text

@@ -17,7 +17,7 @@ from typing import Any
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
-from ...errors import CheckpointError, StateMismatchError
+from ...errors import CheckpointError, IntegrityError, StateMismatchError
 from ...protocol.collectives import Comm, agree
 from ...view.open import MissingKeyError
 from ..common import resolve, tree
@@ -181,7 +181,6 @@ class DckptTrainerMixin:
         CheckpointError when no candidate verifies (listing each), NotCommittedError,
         IntegrityError, StateMismatchError, MissingKeyError; ValueError when
         ``output_dir`` holds no checkpoint (as stock)."""
-        comm = Comm()
         call = dict(trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
         path: str | None = None
         if resume_from_checkpoint is True:
@@ -189,10 +188,12 @@ class DckptTrainerMixin:
             paths = resolve.listed(lambda: [c.path for c in resolve.committed_in(out, NAME)],
                                    f"list {out}")
             if paths:
-                path, _ = resolve.load_newest(paths, lambda p: verify_shared(p))
+                path, _ = resolve.load_newest(paths, lambda p: (self._dckpt_precheck(p),
+                                                                verify_shared(p)))
         elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
             p = os.path.abspath(os.path.expanduser(os.fspath(resume_from_checkpoint)))
             if resolve.listed(lambda: kind(p), f"look up {p}") == "dckpt":
+                self._dckpt_precheck(p)
                 path = p
             else:
                 log.info("%s is not a dckpt checkpoint: the stock Trainer resumes it", p)
@@ -203,6 +204,27 @@ class DckptTrainerMixin:
             return super().train(path, **call)
         finally:
             self._dckpt_resume = self._dckpt_loaded = None
+
+    def _dckpt_precheck(self, path: str) -> None:
+        """Before the Trainer reads anything of ``path``: it is a Trainer's checkpoint
+        (StateMismatchError naming its framework otherwise) holding its
+        ``trainer_state.json`` (IntegrityError otherwise). Collective (a broadcast of
+        rank 0's finding); blocking I/O on rank 0: one manifest read and a stat."""
+        def look() -> list:
+            raw = read_manifest(path).values.get(META_KEY)
+            other = None
+            if not isinstance(raw, str):
+                fw = [k.strip("_") for k in read_manifest(path).values
+                      if k.startswith("__") and k.endswith("__")]
+                other = fw[0] if fw else "dckpt.save"
+            return [other, os.path.isfile(os.path.join(path, STATE_FILE))]
+        other, has_state = resolve.listed(look, f"read the manifest of {path}")
+        if other is not None:
+            raise StateMismatchError(f"{path} is a dckpt checkpoint of {other!r}, not of the "
+                                     "transformers Trainer: load it with what saved it")
+        if not has_state:
+            raise IntegrityError(f"{path} is committed but its {STATE_FILE} is missing "
+                                 "(removed by hand?): the Trainer cannot resume it")
 
     def _dckpt_ours(self, checkpoint: str | None) -> bool:
         return (checkpoint is not None and self._dckpt_resume is not None
