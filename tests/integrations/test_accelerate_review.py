@@ -250,3 +250,27 @@ def test_object_store_rotation_never_removes_the_checkpoint_just_saved(tmp_path)
         assert "checkpoint_1" in left, left
     finally:
         fs.rm(base, recursive=True)
+
+
+@pytest.mark.xfail(strict=True, reason="a hostile __accelerate__ metadata ('step': 'x') "
+                   "raises a bare ValueError after the models were loaded, not a CheckpointError")
+def test_hostile_step_in_the_metadata_is_a_checkpoint_error(tmp_path, monkeypatch):
+    """_load_one does int(meta['step']) and int(meta['iteration']) on the untrusted
+    metadata after the models, optimizers and objects were loaded, outside any
+    agreement: a non-number raises ValueError/TypeError (each rank on its own), and the
+    accelerator is left half-restored. The metadata's fields must be checked with the
+    rest in check() (before any byte is read): a CheckpointError naming the field."""
+    from dckpt.integrations.accelerate import contents
+
+    meta = contents.meta
+
+    def hostile(acc, saved):
+        return {**meta(acc, saved), "step": "x"}
+
+    monkeypatch.setattr(contents, "meta", hostile)
+    acc, _, _ = make()
+    path = acc.save_state(str(tmp_path / "x"))
+    monkeypatch.setattr(contents, "meta", meta)
+    acc, _, _ = make()
+    with pytest.raises(dckpt.CheckpointError, match="step"):
+        acc.load_state(path)
