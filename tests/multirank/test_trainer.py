@@ -82,9 +82,11 @@ def test_options_are_checked():
                                                 report_to=[]), **kw)
 
 
-def test_rotation_resume_at_3_ranks_and_a_damaged_newest(tmp_path):
+def test_fsdp2_rotation_resume_at_3_ranks_and_a_damaged_newest_at_1(tmp_path):
+    """FSDP2 (the CPU shim) at 2 ranks -> FSDP2 at 3 ranks -> one plain process."""
     out = tmp_path / "out"
-    run(out, "dckpt", 2, "--steps", "6", "--every", "2", "--limit", "2")
+    text = run(out, "dckpt", 2, "--steps", "6", "--every", "2", "--limit", "2", "--fsdp")
+    assert text.count("fsdp=True model=FSDPLlamaForCausalLM") == 2, text[-3000:]
     assert ckpts(out) == ["checkpoint-4", "checkpoint-6"]  # save_total_limit, commit order
     for c in ckpts(out):
         files = os.listdir(out / c)
@@ -95,7 +97,11 @@ def test_rotation_resume_at_3_ranks_and_a_damaged_newest(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     saved = [ref(tmp_path, f"save-6-r{r}") for r in range(2)]
     # 3 ranks: the newest committed checkpoint; everything as saved
-    text = run(out, "dckpt", 3, "--steps", "8", "--every", "2", "--limit", "2", "--resume")
+    r = subprocess.run([sys.executable, "-m", "dckpt", "inspect", str(out / "checkpoint-6")],
+                       capture_output=True, text=True, timeout=60)
+    assert "2 x dim0" in r.stdout, r.stdout  # sharded as trained, no gather
+    text = run(out, "dckpt", 3, "--steps", "8", "--every", "2", "--limit", "2", "--resume",
+               "--fsdp")
     assert text.count(f"RESUMED step=6 from={out}/checkpoint-6") == 3, text[-3000:]
     got = [ref(tmp_path, f"resumed-3-r{r}") for r in range(3)]
     for r in range(3):

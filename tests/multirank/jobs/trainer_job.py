@@ -1,8 +1,8 @@
 """A tiny Llama (2 layers, hidden 16) trained by the real transformers Trainer on CPU
-ranks (torchrun, gloo: DDP), with dckpt's DckptTrainer or the stock Trainer.
+ranks (torchrun, gloo: DDP or FSDP2), with dckpt's DckptTrainer or the stock Trainer.
 
     [torchrun --nproc-per-node N] trainer_job.py --impl dckpt|stock --out DIR
-        --steps S [--every E] [--limit L] [--resume [PATH]] [--kill-at STEP]
+        --steps S [--every E] [--limit L] [--resume [PATH]] [--kill-at STEP] [--fsdp]
 
 Saves every E steps to DIR/checkpoint-<step>. After each save, rank r writes
 DIR/../refs/save-<step>-r<r>.pt: the full model and optimizer state, the scheduler's
@@ -11,7 +11,8 @@ train(resume_from_checkpoint=True or PATH); once the RNG is restored, the same r
 refs/resumed-<world>-r<r>.pt and a line "RESUMED step=<global_step>". ``--kill-at S``:
 every rank is SIGKILLed in the save at step S, before it is complete: dckpt before its
 commit (the fault point "commit"), stock after the model is written (in
-_save_optimizer_and_scheduler).
+_save_optimizer_and_scheduler). ``--fsdp``: FSDP2 through the CPU shim (Accelerate
+runs FSDP only on accelerators; as accelerate_job.py), else DDP (gloo).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ p.add_argument("--every", type=int, default=2)
 p.add_argument("--limit", type=int, default=None)
 p.add_argument("--resume", nargs="?", const=True, default=None)
 p.add_argument("--kill-at", type=int, default=None)
+p.add_argument("--fsdp", action="store_true")
 a = p.parse_args()
 
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
@@ -93,8 +95,19 @@ args = TrainingArguments(output_dir=a.out, max_steps=a.steps, save_strategy="ste
                          report_to=[], disable_tqdm=True, dataloader_num_workers=0, seed=7,
                          lr_scheduler_type="linear", warmup_steps=1)
 trainer = Job(model=model, args=args, train_dataset=data)
+if a.fsdp:  # the CPU shim (as accelerate_job.py): Accelerate runs FSDP only on accelerators
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True,
+                                            state_dict_type="SHARDED_STATE_DICT")
+    AcceleratorState._shared_state["distributed_type"] = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    AcceleratorState._shared_state["fsdp_plugin"] = plugin
+    trainer.is_fsdp_enabled = True
 trainer.train(resume_from_checkpoint=a.resume)
-print(f"DONE step={trainer.state.global_step}", flush=True)
+print(f"DONE step={trainer.state.global_step} fsdp={trainer.is_fsdp_enabled} "
+      f"model={type(trainer.model).__name__}", flush=True)
 if torch.distributed.is_initialized():
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
