@@ -9,6 +9,7 @@ takes the highest number with a folder, complete or not; see docs/HF.md.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -208,7 +209,8 @@ class DckptTrainerMixin:
     def _dckpt_precheck(self, path: str) -> None:
         """Before the Trainer reads anything of ``path``: it is a Trainer's checkpoint
         (StateMismatchError naming its framework otherwise) holding its
-        ``trainer_state.json`` (IntegrityError otherwise). Collective (a broadcast of
+        ``trainer_state.json`` as a JSON object (IntegrityError otherwise: it is not in
+        the manifest's checksums, so it is checked here). Collective (a broadcast of
         rank 0's finding); blocking I/O on rank 0: one manifest read and a stat."""
         def look() -> list:
             raw = read_manifest(path).values.get(META_KEY)
@@ -217,14 +219,22 @@ class DckptTrainerMixin:
                 fw = [k.strip("_") for k in read_manifest(path).values
                       if k.startswith("__") and k.endswith("__")]
                 other = fw[0] if fw else "dckpt.save"
-            return [other, os.path.isfile(os.path.join(path, STATE_FILE))]
-        other, has_state = resolve.listed(look, f"read the manifest of {path}")
+            try:
+                with open(os.path.join(path, STATE_FILE), encoding="utf-8") as f:
+                    doc = json.load(f)
+                state = "" if isinstance(doc, dict) else "is not a JSON object"
+            except FileNotFoundError:
+                state = "is missing (removed by hand?)"
+            except (OSError, ValueError) as e:
+                state = f"cannot be read ({e})"
+            return [other, state]
+        other, state = resolve.listed(look, f"read the manifest of {path}")
         if other is not None:
             raise StateMismatchError(f"{path} is a dckpt checkpoint of {other!r}, not of the "
                                      "transformers Trainer: load it with what saved it")
-        if not has_state:
-            raise IntegrityError(f"{path} is committed but its {STATE_FILE} is missing "
-                                 "(removed by hand?): the Trainer cannot resume it")
+        if state:
+            raise IntegrityError(f"{path} is committed but its {STATE_FILE} {state}: the "
+                                 "Trainer cannot resume it")
 
     def _dckpt_ours(self, checkpoint: str | None) -> bool:
         return (checkpoint is not None and self._dckpt_resume is not None
