@@ -74,7 +74,7 @@ def test_options_are_checked():
     from dckpt import CheckpointError
     from dckpt.integrations.transformers import DckptTrainer
 
-    for kw in ({"async_save": True}, {"local_root": "/tmp/x"}, {"compression": "gzip"},
+    for kw in ({"async_save": 1}, {"local_root": "/tmp/x"}, {"compression": "gzip"},
                {"storage_options": {"anon": True}}):
         with pytest.raises(CheckpointError):
             DckptTrainer(model=torch.nn.Linear(2, 2),
@@ -245,3 +245,34 @@ def test_one_process_refuses_another_frameworks_checkpoint_and_skips_a_stateless
         t.train(resume_from_checkpoint=True)
     assert seen["step"] == 2
     assert "checkpoint-4 could not be loaded" in caplog.text and "trainer_state.json" in caplog.text
+
+
+def test_one_process_async_saves_are_placed_by_the_end_of_train_and_resume(tmp_path):
+    import dckpt
+    from transformers import TrainerCallback
+
+    from dckpt.integrations.transformers import DckptTrainer
+
+    model, data = _tiny()
+    t = DckptTrainer(model=model, train_dataset=data, async_save=True,
+                     args=_args(tmp_path / "a", max_steps=4, save_total_limit=1))
+    t.train()
+    assert ckpts(tmp_path / "a") == ["checkpoint-4"]  # placed and rotated by then
+    assert not t._dckpt.pending
+    with dckpt.open(str(tmp_path / "a" / "checkpoint-4")) as ck:
+        saved = {k[len("models.0."):]: ck[k] for k in ck.keys() if k.startswith("models.0.")}
+    for k, v in t.model.state_dict().items():  # the step after the save waited for its copy
+        assert torch.equal(v, saved[k]), k
+    seen = {}
+
+    class Seen(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kw):
+            seen["step"] = state.global_step
+            seen["model"] = {k: v.clone() for k, v in model.state_dict().items()}
+
+    model, data = _tiny()
+    t = DckptTrainer(model=model, train_dataset=data, async_save=True, callbacks=[Seen()],
+                     args=_args(tmp_path / "a", max_steps=6, save_total_limit=1))
+    t.train(resume_from_checkpoint=True)
+    assert seen["step"] == 4 and all(torch.equal(seen["model"][k], v) for k, v in saved.items())
+    assert ckpts(tmp_path / "a") == ["checkpoint-6"]

@@ -41,10 +41,13 @@ def _inner(opt: Any) -> Any:
 class DckptTrainerMixin:
     """Mix into a ``transformers.Trainer`` (sub)class, first:
     ``class MySFT(DckptTrainerMixin, trl.SFTTrainer)``. Takes the Trainer's arguments,
-    plus keyword-only ``compression`` (None, "zstd", "lz4"). ``storage_options``,
-    ``async_save=True`` and ``local_root`` are accepted for symmetry with
-    ``DckptAccelerator`` but not supported yet (the Trainer reads its checkpoints from
-    a local ``output_dir``): a non-default value raises. Raises CheckpointError on a
+    plus keyword-only ``compression`` (None, "zstd", "lz4") and ``async_save`` (a save
+    returns after the snapshot; the optimizer's next ``step()`` waits for the copy; the
+    commit, placement and rotation run in the background; the next save, a load and
+    the end of ``train()`` wait and raise its error on every rank). ``storage_options``
+    and ``local_root`` are accepted for symmetry with ``DckptAccelerator`` but not
+    supported yet (the Trainer reads its checkpoints from a local ``output_dir``): a
+    value raises. Raises CheckpointError on a
     bad option, an object-store ``output_dir``, and under DeepSpeed (its engine writes
     its own checkpoints: keep ``transformers.Trainer``)."""
 
@@ -53,13 +56,15 @@ class DckptTrainerMixin:
                  local_root: str | None = None, keep_last_local: int = 2,
                  **kwargs: Any) -> None:
         for name, value, default in (("storage_options", storage_options, None),
-                                     ("async_save", async_save, False),
                                      ("local_root", local_root, None)):
             if value != default:
                 raise CheckpointError(f"DckptTrainer: {name}={value!r} is not supported yet "
                                       "(the Trainer's checkpoints live on a local output_dir)")
-        committer = Committer(None, False, compression)  # validates compression
+        committer = Committer(None, async_save, compression)  # validates both
         super().__init__(*args, **kwargs)
+        if async_save and self.args.push_to_hub:
+            raise CheckpointError("DckptTrainer: async_save=True with push_to_hub: the push "
+                                  "reads the checkpoint before its background commit places it")
         if getattr(self, "is_deepspeed_enabled", False):
             raise CheckpointError("DckptTrainer does not support DeepSpeed: its engine writes "
                                   "its own checkpoints; use transformers.Trainer for it")
@@ -79,9 +84,10 @@ class DckptTrainerMixin:
         model only. Then, on rank 0, ``save_total_limit`` removes the oldest committed
         checkpoints (commit order, never the new one nor ``best_model_checkpoint``).
         Collective; blocking I/O (each rank writes its own shards; rank 0 the JSON
-        files, one rename and the removals). Raises the same CheckpointError on every
-        rank (nothing is placed then), UnsupportedValueError for a scheduler value that
-        cannot be stored."""
+        files, one rename and the removals; with ``async_save`` all but the snapshot
+        run in the background, after waiting for the save before). Raises the same
+        CheckpointError on every rank (nothing is placed then), UnsupportedValueError
+        for a scheduler value that cannot be stored."""
         comm = Comm()
         folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         if self.hp_search_backend is None and trial is None:
@@ -98,11 +104,13 @@ class DckptTrainerMixin:
         try:
             if comm.rank == 0:
                 self._dckpt_write_json(plan.target)
-            built = tree.build(self._dckpt_contents(comm.rank), comm.rank, META_KEY)
+            c = self._dckpt_contents(comm.rank)
+            built = tree.build(c, comm.rank, META_KEY)
         except Exception as e:
             err = e
         agree(comm, err, f"collect the state to save to {output_dir}")
-        self._dckpt.commit(built, plan, after=self._dckpt_rotation(run_dir, plan.final))
+        self._dckpt.commit(built, plan, fence=tree.fence_targets(c),
+                           after=self._dckpt_rotation(run_dir, plan.final))
         if self.args.push_to_hub:
             self._push_from_checkpoint(output_dir)
 
@@ -181,8 +189,11 @@ class DckptTrainerMixin:
         then the load reads what each rank needs). Raises on every rank alike:
         CheckpointError when no candidate verifies (listing each), NotCommittedError,
         IntegrityError, StateMismatchError, MissingKeyError; ValueError when
-        ``output_dir`` holds no checkpoint (as stock)."""
+        ``output_dir`` holds no checkpoint (as stock). ``async_save``: waits for the
+        save in flight first and for the last one before returning (raising its error
+        on every rank); after a failure of the training, waits without a collective."""
         call = dict(trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        self._dckpt.finish()  # an earlier train()'s save in flight (none: no collective)
         path: str | None = None
         if resume_from_checkpoint is True:
             out = str(self.args.output_dir)
@@ -198,13 +209,17 @@ class DckptTrainerMixin:
                 path = p
             else:
                 log.info("%s is not a dckpt checkpoint: the stock Trainer resumes it", p)
-        if path is None:
-            return super().train(resume_from_checkpoint, **call)
-        self._dckpt_resume, self._dckpt_loaded = path, None
+        if path is not None:
+            self._dckpt_resume, self._dckpt_loaded = path, None
         try:
-            return super().train(path, **call)
+            result = super().train(resume_from_checkpoint if path is None else path, **call)
+        except BaseException:
+            self._dckpt.abandon()  # never a collective after a failure: its error shows
+            raise
         finally:
             self._dckpt_resume = self._dckpt_loaded = None
+        self._dckpt.finish()  # the last asynchronous save: placed, or its error raised
+        return result
 
     def _dckpt_precheck(self, path: str) -> None:
         """Before the Trainer reads anything of ``path``: it is a Trainer's checkpoint
@@ -307,6 +322,7 @@ class DckptTrainerMixin:
     def _load_best_model(self) -> None:
         """``load_best_model_at_end``: a dckpt ``best_model_checkpoint`` loads the model
         only (resharded); else stock. Collective; blocking I/O."""
+        self._dckpt.finish()  # the best may be the save in flight
         best = self.state.best_model_checkpoint
         if best is None or resolve.listed(lambda: kind(best), f"look up {best}") != "dckpt":
             return super()._load_best_model()
