@@ -53,8 +53,6 @@ def make(project_dir=None, *, auto=False, total_limit=None, async_save=False, mo
     return acc, m, o
 
 
-@pytest.mark.xfail(strict=True, reason="save_state(output_dir=<an existing folder>) deletes "
-                   "everything already in it (place() swaps the folder and rmtree's the old one)")
 def test_save_to_an_existing_folder_keeps_what_else_is_in_it(tmp_path):
     """Stock save_state(output_dir) writes its files into the folder (makedirs
     exist_ok) and leaves the rest alone; scripts call ``accelerator.save_state(
@@ -77,9 +75,6 @@ def test_save_to_an_existing_folder_keeps_what_else_is_in_it(tmp_path):
     assert (out / "checkpoints" / "checkpoint_0" / "model.safetensors").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="after a damaged newest checkpoint is skipped, "
-                   "iteration = saved + 1 names that damaged folder: the next save raises "
-                   "ValueError 'already exists'")
 def test_resume_past_a_damaged_newest_can_save_again(tmp_path):
     """The promise: a resume falls back past a damaged newest checkpoint and the job
     goes on. Here it resumes checkpoint_0, sets iteration = 1, and its next
@@ -135,8 +130,6 @@ def test_failed_last_async_save_fails_the_process(tmp_path):
     assert r.returncode != 0, r.stdout + r.stderr[-2000:]
 
 
-@pytest.mark.xfail(strict=True, reason="async_save fences only the optimizers: the next "
-                   "forward of a BatchNorm model, before the copy ends, fails the save")
 def test_async_save_of_a_batchnorm_model_survives_the_next_forward(tmp_path, monkeypatch):
     """Issue 45: 'save_state returns after the snapshot'. The adapter fences only the
     optimizers (tree.fence_targets), not the models (the Lightning adapters fence the

@@ -222,14 +222,18 @@ class DckptAccelerator(Accelerator):
                      resolve.stock_in(parent, NAME)], f"list {parent}")
         if dckpt_paths:
             resolve.load_newest(dckpt_paths, lambda p: self._load_one(comm, p))
+            # the next name is past every checkpoint_<i> present: after a fallback past a
+            # damaged newest one (or a rewind) the saved iteration + 1 may name it
+            self.project_configuration.iteration = max(
+                self.project_configuration.iteration,
+                1 + max(_number(p) for p in [*dckpt_paths, *stock]))
             return
         if stock:
             log.info("no dckpt checkpoint under %s: loading the newest stock one with "
                      "Accelerate's own load_state", parent)
             super().load_state(None, load_kwargs, **load_model_func_kwargs)
             # stock never restores the iteration (the next save would be checkpoint_0)
-            self.project_configuration.iteration = 1 + max(
-                int(os.path.basename(s).split("_")[1]) for s in stock)
+            self.project_configuration.iteration = 1 + max(_number(s) for s in stock)
             return
         raise NotCommittedError(f"no committed checkpoint under {parent}")
 
@@ -265,3 +269,9 @@ class DckptAccelerator(Accelerator):
         then Accelerate's ``end_training``. Collective when a save was in flight."""
         self._dckpt.finish()
         super().end_training()
+
+
+def _number(path: str) -> int:
+    """The i of a ``checkpoint_<i>`` path (-1 when it has none). Pure."""
+    tail = path.rstrip("/").rsplit("/", 1)[-1].rsplit("_", 1)[-1]
+    return int(tail) if tail.isdigit() else -1

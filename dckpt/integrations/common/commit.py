@@ -22,7 +22,7 @@ from ...errors import CheckpointError
 from ...protocol.async_save import SaveHandle, async_save
 from ...protocol.collectives import Comm, agree, on_rank0
 from ...protocol.commit import save
-from .place import PARTIAL, is_url, local_path, place, sweep
+from .place import PARTIAL, is_url, kind, local_path, place, sweep
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,23 @@ class Plan:
     final: str
     target: str
     staged: bool
+
+
+def _check_replaceable(path: str) -> None:
+    """A save replaces what is at ``path`` whole (the staged folder is renamed over
+    it): allowed for nothing, an empty folder or a committed dckpt checkpoint; any other
+    folder or file (a user's output directory next to a tokenizer, checkpoints under
+    it, a framework's own checkpoint) is refused, never deleted. Local I/O: a stat or a
+    listing. Raises CheckpointError naming ``path``."""
+    if not os.path.lexists(path):
+        return
+    if os.path.isdir(path) and not os.path.islink(path) and (
+            kind(path) == "dckpt" or not os.listdir(path)):
+        return
+    raise CheckpointError(
+        f"{path} exists and is not a dckpt checkpoint: a save replaces its folder whole, so "
+        "it would delete what is there. Save into a new folder (or an existing dckpt "
+        "checkpoint, which is replaced atomically), or move that folder away")
 
 
 class Committer:
@@ -71,6 +88,7 @@ class Committer:
                 return [final.rstrip("/"), final.rstrip("/"), False]
             path = os.path.abspath(local_path(final))
             parent, name = os.path.split(path)
+            _check_replaceable(path)
             os.makedirs(parent, exist_ok=True)
             sweep(parent, name)
             tmp = os.path.join(parent, f".{name}{PARTIAL}{uuid.uuid4().hex[:12]}")

@@ -72,8 +72,12 @@ def build(c: Contents, rank: int, meta_key: str) -> dict[str, Any]:
 
 def fence_targets(c: Contents) -> list:
     """What an overlapped asynchronous save must fence: each optimizer (its next
-    ``step()`` waits for the snapshot's copy). No I/O."""
-    return [opt for opt, _ in c.optimizers]
+    ``step()`` waits for the snapshot's copy) and each saved model (its forwards that
+    write saved tensors in place, BatchNorm's running statistics, wait too:
+    dckpt.engine.fence). No I/O."""
+    models = [m for i, m in enumerate(c.models) if i not in c.skip
+              and isinstance(m, torch.nn.Module)]
+    return [opt for opt, _ in c.optimizers] + models
 
 
 @dataclass
