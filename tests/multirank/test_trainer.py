@@ -133,13 +133,19 @@ def test_sigkill_before_the_commit_resumes_the_previous_one_stock_picks_the_part
     run(out, "dckpt", 2, "--steps", "6", "--every", "2", "--kill-at", "4", ok=False)
     assert ckpts(out) == ["checkpoint-2"]  # the partial one is hidden, never checkpoint-4
     assert get_last_checkpoint(str(out)) == str(out / "checkpoint-2")  # HF's scripts' lookup
-    text = run(out, "dckpt", 2, "--steps", "6", "--every", "2", "--resume")
+    text = run(out, "dckpt", 2, "--steps", "6", "--every", "2", "--resume", "--async-save")
     assert text.count(f"RESUMED step=2 from={out}/checkpoint-2") == 2, text[-3000:]
     for r in range(2):
         got, saved = ref(tmp_path / "dckpt", f"resumed-2-r{r}"), ref(tmp_path / "dckpt",
                                                                       f"save-2-r{r}")
         assert same(got, saved) and torch.equal(got["rng"], saved["rng"]), r
+    # asynchronous saves after the resume: placed by the end of train(), as saved
     assert ckpts(out) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    import dckpt
+
+    with dckpt.open(str(out / "checkpoint-6")) as ck:
+        six = ref(tmp_path / "dckpt", "save-6-r0")["model"]
+        assert all(torch.equal(ck[f"models.0.{k}"], v) for k, v in six.items())
     # stock, the same scenario: killed after the model was written
     out = tmp_path / "stock" / "out"
     run(out, "stock", 2, "--steps", "6", "--every", "2", "--kill-at", "4", ok=False)
@@ -148,8 +154,12 @@ def test_sigkill_before_the_commit_resumes_the_previous_one_stock_picks_the_part
     assert "trainer_state.json" not in os.listdir(out / "checkpoint-4")
     text = run(out, "stock", 2, "--steps", "6", "--every", "2", "--resume", ok=False)
     assert "checkpoint-4/trainer_state.json" in text and "FileNotFoundError" in text
-    # migration: DckptTrainer resumes the stock checkpoint-2 (stock path), saves dckpt ones;
-    # its commit of step 4 replaces the stock partial folder whole
+    # migration: DckptTrainer resumes the stock checkpoint-2 (stock path), saves dckpt
+    # ones; a save never replaces a folder dckpt did not write, so the stock partial
+    # checkpoint-4 is removed by hand first (as stock users must, to resume at all)
+    import shutil
+
+    shutil.rmtree(out / "checkpoint-4")
     text = run(out, "dckpt", 2, "--steps", "6", "--every", "2", "--resume",
                str(out / "checkpoint-2"))
     assert text.count(f"RESUMED step=2 from={out}/checkpoint-2") == 2, text[-3000:]

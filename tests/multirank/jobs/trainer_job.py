@@ -3,6 +3,7 @@ ranks (torchrun, gloo: DDP or FSDP2), with dckpt's DckptTrainer or the stock Tra
 
     [torchrun --nproc-per-node N] trainer_job.py --impl dckpt|stock --out DIR
         --steps S [--every E] [--limit L] [--resume [PATH]] [--kill-at STEP] [--fsdp]
+        [--async-save]
 
 Saves every E steps to DIR/checkpoint-<step>. After each save, rank r writes
 DIR/../refs/save-<step>-r<r>.pt: the full model and optimizer state, the scheduler's
@@ -13,6 +14,9 @@ every rank is SIGKILLed in the save at step S, before it is complete: dckpt befo
 commit (the fault point "commit"), stock after the model is written (in
 _save_optimizer_and_scheduler). ``--fsdp``: FSDP2 through the CPU shim (Accelerate
 runs FSDP only on accelerators; as accelerate_job.py), else DDP (gloo).
+``--async-save``: DckptTrainer(async_save=True); a save's record is then taken while
+its commit may still run (the state recorded is the snapshot's: the optimizer's next
+step waits for the copy).
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ p.add_argument("--limit", type=int, default=None)
 p.add_argument("--resume", nargs="?", const=True, default=None)
 p.add_argument("--kill-at", type=int, default=None)
 p.add_argument("--fsdp", action="store_true")
+p.add_argument("--async-save", action="store_true")
 a = p.parse_args()
 
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
@@ -94,7 +99,8 @@ args = TrainingArguments(output_dir=a.out, max_steps=a.steps, save_strategy="ste
                          per_device_train_batch_size=2, learning_rate=1e-2, use_cpu=True,
                          report_to=[], disable_tqdm=True, dataloader_num_workers=0, seed=7,
                          lr_scheduler_type="linear", warmup_steps=1)
-trainer = Job(model=model, args=args, train_dataset=data)
+trainer = Job(model=model, args=args, train_dataset=data,
+              **({"async_save": True} if a.async_save else {}))
 if a.fsdp:  # the CPU shim (as accelerate_job.py): Accelerate runs FSDP only on accelerators
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
