@@ -228,11 +228,10 @@ class DckptTrainerMixin:
         the manifest's checksums, so it is checked here). Collective (a broadcast of
         rank 0's finding); blocking I/O on rank 0: one manifest read and a stat."""
         def look() -> list:
-            raw = read_manifest(path).values.get(META_KEY)
+            values = read_manifest(path).values
             other = None
-            if not isinstance(raw, str):
-                fw = [k.strip("_") for k in read_manifest(path).values
-                      if k.startswith("__") and k.endswith("__")]
+            if not isinstance(values.get(META_KEY), str):
+                fw = [k.strip("_") for k in values if k.startswith("__") and k.endswith("__")]
                 other = fw[0] if fw else "dckpt.save"
             try:
                 with open(os.path.join(path, STATE_FILE), encoding="utf-8") as f:
