@@ -163,3 +163,9 @@ def main(root: str) -> None:
 
 for r in (a.roots.split(',') if a.roots else [a.root]):
     main(r)
+sys.stdout.flush()
+sys.stderr.flush()
+# skip the interpreter's teardown, as trainer_job.py does: gloo's threads racing it abort
+# the process now and then ("terminate called without an active exception"); that is
+# tracked apart (a job's exit status), not what these tests check
+os._exit(0)
