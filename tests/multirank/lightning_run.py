@@ -1,6 +1,7 @@
-"""Running a Lightning/Fabric job script (tests/multirank/jobs/) as a real process group:
-Lightning's launcher re-executes the script once per extra device, every rank a child of
-rank 0 in one session, reaped whole whatever happens."""
+"""Running a job script (tests/multirank/jobs/) as a real process group under a deadline:
+Lightning's launcher re-executes its script once per extra device, every rank a child of
+rank 0 in one session; torchrun jobs likewise run in one session. Reaped whole whatever
+happens."""
 from __future__ import annotations
 
 import os
@@ -9,18 +10,20 @@ import subprocess
 import sys
 
 
-def run_job(script: str, root: str, strategy: str, devices: int, *args: str,
-            timeout: float = 240, killed: bool = False, failed: bool = False,
-            any_status: bool = False) -> str:
-    """Run ``script --strategy S --devices N --root R ARGS`` under a deadline; return its
-    output. It must exit 0, or with ``killed``, end by SIGKILL, or with ``failed``, exit
-    with an error status; with ``any_status``, however it ends (not by the deadline)."""
+def job_env() -> dict:
+    """The environment a job runs in: one thread per process, unbuffered output, no
+    fault armed from the test's own environment."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("DCKPT_FAULT", None)
-    proc = subprocess.Popen([sys.executable, script, "--strategy", strategy, "--devices",
-                             str(devices), "--root", root, *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)
+    return env
+
+
+def run_cmd(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int, str]:
+    """Run ``cmd`` in its own session under a deadline; return (exit status, output).
+    Past the deadline the whole session is SIGKILLed and an AssertionError raised; after
+    it ends, anything it left running (children of rank 0) is killed too."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env or job_env(), start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -28,16 +31,36 @@ def run_job(script: str, root: str, strategy: str, devices: int, *args: str,
         out, _ = proc.communicate()
         raise AssertionError(f"job timed out after {timeout} s:\n{out[-4000:]}")
     finally:
-        try:  # Lightning's other ranks are children of rank 0: none may outlive it
+        try:  # a job's other ranks are children of rank 0: none may outlive it
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    return proc.returncode, out
+
+
+def torchrun(script: str, nproc: int | None) -> list[str]:
+    """The command that runs ``script`` under torchrun with ``nproc`` processes (None:
+    one plain process, no torchrun)."""
+    if nproc is None:
+        return [sys.executable, script]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", script]
+
+
+def run_job(script: str, root: str, strategy: str, devices: int, *args: str,
+            timeout: float = 240, killed: bool = False, failed: bool = False,
+            any_status: bool = False) -> str:
+    """Run ``script --strategy S --devices N --root R ARGS`` under a deadline; return its
+    output. It must exit 0, or with ``killed``, end by SIGKILL, or with ``failed``, exit
+    with an error status; with ``any_status``, however it ends (not by the deadline)."""
+    rc, out = run_cmd([sys.executable, script, "--strategy", strategy, "--devices",
+                       str(devices), "--root", root, *args], timeout)
     if any_status:
         pass
     elif killed:
-        assert proc.returncode == -signal.SIGKILL, out[-4000:]
+        assert rc == -signal.SIGKILL, out[-4000:]
     elif failed:
-        assert proc.returncode not in (0, -signal.SIGKILL), out[-4000:]
+        assert rc not in (0, -signal.SIGKILL), out[-4000:]
     else:
-        assert proc.returncode == 0, out[-4000:]
+        assert rc == 0, out[-4000:]
     return out

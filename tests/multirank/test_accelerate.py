@@ -4,12 +4,13 @@ Job script: tests/multirank/jobs/accelerate_job.py."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
 import torch
+
+from .lightning_run import run_cmd, torchrun  # noqa: E402
 
 pytest.importorskip("accelerate")
 
@@ -21,27 +22,11 @@ PHASES = ["plan", "write", "commit", "place", "rotate"]  # before the first writ
 def run(root, impl: str, n: int | None, *args: str, ok: bool = True, timeout: float = 150) -> str:
     """torchrun ``n`` ranks of the job (``n`` None: one plain process, ``--roots``)
     under a deadline, the whole session reaped; must exit 0 when ``ok``."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("DCKPT_FAULT", None)
-    cmd = ([sys.executable, JOB] if n is None else
-           [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={n}", JOB])
-    cmd += ["--impl", impl] + (["--root", str(root)] if root is not None else []) + list(args)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"job timed out after {timeout} s:\n{out[-4000:]}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    cmd = torchrun(JOB, n) + ["--impl", impl] + (
+        ["--root", str(root)] if root is not None else []) + list(args)
+    rc, out = run_cmd(cmd, timeout)
     if ok:
-        assert proc.returncode == 0, out[-4000:]
+        assert rc == 0, out[-4000:]
     return out
 
 

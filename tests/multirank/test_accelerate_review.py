@@ -4,13 +4,11 @@ parallelism). Each test is a defect found on 268075f, marked xfail(strict=True) 
 fixed. One-process cases: tests/integrations/test_accelerate_review.py."""
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from .lightning_run import run_cmd, torchrun  # noqa: E402
 
 pytest.importorskip("accelerate")
 
@@ -68,23 +66,7 @@ JOB = textwrap.dedent("""
 def run(tmp_path, mode: str, timeout: float = 120) -> str:
     job = tmp_path / "job.py"
     job.write_text(JOB)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("DCKPT_FAULT", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(job), mode, str(tmp_path / "p")], stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"job timed out after {timeout} s:\n{out[-4000:]}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    _, out = run_cmd(torchrun(str(job), 2) + [mode, str(tmp_path / "p")], timeout)
     return out
 
 
