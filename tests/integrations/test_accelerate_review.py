@@ -113,13 +113,11 @@ EXIT_JOB = textwrap.dedent("""
 """)
 
 
-@pytest.mark.xfail(strict=True, reason="a failed async save nothing waited for (the script's "
-                   "last save_state, no end_training) leaves the process exiting 0")
 def test_failed_last_async_save_fails_the_process(tmp_path):
     """end_training() is optional in Accelerate (it only closes trackers); a script
     whose last ``save_state()`` with async_save fails exits 0 with no checkpoint: the
     error is only logged at exit. The Lightning/Fabric adapters fail the process
-    (integrations/lightning/exit.py: watch); the shared Committer does not."""
+    (integrations/common/exit.py: watch); the shared Committer now does too."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("DCKPT_FAULT", None)
     r = subprocess.run([sys.executable, "-c", EXIT_JOB, str(tmp_path / "p")], env=env,
@@ -160,8 +158,6 @@ def test_async_save_of_a_batchnorm_model_survives_the_next_forward(tmp_path, mon
     assert torch.equal(m2[1].running_mean, saved_mean)
 
 
-@pytest.mark.xfail(strict=True, reason="a deeply nested JSON skeleton in a registered "
-                   "object's entry raises a bare RecursionError at load, not a CheckpointError")
 def test_hostile_deep_object_skeleton_is_a_checkpoint_error(tmp_path, monkeypatch):
     """codec.decode json.loads the (untrusted) skeleton before its 200-level depth
     check and catches only ValueError/TypeError/KeyError: 100,000 nested '[' (200 KB,
@@ -194,8 +190,6 @@ def test_hostile_deep_object_skeleton_is_a_checkpoint_error(tmp_path, monkeypatc
         acc.load_state(path)
 
 
-@pytest.mark.xfail(strict=True, reason="load_state(<a dckpt checkpoint that lost its "
-                   "manifest>) goes to stock load_state: FileNotFoundError, not NotCommittedError")
 def test_dckpt_folder_without_manifest_is_not_committed(tmp_path):
     """Issue 45: 'NotCommittedError (a path with nothing committed)'. A folder holding
     dckpt data files but no manifest (its manifest lost, or copied before the commit)
@@ -245,8 +239,6 @@ def test_object_store_rotation_never_removes_the_checkpoint_just_saved(tmp_path)
         fs.rm(base, recursive=True)
 
 
-@pytest.mark.xfail(strict=True, reason="a hostile __accelerate__ metadata ('step': 'x') "
-                   "raises a bare ValueError after the models were loaded, not a CheckpointError")
 def test_hostile_step_in_the_metadata_is_a_checkpoint_error(tmp_path, monkeypatch):
     """_load_one does int(meta['step']) and int(meta['iteration']) on the untrusted
     metadata after the models, optimizers and objects were loaded, outside any

@@ -202,10 +202,18 @@ class DckptAccelerator(Accelerator):
                 k = kind(input_dir, opts)
                 if k == "none" and not is_url(input_dir) and not os.path.isdir(input_dir):
                     return "missing"
-                return "stock" if k == "none" and not is_url(input_dir) else k
+                if k == "none" and not is_url(input_dir):
+                    # dckpt's files without a manifest: a save that never committed (or
+                    # lost its manifest), not a stock checkpoint to hand to Accelerate
+                    return "uncommitted" if _dckpt_files(input_dir) else "stock"
+                return k
             found = on_rank0(comm, look, f"look up {input_dir}")
             if found == "missing":
                 raise ValueError(f"Tried to find {input_dir} but folder does not exist")
+            if found == "uncommitted":
+                raise NotCommittedError(
+                    f"{input_dir} holds dckpt data files but no manifest: a save that never "
+                    "committed (or whose manifest was lost); nothing there can be loaded")
             if found == "stock":
                 log.info("%s is not a dckpt checkpoint: loading it with Accelerate's own "
                          "load_state", input_dir)
@@ -275,3 +283,18 @@ def _number(path: str) -> int:
     """The i of a ``checkpoint_<i>`` path (-1 when it has none). Pure."""
     tail = path.rstrip("/").rsplit("/", 1)[-1].rsplit("_", 1)[-1]
     return int(tail) if tail.isdigit() else -1
+
+
+def _dckpt_files(folder: str) -> bool:
+    """Whether the local ``folder`` holds dckpt data files or a save intent (so it is
+    no stock Accelerate checkpoint). Local I/O: one listing."""
+    from ...protocol.intent import INTENT_FILE
+
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return False
+    return any(_DATA_FILE.match(n) or INTENT_FILE.match(n) for n in names)
+
+
+_DATA_FILE = re.compile(r"^data-[0-9a-f]{16}-\d{5,}\.safetensors$")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...errors import CheckpointError, StateMismatchError
+from ...errors import CheckpointError, ManifestError, StateMismatchError
 from ...view.open import MissingKeyError
 from ..common.states import owner
 from ..common.tree import Contents
@@ -98,6 +98,11 @@ def check(acc: Any, path: str):
         if m.get("framework") != "accelerate":
             raise StateMismatchError(f"{path} is a dckpt checkpoint of "
                                      f"{m.get('framework')!r}, not of Accelerate")
+        for field in ("step", "iteration"):  # untrusted: checked before any byte is read
+            v = m.get(field, 0)
+            if type(v) is not int or not -1 <= v < 2**62:
+                raise ManifestError(f"{path}: its Accelerate metadata field {field!r} is "
+                                    f"{str(v)[:40]!r}, not an integer in range")
         want = [f"scheduler_{i}" for i in range(len(acc._schedulers))]
         want += [f"custom_{i}" for i in range(len(acc._custom_objects))]
         lacking = [n for n in want if n not in names]

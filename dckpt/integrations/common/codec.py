@@ -78,6 +78,8 @@ def decode(entry: dict[str, Any], where: str = "state") -> Any:
         doc = json.loads(entry["doc"])
     except (KeyError, TypeError, ValueError) as e:
         raise ManifestError(f"{where}: its JSON skeleton is missing or invalid ({e})") from None
+    except RecursionError:  # an untrusted skeleton nested deeper than the parser allows
+        raise ManifestError(f"{where}: its JSON skeleton is nested too deeply") from None
     tensors, blobs = entry.get("t") or {}, entry.get("b") or {}
 
     def walk(d: Any, depth: int) -> Any:

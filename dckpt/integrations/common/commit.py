@@ -22,6 +22,7 @@ from ...errors import CheckpointError
 from ...protocol.async_save import SaveHandle, async_save
 from ...protocol.collectives import Comm, agree, on_rank0
 from ...protocol.commit import save
+from .exit import watch
 from .place import PARTIAL, is_url, kind, local_path, place, sweep
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,7 @@ class Committer:
         self._error = None
         handle = async_save(tree, plan.target, fence=fence or None, **kw)
         self._handle = handle
+        watch(self)  # a failed save nobody waits for fails the process at exit
 
         def done(h: SaveHandle) -> None:
             try:
@@ -158,6 +160,19 @@ class Committer:
         self._done.wait()
         err, self._error = self._error, None
         agree(Comm(), err, f"finish the save to {h.path}")
+
+    def unobserved_error(self) -> BaseException | None:
+        """Wait for the save in flight nobody waited for and return its error (its
+        commit's, its placement's or ``after``'s), None when it succeeded or none was
+        in flight. Not collective; blocking. For the exit hook (:func:`.exit.watch`)."""
+        h, self._handle = self._handle, None
+        if h is None:
+            return None
+        e = h.exception()
+        if e is None:
+            self._done.wait()
+            e, self._error = self._error, None
+        return e
 
     def abandon(self, timeout: float = 60.0) -> None:
         """After a failure of the training on this rank: wait up to ``timeout`` s for

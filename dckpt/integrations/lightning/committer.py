@@ -49,7 +49,7 @@ from .state import BadStateError, ModelState, OptimizerState  # noqa: F401
 from ..common.place import (PARTIAL, durable_name, durable_stamp,  # noqa: F401
                               is_url, join, kind, link_target, local_path, place,
                               place_agreed, remove_whole, stamp, sweep)
-from .exit import abandoned, watch
+from ..common.exit import abandoned, watch
 from .tier import PARENT_KEY, LocalTier
 
 log = logging.getLogger(__name__)

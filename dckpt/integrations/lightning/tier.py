@@ -62,7 +62,7 @@ from ...storage.fsspec_storage import make_storage
 from ...tiers import local as tlocal
 from ...tiers import stager, stage_encoded
 from . import slots as slots
-from .exit import abandoned
+from ..common.exit import abandoned
 from ..common.place import place_agreed
 from .slots import (PARENT_KEY, SLOT_PREFIX, Held,  # noqa: F401 (re-exported)
                               job_prefix)

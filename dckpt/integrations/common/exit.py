@@ -1,8 +1,8 @@
-"""How a process of dckpt's Lightning/Fabric strategies ends: work abandoned after a
+"""How a process of dckpt's framework adapters ends: work abandoned after a
 failure never keeps it from exiting (a hung store would otherwise keep the failed rank
 alive, and the other ranks waiting on it in their collectives), and a failed
-asynchronous save nobody waited for fails it (Fabric: nothing calls the strategy after
-the user's last save). Exit hooks only; no collective.
+asynchronous save nobody waited for fails it (Fabric, Accelerate: nothing needs to call
+the adapter after the user's last save). Exit hooks only; no collective.
 """
 from __future__ import annotations
 
@@ -67,8 +67,9 @@ def _exit_unobserved() -> None:
 
 
 def watch(committer: Any) -> None:
-    """Fail the process at exit if an asynchronous save of ``committer`` (a
-    committer.Committer) failed and nothing waited for it."""
+    """Fail the process at exit if an asynchronous save of ``committer`` (anything
+    with ``unobserved_error()``: the Lightning adapters' or :mod:`.commit`'s
+    Committer) failed and nothing waited for it."""
     if not _WATCHED:
         at_thread_exit(_exit_unobserved)
     _WATCHED.add(committer)
