@@ -1,6 +1,6 @@
 """Issue 36 review, one process (or one real subprocess): DckptCheckpointManager at
 interpreter exit, dckpt.load_hf under a transient I/O error, bytes values against
-hostile manifests. The multi-rank cases are in tests/multirank/test_issue36_review.py."""
+hostile manifests. The multi-rank cases are in tests/multirank/test_torchtitan_edges.py."""
 from __future__ import annotations
 
 import base64
