@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from .lightning_run import run_cmd, torchrun  # noqa: E402
+from .staterefs import ref, same_state  # noqa: E402
 
 pytest.importorskip("accelerate")
 
@@ -30,20 +30,9 @@ def run(root, impl: str, n: int | None, *args: str, ok: bool = True, timeout: fl
     return out
 
 
-def ref(root, name: str) -> dict:
-    return torch.load(os.path.join(root, "refs", f"{name}.pt"), weights_only=True)
-
-
 def same(a: dict, b: dict) -> bool:
     """Model, optimizer, scheduler, registered object, step and iteration equal."""
-    for part in ("model", "optim"):
-        if a[part].keys() != b[part].keys():
-            return False
-        for k, v in a[part].items():
-            w = b[part][k]
-            if not (torch.equal(v, w) if torch.is_tensor(v) else v == w):
-                return False
-    return all(a[k] == b[k] for k in ("sched", "counter", "counter_rank", "step", "iteration"))
+    return same_state(a, b, ("sched", "counter", "counter_rank", "step", "iteration"))
 
 
 def ckpts(root) -> list[str]:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from .lightning_run import run_cmd, torchrun  # noqa: E402
+from .staterefs import ref, same_state  # noqa: E402
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -31,20 +32,22 @@ def run(out, impl: str, n: int | None, *args: str, ok: bool = True,
     return text
 
 
-def ref(tmp, name: str) -> dict:
-    return torch.load(os.path.join(tmp, "refs", f"{name}.pt"), weights_only=True)
-
-
 def same(a: dict, b: dict) -> bool:
     """Model, optimizer, scheduler and global step equal (bitwise)."""
-    for part in ("model", "optim"):
-        if a[part].keys() != b[part].keys():
-            return False
-        for k, v in a[part].items():
-            w = b[part][k]
-            if not (torch.equal(v, w) if torch.is_tensor(v) else v == w):
-                return False
-    return a["sched"] == b["sched"] and a["step"] == b["step"]
+    return same_state(a, b, ("sched", "step"))
+
+
+def _seen_at_start(seen: dict) -> type:
+    """A Trainer callback that records, in ``seen``, the global step and a copy of the
+    model's state when training begins (after a resume)."""
+    from transformers import TrainerCallback
+
+    class Seen(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kw):
+            seen["step"] = state.global_step
+            seen["model"] = {k: v.clone() for k, v in model.state_dict().items()}
+
+    return Seen
 
 
 def ckpts(out) -> list[str]:
@@ -172,8 +175,6 @@ def _args(out, **kw):
 
 def test_one_process_best_checkpoint_kept_and_loaded_and_model_only(tmp_path):
     import dckpt
-    from transformers import TrainerCallback
-
     from dckpt.integrations.transformers import DckptTrainer
 
     model, data = _tiny()
@@ -196,12 +197,8 @@ def test_one_process_best_checkpoint_kept_and_loaded_and_model_only(tmp_path):
     with dckpt.open(str(tmp_path / "b" / "checkpoint-2")) as ck:
         assert not any(k.startswith("optimizers.") for k in ck.keys())
         saved = {k[len("models.0."):]: ck[k] for k in ck.keys() if k.startswith("models.0.")}
-    seen = {}
-
-    class Seen(TrainerCallback):
-        def on_train_begin(self, args, state, control, model=None, **kw):
-            seen["step"] = state.global_step
-            seen["model"] = {k: v.clone() for k, v in model.state_dict().items()}
+    seen: dict = {}
+    Seen = _seen_at_start(seen)
 
     model, data = _tiny()
     t = DckptTrainer(model=model, train_dataset=data, callbacks=[Seen()],
@@ -243,8 +240,6 @@ def test_one_process_refuses_another_frameworks_checkpoint_and_skips_a_stateless
 
 def test_one_process_async_saves_are_placed_by_the_end_of_train_and_resume(tmp_path):
     import dckpt
-    from transformers import TrainerCallback
-
     from dckpt.integrations.transformers import DckptTrainer
 
     model, data = _tiny()
@@ -257,12 +252,8 @@ def test_one_process_async_saves_are_placed_by_the_end_of_train_and_resume(tmp_p
         saved = {k[len("models.0."):]: ck[k] for k in ck.keys() if k.startswith("models.0.")}
     for k, v in t.model.state_dict().items():  # the step after the save waited for its copy
         assert torch.equal(v, saved[k]), k
-    seen = {}
-
-    class Seen(TrainerCallback):
-        def on_train_begin(self, args, state, control, model=None, **kw):
-            seen["step"] = state.global_step
-            seen["model"] = {k: v.clone() for k, v in model.state_dict().items()}
+    seen: dict = {}
+    Seen = _seen_at_start(seen)
 
     model, data = _tiny()
     t = DckptTrainer(model=model, train_dataset=data, async_save=True, callbacks=[Seen()],
