@@ -1,6 +1,6 @@
 """Adversarial review of the Accelerate adapter (DckptAccelerator, issue 45 part 1), one
 process (real Accelerate, CPU, no torch.distributed; one real subprocess for the exit
-status). Each test is a defect found on 268075f, marked xfail(strict=True) until fixed.
+status). Each test is a defect found on 268075f, fixed with this test.
 The multi-rank cases are in tests/multirank/test_accelerate_review.py."""
 from __future__ import annotations
 
@@ -204,9 +204,6 @@ def test_dckpt_folder_without_manifest_is_not_committed(tmp_path):
         acc.load_state(path)
 
 
-@pytest.mark.xfail(strict=True, reason="on memory:// the rotation lists 'memory:///p/...' but "
-                   "the save is 'memory://p/...': 'never the one just saved' fails, and an "
-                   "older checkpoint dated later (clock skew) survives while the new one is deleted")
 def test_object_store_rotation_never_removes_the_checkpoint_just_saved(tmp_path):
     """Issue 45: total_limit 'never removes the one just saved'. to_remove protects
     ``keep`` by string equality, and resolve.committed_in builds object-store paths as

@@ -1,7 +1,7 @@
 """Adversarial review of the Accelerate adapter (DckptAccelerator, issue 45 part 1) at 2
 gloo CPU ranks under torchrun (DDP, no FSDP shim: the defects are in the adapter, not the
-parallelism). Each test is a defect found on 268075f, marked xfail(strict=True) until
-fixed. One-process cases: tests/integrations/test_accelerate_review.py."""
+parallelism). Each test is a defect found on 268075f,
+fixed with this test. One-process cases: tests/integrations/test_accelerate_review.py."""
 from __future__ import annotations
 
 import textwrap
@@ -76,9 +76,6 @@ def final(out: str, rank: int) -> str:
     return lines[-1]
 
 
-@pytest.mark.xfail(strict=True, reason="end_training() in a try/finally after a training "
-                   "failure on one rank enters a collective on the training group: the "
-                   "failing rank hangs (until the group's timeout) and its error is replaced")
 def test_end_training_after_a_failure_never_enters_a_training_collective(tmp_path):
     """design.md: 'A teardown after a failure never enters a collective on the
     training's group: the failing rank's error is what the user must see.' With an
@@ -96,9 +93,6 @@ def test_end_training_after_a_failure_never_enters_a_training_collective(tmp_pat
     assert secs < 10, last
 
 
-@pytest.mark.xfail(strict=True, reason="a registered-object count mismatch (MissingKeyError) "
-                   "is taken for damage: every checkpoint is skipped with a 'could not be "
-                   "loaded' warning and load_state raises 'no checkpoint could be loaded'")
 def test_registered_count_mismatch_is_missing_key_not_damage(tmp_path):
     """Issue 45: 'MissingKeyError (a registered object the checkpoint lacks, as stock's
     count check)', and load_newest raises 'any other error (the state does not

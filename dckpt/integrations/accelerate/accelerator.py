@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 from typing import Any
 
 from accelerate import Accelerator
@@ -274,9 +275,18 @@ class DckptAccelerator(Accelerator):
 
     def end_training(self) -> None:
         """Wait for an asynchronous save in flight (raising its error on every rank),
-        then Accelerate's ``end_training``. Collective when a save was in flight."""
-        self._dckpt.finish()
-        super().end_training()
+        then Accelerate's ``end_training``. Collective when a save was in flight, except
+        when called while an exception propagates (``try: ... finally:
+        accelerator.end_training()`` after this rank's training failed): then a bounded
+        wait without any collective on the training's group, so this rank's own error is
+        the one seen (a collective would wait for ranks still training)."""
+        try:
+            if sys.exc_info()[1] is not None:
+                self._dckpt.abandon()
+            else:
+                self._dckpt.finish()
+        finally:
+            super().end_training()
 
 
 def _number(path: str) -> int:

@@ -12,6 +12,7 @@ from ...errors import CheckpointError
 from ...manager.restore import failure_causes
 from ...protocol.collectives import Comm, on_rank0
 from ...tiers.chooser import fallback_worthy
+from ...view.open import MissingKeyError
 from .place import is_url, kind, local_path, stamp
 from .rotation import Committed, commit_order
 
@@ -31,14 +32,16 @@ def committed_in(directory: str, pattern: "re.Pattern[str]",
         from fsspec.core import url_to_fs
 
         fs, p = url_to_fs(directory, **(storage_options or {}))
-        scheme = directory.split("://", 1)[0]
         try:
             listed = fs.ls(p, detail=False)
         except FileNotFoundError:
             return []
         for n in listed:
             base = n.rstrip("/").rsplit("/", 1)[-1]
-            names.append((base, f"{scheme}://{n.rstrip('/')}"))
+            # spelled as the caller spells the folder, not as the file system lists it
+            # (memory's ls answers '/p/x' for 'memory://p'): a path compared with a
+            # save's own name (rotation's "never the one just saved") must match it
+            names.append((base, f"{directory.rstrip('/')}/{base}"))
     else:
         d = os.path.abspath(local_path(directory))
         try:
@@ -89,7 +92,9 @@ def load_newest(candidates: list[str], load: Callable[[str], T],
         try:
             return path, load(path)
         except CheckpointError as e:
-            if not fallback_worthy(e):
+            # a key the checkpoint lacks is the caller's mismatch, not damage: an older
+            # checkpoint must not load silently in its place
+            if not fallback_worthy(e) or isinstance(e, MissingKeyError):
                 raise
             cause = failure_causes(e)
             tried.append(f"{path}: {cause}")
