@@ -69,11 +69,28 @@ def test_options_are_checked():
                                                 report_to=[]), **kw)
 
 
+def _from_pretrained_equals(folder, want: dict) -> None:
+    """``folder`` is what from_pretrained loads, holding exactly ``want``'s weights."""
+    from transformers import LlamaForCausalLM
+
+    files = sorted(os.listdir(folder))
+    assert "config.json" in files and "model.safetensors" in files, files
+    assert not any(f.endswith((".bin", ".pt", ".pth", ".pkl")) for f in files), files
+    got = LlamaForCausalLM.from_pretrained(str(folder)).state_dict()
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+
+
 def test_fsdp2_rotation_resume_at_3_ranks_and_a_damaged_newest_at_1(tmp_path):
     """FSDP2 (the CPU shim) at 2 ranks -> FSDP2 at 3 ranks -> one plain process."""
     out = tmp_path / "out"
-    text = run(out, "dckpt", 2, "--steps", "6", "--every", "2", "--limit", "2", "--fsdp")
+    text = run(out, "dckpt", 2, "--steps", "6", "--every", "2", "--limit", "2", "--fsdp",
+               "--save-model", str(tmp_path / "final"))
     assert text.count("fsdp=True model=FSDPLlamaForCausalLM") == 2, text[-3000:]
+    # save_model under SHARDED_STATE_DICT: HF safetensors + config, never gathered
+    _from_pretrained_equals(tmp_path / "final", ref(tmp_path, "final-r0"))
+    assert not any(n.startswith(".") for n in os.listdir(tmp_path))  # its temp removed
     assert ckpts(out) == ["checkpoint-4", "checkpoint-6"]  # save_total_limit, commit order
     for c in ckpts(out):
         files = os.listdir(out / c)
@@ -110,6 +127,15 @@ def test_fsdp2_rotation_resume_at_3_ranks_and_a_damaged_newest_at_1(tmp_path):
     assert f"RESUMED step=6 from={out}/checkpoint-6" in text
     assert same(ref(tmp_path, "resumed-1-r0"), saved[0])
     assert ckpts(out) == ["checkpoint-6", "checkpoint-8"]  # checkpoint-8 saved again, whole
+
+
+def test_stock_save_model_under_fsdp_sharded_state_writes_no_weights(tmp_path):
+    """The stock side of save_model under FSDP SHARDED_STATE_DICT (transformers
+    #30491): no weights at all (dckpt's: the FSDP2 test above)."""
+    run(tmp_path / "out", "stock", 2, "--steps", "2", "--every", "100", "--fsdp",
+        "--save-model", str(tmp_path / "final"))
+    files = os.listdir(tmp_path / "final") if os.path.isdir(tmp_path / "final") else []
+    assert not any(f.endswith(".safetensors") for f in files), files
 
 
 def test_sigkill_before_the_commit_resumes_the_previous_one_stock_picks_the_partial(tmp_path):
@@ -168,7 +194,8 @@ def _tiny():
 def _args(out, **kw):
     from transformers import TrainingArguments
 
-    return TrainingArguments(output_dir=str(out), save_strategy="steps", save_steps=2,
+    kw = {"save_steps": 2, **kw}
+    return TrainingArguments(output_dir=str(out), save_strategy="steps",
                              per_device_train_batch_size=2, learning_rate=1e-2, use_cpu=True,
                              report_to=[], disable_tqdm=True, logging_steps=1000, **kw)
 
@@ -261,3 +288,65 @@ def test_one_process_async_saves_are_placed_by_the_end_of_train_and_resume(tmp_p
     t.train(resume_from_checkpoint=True)
     assert seen["step"] == 4 and all(torch.equal(seen["model"][k], v) for k, v in saved.items())
     assert ckpts(tmp_path / "a") == ["checkpoint-6"]
+
+
+def test_one_process_jit_checkpoint_on_sigterm_is_a_commit_and_a_killed_one_is_passed_over(
+        tmp_path, caplog):
+    """enable_jit_checkpoint: on SIGTERM transformers creates checkpoint-N holding its
+    sentinel, then calls _save_checkpoint; the dckpt save replaces that folder whole.
+    A JIT save killed after the sentinel leaves checkpoint-N with the sentinel only:
+    get_last_checkpoint returns it; stock then fails (ValueError); dckpt resumes
+    the newest committed checkpoint beside it, with a warning."""
+    import signal
+    import time
+
+    from transformers import Trainer, TrainerCallback
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from dckpt.catalog.verify import verify_checkpoint
+    from dckpt.integrations.transformers import DckptTrainer
+
+    class Term(TrainerCallback):  # the scheduler's SIGTERM at step 3, then slow steps
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+            if state.global_step >= 3:
+                time.sleep(1.0)  # transformers waits 3 s before it saves
+
+    model, data = _tiny()
+    out = tmp_path / "a"
+    t = DckptTrainer(model=model, train_dataset=data, callbacks=[Term()],
+                     args=_args(out, max_steps=40, save_steps=100,
+                                enable_jit_checkpoint=True))
+    t.train()
+    [jit] = ckpts(out)  # the JIT save only (no step save before step 100)
+    # transformers saves at its next hook (before an optimizer step: global_step + 1 ends)
+    assert 3 < int(jit.split("-")[1]) <= t.state.global_step < 40
+    assert sorted(os.listdir(out / jit)) == sorted(
+        n for n in os.listdir(out / jit) if n.endswith((".safetensors", ".json")))
+    assert verify_checkpoint(str(out / jit)).ok
+    # a JIT save killed after the sentinel: what transformers leaves on disk
+    step = int(jit.split("-")[1]) + 1
+    os.makedirs(out / f"checkpoint-{step}")
+    (out / f"checkpoint-{step}" / "checkpoint-is-incomplete.txt").write_text("in progress")
+    last = get_last_checkpoint(str(out))
+    assert last == str(out / f"checkpoint-{step}")
+    model, data = _tiny()
+    with pytest.raises(ValueError, match="valid checkpoint"):  # stock, as HF's scripts call it
+        Trainer(model=model, train_dataset=data,
+                args=_args(tmp_path / "stock", max_steps=40)).train(resume_from_checkpoint=last)
+    seen: dict = {}
+    Seen = _seen_at_start(seen)
+    model, data = _tiny()
+    t = DckptTrainer(model=model, train_dataset=data, callbacks=[Seen()],
+                     args=_args(out, max_steps=step + 1))
+    with caplog.at_level("WARNING"):
+        t.train(resume_from_checkpoint=last)
+    assert seen["step"] == step - 1 and "is an incomplete save" in caplog.text
+    # the next JIT save of that step (as transformers runs it) replaces the leftover
+    from transformers.trainer_jit_checkpoint import CheckpointManager
+
+    t.state.global_step = step
+    CheckpointManager(t).execute_jit_checkpoint()
+    assert "checkpoint-is-incomplete.txt" not in os.listdir(out / f"checkpoint-{step}")
+    assert verify_checkpoint(str(out / f"checkpoint-{step}")).ok  # replaced the sentinel folder

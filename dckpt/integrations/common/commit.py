@@ -38,16 +38,19 @@ class Plan:
     staged: bool
 
 
-def _check_replaceable(path: str) -> None:
+def _check_replaceable(path: str, markers: tuple[str, ...] = ()) -> None:
     """A save replaces what is at ``path`` whole (the staged folder is renamed over
-    it): allowed for nothing, an empty folder or a committed dckpt checkpoint; any other
+    it): allowed for nothing, a folder holding nothing but ``markers`` (a framework's
+    "save in progress" files: transformers' JIT checkpoint creates
+    ``checkpoint-N/checkpoint-is-incomplete.txt`` before it calls the save) or a
+    committed dckpt checkpoint; any other
     folder or file (a user's output directory next to a tokenizer, checkpoints under
     it, a framework's own checkpoint) is refused, never deleted. Local I/O: a stat or a
     listing. Raises CheckpointError naming ``path``."""
     if not os.path.lexists(path):
         return
     if os.path.isdir(path) and not os.path.islink(path) and (
-            kind(path) == "dckpt" or not os.listdir(path)):
+            kind(path) == "dckpt" or not set(os.listdir(path)) - set(markers)):
         return
     raise CheckpointError(
         f"{path} exists and is not a dckpt checkpoint: a save replaces its folder whole, so "
@@ -59,10 +62,12 @@ class Committer:
     """Commits trees under names, one save in flight at most. ``async_save``: a
     commit returns after the snapshot (the ``fence`` optimizers' next ``step()`` waits
     for the copy); the commit, placement and ``after`` run in the background and
-    :meth:`finish` raises their error. Raises CheckpointError on a bad option."""
+    :meth:`finish` raises their error. ``markers``: names of files a framework puts
+    in a folder before it calls the save, which the save may replace with the folder.
+    Raises CheckpointError on a bad option."""
 
     def __init__(self, storage_options: dict | None = None, async_save: bool = False,
-                 compression: str | None = None) -> None:
+                 compression: str | None = None, markers: tuple[str, ...] = ()) -> None:
         if storage_options is not None and not isinstance(storage_options, dict):
             raise CheckpointError(f"storage_options must be a dict, got {storage_options!r}")
         if compression not in (None, "zstd", "lz4"):
@@ -70,7 +75,7 @@ class Committer:
         if not isinstance(async_save, bool):
             raise CheckpointError(f"async_save must be a bool, got {async_save!r}")
         self.storage_options, self.async_save = storage_options, async_save
-        self.compression = compression
+        self.compression, self.markers = compression, tuple(markers)
         self._handle: SaveHandle | None = None
         self._done = threading.Event()
         self._error: BaseException | None = None
@@ -89,7 +94,7 @@ class Committer:
                 return [final.rstrip("/"), final.rstrip("/"), False]
             path = os.path.abspath(local_path(final))
             parent, name = os.path.split(path)
-            _check_replaceable(path)
+            _check_replaceable(path, self.markers)
             os.makedirs(parent, exist_ok=True)
             sweep(parent, name)
             tmp = os.path.join(parent, f".{name}{PARTIAL}{uuid.uuid4().hex[:12]}")

@@ -18,7 +18,8 @@ from typing import Any
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
-from ...errors import CheckpointError, IntegrityError, StateMismatchError
+from ...errors import (CheckpointError, IntegrityError, NotCommittedError,
+                      StateMismatchError)
 from ...protocol.collectives import Comm, agree
 from ...view.open import MissingKeyError
 from ..common import resolve, tree
@@ -26,12 +27,17 @@ from ..common.commit import Committer
 from ..common.place import durable_name, is_url, kind, read_manifest, remove_whole
 from ..common.rotation import to_remove
 from ..common.verify import verify_shared
+from . import export
 
 log = logging.getLogger(__name__)
 NAME = re.compile(PREFIX_CHECKPOINT_DIR + r"-[0-9]+")
 META_KEY = "__transformers__"
 STATE_FILE = "trainer_state.json"  # transformers.trainer.TRAINER_STATE_NAME
 ARGS_FILE = "training_args.json"
+# transformers' JIT checkpoint (trainer_jit_checkpoint.py) creates checkpoint-N/ holding
+# this file before it calls _save_checkpoint, and removes it after: a folder holding it
+# is an incomplete save (nothing in transformers reads it)
+JIT_SENTINEL = "checkpoint-is-incomplete.txt"
 
 
 def _inner(opt: Any) -> Any:
@@ -60,7 +66,8 @@ class DckptTrainerMixin:
             if value != default:
                 raise CheckpointError(f"DckptTrainer: {name}={value!r} is not supported yet "
                                       "(the Trainer's checkpoints live on a local output_dir)")
-        committer = Committer(None, async_save, compression)  # validates both
+        committer = Committer(None, async_save, compression,  # validates both
+                              markers=(JIT_SENTINEL,))
         super().__init__(*args, **kwargs)
         if async_save and self.args.push_to_hub:
             raise CheckpointError("DckptTrainer: async_save=True with push_to_hub: the push "
@@ -174,6 +181,19 @@ class DckptTrainerMixin:
                 log.info("save_total_limit=%d: removed %s", limit, path)
         return rotate
 
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """``Trainer.save_model``. Under FSDP with ``SHARDED_STATE_DICT`` (where stock
+        writes no weights): HF safetensors + ``config.json`` (+ generation config,
+        processing class, ``training_args.json``) that ``from_pretrained`` loads,
+        without gathering the model on any rank (:mod:`.export`). Collective there;
+        blocking I/O. Any other setup: stock. Raises CheckpointError on every rank."""
+        if not export.sharded(self):
+            return super().save_model(output_dir, _internal_call)
+        export.save_sharded_model(self, output_dir if output_dir is not None
+                                  else str(self.args.output_dir))
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
     # ------------------------------------------------------------------ resuming
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
               ignore_keys_for_eval: list[str] | None = None, **kwargs: Any):
@@ -204,9 +224,13 @@ class DckptTrainerMixin:
                                                                 verify_shared(p)))
         elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
             p = os.path.abspath(os.path.expanduser(os.fspath(resume_from_checkpoint)))
-            if resolve.listed(lambda: kind(p), f"look up {p}") == "dckpt":
+            found = resolve.listed(lambda: "jit" if os.path.isfile(os.path.join(
+                p, JIT_SENTINEL)) else kind(p), f"look up {p}")
+            if found == "dckpt":
                 self._dckpt_precheck(p)
                 path = p
+            elif found == "jit":
+                path = self._dckpt_instead_of_incomplete(p)
             else:
                 log.info("%s is not a dckpt checkpoint: the stock Trainer resumes it", p)
         if path is not None:
@@ -220,6 +244,24 @@ class DckptTrainerMixin:
             self._dckpt_resume = self._dckpt_loaded = None
         self._dckpt.finish()  # the last asynchronous save: placed, or its error raised
         return result
+
+    def _dckpt_instead_of_incomplete(self, p: str) -> str:
+        """``p`` holds transformers' JIT sentinel: a save killed before it completed
+        (``get_last_checkpoint`` returns it, as the highest number with a folder). The
+        newest committed checkpoint beside it, verified, with a warning; else
+        NotCommittedError naming ``p``. Collective (as :meth:`train`'s lookup)."""
+        parent = os.path.dirname(p)
+        paths = resolve.listed(lambda: [c.path for c in resolve.committed_in(parent, NAME)],
+                               f"list {parent}")
+        if not paths:
+            raise NotCommittedError(f"{p} is an incomplete save (it holds transformers' "
+                                    f"{JIT_SENTINEL}) and no committed checkpoint is beside it")
+        path, _ = resolve.load_newest(paths, lambda q: (self._dckpt_precheck(q),
+                                                        verify_shared(q)))
+        if Comm().rank == 0:
+            log.warning("%s is an incomplete save (it holds %s): resuming from %s, the "
+                        "newest committed checkpoint beside it", p, JIT_SENTINEL, path)
+        return path
 
     def _dckpt_precheck(self, path: str) -> None:
         """Before the Trainer reads anything of ``path``: it is a Trainer's checkpoint

@@ -3,7 +3,7 @@ ranks (torchrun, gloo: DDP or FSDP2), with dckpt's DckptTrainer or the stock Tra
 
     [torchrun --nproc-per-node N] trainer_job.py --impl dckpt|stock --out DIR
         --steps S [--every E] [--limit L] [--resume [PATH]] [--kill-at STEP] [--fsdp]
-        [--async-save]
+        [--async-save] [--save-model DIR]
 
 Saves every E steps to DIR/checkpoint-<step>. After each save, rank r writes
 DIR/../refs/save-<step>-r<r>.pt: the full model and optimizer state, the scheduler's
@@ -16,7 +16,8 @@ _save_optimizer_and_scheduler). ``--fsdp``: FSDP2 through the CPU shim (Accelera
 runs FSDP only on accelerators; as accelerate_job.py), else DDP (gloo).
 ``--async-save``: DckptTrainer(async_save=True); a save's record is then taken while
 its commit may still run (the state recorded is the snapshot's: the optimizer's next
-step waits for the copy).
+step waits for the copy). ``--save-model DIR``: trainer.save_model(DIR) after training,
+and the full model's state then as refs/final-r<r>.pt.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ p.add_argument("--resume", nargs="?", const=True, default=None)
 p.add_argument("--kill-at", type=int, default=None)
 p.add_argument("--fsdp", action="store_true")
 p.add_argument("--async-save", action="store_true")
+p.add_argument("--save-model", default=None)
 a = p.parse_args()
 
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
@@ -112,6 +114,9 @@ if a.fsdp:  # the CPU shim (as accelerate_job.py): Accelerate runs FSDP only on 
     AcceleratorState._shared_state["fsdp_plugin"] = plugin
     trainer.is_fsdp_enabled = True
 trainer.train(resume_from_checkpoint=a.resume)
+if a.save_model:
+    trainer.save_model(a.save_model)
+    torch.save(full_state(trainer)["model"], os.path.join(refs, f"final-r{rank}.pt"))
 print(f"DONE step={trainer.state.global_step} fsdp={trainer.is_fsdp_enabled} "
       f"model={type(trainer.model).__name__}", flush=True)
 if torch.distributed.is_initialized():
