@@ -139,9 +139,7 @@ def remove_whole(path: str, storage_options: dict | None = None) -> None:
     deleted. Object stores: the manifest first (the rest is then an uncommitted
     leftover no load takes), then the prefix. Missing: nothing. Blocking I/O."""
     if is_url(path):
-        from fsspec.core import url_to_fs
-
-        fs, p = url_to_fs(path, **(storage_options or {}))
+        fs, p = fresh_fs(path, storage_options)
         man = p.rstrip("/") + "/" + MANIFEST_NAME
         if fs.exists(man):
             fs.rm(man)
@@ -161,14 +159,24 @@ def remove_whole(path: str, storage_options: dict | None = None) -> None:
     log.debug("removed checkpoint %s", path)
 
 
+def fresh_fs(url: str, storage_options: dict | None = None):
+    """(file system, path) for ``url`` with its cached listings of ``path`` and its
+    parents dropped: fsspec caches listings per process (s3fs's dircache), and a
+    checkpoint folder changes under it (this process's own saves, rotation, other
+    jobs), so a cached listing would hide new checkpoints or keep removed ones. No I/O."""
+    from fsspec.core import url_to_fs
+
+    fs, p = url_to_fs(url, **(storage_options or {}))
+    fs.invalidate_cache(p.rstrip("/"))
+    return fs, p
+
+
 def kind(path: str, storage_options: dict | None = None) -> str:
     """"dckpt" (a committed dckpt checkpoint), "other" (a file, or a folder holding
     Lightning's ``meta.pt``: a stock checkpoint) or "none" (nothing complete: missing,
     or a dckpt save that never committed). Blocking I/O (a few stats)."""
     if is_url(path):
-        from fsspec.core import url_to_fs
-
-        fs, p = url_to_fs(path, **(storage_options or {}))
+        fs, p = fresh_fs(path, storage_options)
         p = p.rstrip("/")
         if fs.exists(p + "/" + MANIFEST_NAME):
             return "dckpt"
@@ -279,9 +287,7 @@ def checkpoints_in(directory: str, storage_options: dict | None = None) -> list[
     """The ``*.ckpt`` names in ``directory`` (not hidden ones: partial and removed
     saves), as durable names. Blocking I/O: one listing; [] when it is missing."""
     if is_url(directory):
-        from fsspec.core import url_to_fs
-
-        fs, p = url_to_fs(directory, **(storage_options or {}))
+        fs, p = fresh_fs(directory, storage_options)
         scheme = directory.split("://", 1)[0]
         try:
             names = fs.ls(p, detail=False)

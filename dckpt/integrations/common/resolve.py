@@ -13,7 +13,7 @@ from ...manager.restore import failure_causes
 from ...protocol.collectives import Comm, on_rank0
 from ...tiers.chooser import fallback_worthy
 from ...view.open import MissingKeyError
-from .place import is_url, kind, local_path, stamp
+from .place import fresh_fs, is_url, kind, local_path, stamp
 from .rotation import Committed, commit_order
 
 log = logging.getLogger(__name__)
@@ -29,9 +29,7 @@ def committed_in(directory: str, pattern: "re.Pattern[str]",
     match; [] when the folder is missing."""
     names: list[tuple[str, str]] = []
     if is_url(directory):
-        from fsspec.core import url_to_fs
-
-        fs, p = url_to_fs(directory, **(storage_options or {}))
+        fs, p = fresh_fs(directory, storage_options)
         try:
             listed = fs.ls(p, detail=False)
         except FileNotFoundError:
