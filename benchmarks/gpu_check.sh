@@ -104,7 +104,7 @@ PYEOF
 cuda_tests() {  # the project's CUDA-only tests (skipped in CI), and their CPU twins' files
   $PY -c 'import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)' \
     || { echo "skipped: no CUDA (cuda_tests; collected below, all skipped)"; SKIPPED=1; }
-  $PY -m pytest -p no:cacheprovider -rs -q tests/engine/test_devstream.py -k cuda \
+  $PY -m pytest -p no:cacheprovider -rs -q tests/engine/test_devstream.py -k "cuda or device_tensors" \
     tests/engine/test_staging.py "tests/interop/test_hf_load.py::test_device_tensors"
   local rc=$?
   [ $rc -eq 0 ] && [ "${SKIPPED:-0}" = 1 ] && return 77
