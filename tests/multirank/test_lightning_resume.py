@@ -164,7 +164,7 @@ def test_store_down_never_trims_a_checkpoint_whose_only_copy_is_local(tmp_path, 
 
 def test_job_prefix_is_per_directory():
     """Slots of names in one directory share a prefix no other directory's has."""
-    from dckpt.integrations.lightning.tier import job_prefix
+    from dckpt.integrations.common.tier import job_prefix
 
     assert job_prefix("/r/a/last.ckpt") == job_prefix("/r/a/step=2.ckpt")
     assert job_prefix("/r/a/last.ckpt") != job_prefix("/r/b/last.ckpt")

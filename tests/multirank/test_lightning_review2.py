@@ -91,7 +91,7 @@ def test_failing_rank_exits_within_the_abandon_wait(tmp_path, monkeypatch, tier)
     raises in training_step at step 3 while step 2's save (or copy) is in flight;
     DCKPT_ABANDON_WAIT_S=2. The teardown gives up after 2 s as documented ("did not
     finish within 2 s" is logged), but the process then cannot exit: dckpt's at-exit
-    hooks (``async_save._finish_at_exit``, ``lightning.tier._drain_at_exit``) and the
+    hooks (``async_save._finish_at_exit``, ``common.tier._drain_at_exit``) and the
     non-daemon executor threads wait for the save/copy without any bound, so rank 1
     never exits, rank 0 waits in its training collective for it, and the whole job
     hangs (as long as the store does) instead of failing with rank 1's error in

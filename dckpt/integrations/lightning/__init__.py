@@ -1,8 +1,8 @@
 """PyTorch Lightning and Fabric on dckpt: the Trainer's strategy
 (:class:`DckptModelParallelStrategy`, :mod:`.trainer`) and Fabric's
 (:mod:`.fabric`, also ``dckpt.integrations.fabric``), over one Committer
-(:mod:`.committer`: layout, atomic placement, loads), the fast tier (:mod:`.tier`,
-:mod:`.slots`), the "last" lookup (:mod:`.last`) and Lightning's metadata
+(:mod:`.committer`: layout, atomic placement, loads), the fast tier (``common/tier.py``,
+``common/slots.py``), the "last" lookup (:mod:`.last`) and Lightning's metadata
 (:mod:`.meta`). Requires ``pip install "dckpt[lightning]"``; importing this package
 imports Lightning only when a strategy is asked for."""
 from __future__ import annotations

@@ -21,7 +21,7 @@ the new one commits). On object stores (no rename) the save goes to the name its
 the manifest is the commit, a load of an uncommitted prefix raises NotCommittedError.
 The file-system side of this is :mod:`dckpt.integrations.common.place`.
 
-With ``local_root`` (:mod:`.tier`), a save commits on every node's own disk
+With ``local_root`` (:mod:`..common.tier`), a save commits on every node's own disk
 and its copy to the name runs in the background; a load reads the node-local copy
 when every rank holds it and it is not older than the name's durable copy.
 """
@@ -50,7 +50,7 @@ from ..common.place import (PARTIAL, durable_name, durable_stamp,  # noqa: F401
                               is_url, join, kind, link_target, local_path, place,
                               place_agreed, remove_whole, stamp, sweep)
 from ..common.exit import abandoned, watch
-from .tier import PARENT_KEY, LocalTier
+from ..common.tier import PARENT_KEY, LocalTier
 
 log = logging.getLogger(__name__)
 META_KEY = "__lightning__"

@@ -16,7 +16,7 @@ from ..common.place import (checkpoints_in, durable_name, durable_stamp, join, k
                               link_target)
 
 if TYPE_CHECKING:
-    from .tier import LocalTier
+    from ..common.tier import LocalTier
 
 log = logging.getLogger(__name__)
 # ModelCheckpoint's "last" names: last.ckpt, last-v1.ckpt (its version counter)

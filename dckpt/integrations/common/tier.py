@@ -1,4 +1,5 @@
-"""The Lightning/Fabric strategies' fast tier (``local_root``): a save commits on every
+"""The fast tier (``local_root``) of the framework adapters (today the Lightning/Fabric
+strategies'): a save commits on every
 node's own disk and returns; its copy to the name Lightning gave (a shared file system
 or an object store) runs in the background and appears there whole, as a direct save
 would (:mod:`dckpt.integrations.common.place`).
@@ -62,8 +63,8 @@ from ...storage.fsspec_storage import make_storage
 from ...tiers import local as tlocal
 from ...tiers import stager, stage_encoded
 from . import slots as slots
-from ..common.exit import abandoned
-from ..common.place import place_agreed
+from .exit import abandoned
+from .place import place_agreed
 from .slots import (PARENT_KEY, SLOT_PREFIX, Held,  # noqa: F401 (re-exported)
                               job_prefix)
 

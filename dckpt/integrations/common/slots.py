@@ -15,7 +15,7 @@ from ...format import manifest as mf
 from ...protocol.collectives import Comm
 from ...protocol.restore import MAX_MANIFEST
 from ...tiers import local as tlocal
-from ..common.place import stamp
+from .place import stamp
 
 log = logging.getLogger(__name__)
 # ``tier`` arguments below are a tier.LocalTier (not imported: it imports
