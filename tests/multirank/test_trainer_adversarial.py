@@ -1,7 +1,7 @@
 """Adversarial review of DckptTrainer with the real transformers Trainer on gloo CPU ranks
 (torchrun, DDP), every job under a deadline (lightning_run.run_cmd: a hang fails fast).
-Job script: tests/multirank/jobs/trainer_adv_job.py. Each xfail (strict) pins a defect
-found by the review on the code reviewed."""
+Job script: tests/multirank/jobs/trainer_adv_job.py. Each test pins a defect found by
+the review on 38c9984 (it failed there), fixed since."""
 from __future__ import annotations
 
 import json
@@ -21,9 +21,6 @@ def run(out, n: int | None, *args: str, timeout: float = 150) -> tuple[int, str]
     return run_cmd(torchrun(JOB, n) + ["--out", str(out)] + list(args), timeout)
 
 
-@pytest.mark.xfail(strict=True, reason="save_only_model on rank 0 only is saved silently: "
-                   "the commit holds rank 1's optimizer state under metadata model_only=true "
-                   "with no scheduler (a resume loads the optimizer but not the schedule/RNG)")
 def test_save_only_model_differing_between_ranks_is_refused_or_consistent(tmp_path):
     import dckpt
 

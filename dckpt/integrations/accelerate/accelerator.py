@@ -22,7 +22,7 @@ from ...protocol.collectives import Comm, agree, on_rank0
 from ...protocol.settings import agree_settings
 from ..common import resolve, tree
 from ..common.commit import Committer, broadcast_json
-from ..common.place import is_url, join, kind, local_path, remove_whole
+from ..common.place import dckpt_leftover, is_url, join, kind, local_path, remove_whole
 from ..common.rotation import to_remove
 from . import contents as cn
 
@@ -206,7 +206,7 @@ class DckptAccelerator(Accelerator):
                 if k == "none" and not is_url(input_dir):
                     # dckpt's files without a manifest: a save that never committed (or
                     # lost its manifest), not a stock checkpoint to hand to Accelerate
-                    return "uncommitted" if _dckpt_files(input_dir) else "stock"
+                    return "uncommitted" if dckpt_leftover(input_dir) else "stock"
                 return k
             found = on_rank0(comm, look, f"look up {input_dir}")
             if found == "missing":
@@ -293,18 +293,3 @@ def _number(path: str) -> int:
     """The i of a ``checkpoint_<i>`` path (-1 when it has none). Pure."""
     tail = path.rstrip("/").rsplit("/", 1)[-1].rsplit("_", 1)[-1]
     return int(tail) if tail.isdigit() else -1
-
-
-def _dckpt_files(folder: str) -> bool:
-    """Whether the local ``folder`` holds dckpt data files or a save intent (so it is
-    no stock Accelerate checkpoint). Local I/O: one listing."""
-    from ...protocol.intent import INTENT_FILE
-
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return False
-    return any(_DATA_FILE.match(n) or INTENT_FILE.match(n) for n in names)
-
-
-_DATA_FILE = re.compile(r"^data-[0-9a-f]{16}-\d{5,}\.safetensors$")

@@ -23,7 +23,7 @@ from ...protocol.async_save import SaveHandle, async_save
 from ...protocol.collectives import Comm, agree, on_rank0
 from ...protocol.commit import save
 from .exit import watch
-from .place import PARTIAL, is_url, kind, local_path, place, sweep
+from .place import PARTIAL, is_dckpt_file, is_url, kind, local_path, place, sweep
 
 log = logging.getLogger(__name__)
 
@@ -31,27 +31,53 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Plan:
     """Where a save goes: ``final`` (the name), ``target`` (where dckpt writes: a
-    hidden sibling when ``staged``, else ``final``)."""
+    hidden sibling when ``staged``, else ``final``), ``lease`` (the planning intent in
+    ``target``, removed once committed; None on object stores)."""
 
     final: str
     target: str
     staged: bool
+    lease: str | None = None
 
 
-def _check_replaceable(path: str, markers: tuple[str, ...] = ()) -> None:
+def _planning_lease(folder: str) -> str:
+    """Mark the new staging ``folder`` in use from its creation: a save intent of this
+    process (:mod:`dckpt.protocol.intent`'s format; no heartbeat), so another job's
+    sweep of the same parent never removes it between the plan and the save's own
+    intent (files written there before the save, e.g. trainer_state.json, would be lost
+    silently). It expires with the lease, or at once once this process is gone.
+    Returns its path. Local I/O: one small file."""
+    import socket
+    import time
+
+    from ...protocol.intent import intent_name
+
+    path = os.path.join(folder, intent_name(uuid.uuid4().hex[:16]))
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"host": socket.gethostname(), "pid": os.getpid(),
+                   "started": time.time(), "planned": True}, f)
+    return path
+
+
+def _check_replaceable(path: str, markers: tuple[str, ...] = (),
+                       sidecars: tuple[str, ...] = ()) -> None:
     """A save replaces what is at ``path`` whole (the staged folder is renamed over
     it): allowed for nothing, a folder holding nothing but ``markers`` (a framework's
     "save in progress" files: transformers' JIT checkpoint creates
-    ``checkpoint-N/checkpoint-is-incomplete.txt`` before it calls the save) or a
-    committed dckpt checkpoint; any other
+    ``checkpoint-N/checkpoint-is-incomplete.txt`` before it calls the save), a
+    committed dckpt checkpoint, or dckpt's own files without a manifest (a checkpoint
+    whose manifest was lost: data files, intents, and the adapter's ``sidecars``); any
+    other
     folder or file (a user's output directory next to a tokenizer, checkpoints under
     it, a framework's own checkpoint) is refused, never deleted. Local I/O: a stat or a
     listing. Raises CheckpointError naming ``path``."""
     if not os.path.lexists(path):
         return
-    if os.path.isdir(path) and not os.path.islink(path) and (
-            kind(path) == "dckpt" or not set(os.listdir(path)) - set(markers)):
-        return
+    if os.path.isdir(path) and not os.path.islink(path):
+        names = set(os.listdir(path)) - set(markers)
+        ours = {n for n in names if is_dckpt_file(n)}
+        if kind(path) == "dckpt" or not names or (ours and not names - ours - set(sidecars)):
+            return
     raise CheckpointError(
         f"{path} exists and is not a dckpt checkpoint: a save replaces its folder whole, so "
         "it would delete what is there. Save into a new folder (or an existing dckpt "
@@ -64,10 +90,13 @@ class Committer:
     for the copy); the commit, placement and ``after`` run in the background and
     :meth:`finish` raises their error. ``markers``: names of files a framework puts
     in a folder before it calls the save, which the save may replace with the folder.
+    ``sidecars``: the files the adapter writes beside dckpt's in a checkpoint (a
+    folder of only dckpt's files and these, without a manifest, is replaceable).
     Raises CheckpointError on a bad option."""
 
     def __init__(self, storage_options: dict | None = None, async_save: bool = False,
-                 compression: str | None = None, markers: tuple[str, ...] = ()) -> None:
+                 compression: str | None = None, markers: tuple[str, ...] = (),
+                 sidecars: tuple[str, ...] = ()) -> None:
         if storage_options is not None and not isinstance(storage_options, dict):
             raise CheckpointError(f"storage_options must be a dict, got {storage_options!r}")
         if compression not in (None, "zstd", "lz4"):
@@ -76,6 +105,7 @@ class Committer:
             raise CheckpointError(f"async_save must be a bool, got {async_save!r}")
         self.storage_options, self.async_save = storage_options, async_save
         self.compression, self.markers = compression, tuple(markers)
+        self.sidecars = tuple(sidecars)
         self._handle: SaveHandle | None = None
         self._done = threading.Event()
         self._error: BaseException | None = None
@@ -94,12 +124,12 @@ class Committer:
                 return [final.rstrip("/"), final.rstrip("/"), False]
             path = os.path.abspath(local_path(final))
             parent, name = os.path.split(path)
-            _check_replaceable(path, self.markers)
+            _check_replaceable(path, self.markers, self.sidecars)
             os.makedirs(parent, exist_ok=True)
             sweep(parent, name)
             tmp = os.path.join(parent, f".{name}{PARTIAL}{uuid.uuid4().hex[:12]}")
             os.makedirs(tmp)
-            return [path, tmp, True]
+            return [path, tmp, True, _planning_lease(tmp)]
 
         return Plan(*on_rank0(comm, decide, f"plan the checkpoint {final}"))
 
@@ -143,6 +173,11 @@ class Committer:
         handle.add_done_callback(done)
 
     def _place(self, plan: Plan, after: Callable[[], None] | None) -> None:
+        if plan.lease is not None:  # committed: the manifest protects the folder now
+            try:
+                os.remove(plan.lease)
+            except FileNotFoundError:
+                pass
         if plan.staged:
             _faults.fault("place", 0)  # crash tests: committed, not yet renamed
             place(plan.target, plan.final)

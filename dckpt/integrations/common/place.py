@@ -15,6 +15,7 @@ import errno
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import time
@@ -157,6 +158,28 @@ def remove_whole(path: str, storage_options: dict | None = None) -> None:
     else:
         os.remove(path)
     log.debug("removed checkpoint %s", path)
+
+
+_DATA_FILE = re.compile(r"^data-[0-9a-f]{16}-\d{5,}\.safetensors$")
+
+
+def is_dckpt_file(name: str) -> bool:
+    """Whether a file name is one dckpt writes in a checkpoint folder before its
+    manifest: a data file or a save intent. Pure."""
+    from ...protocol.intent import INTENT_FILE
+
+    return bool(_DATA_FILE.match(name) or INTENT_FILE.match(name))
+
+
+def dckpt_leftover(folder: str) -> bool:
+    """Whether the local ``folder`` holds dckpt data files or a save intent without a
+    manifest: a save that never committed, or one whose manifest was lost (so no
+    framework's own checkpoint to hand to its stock load). Local I/O: one listing."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return False
+    return MANIFEST_NAME not in names and any(is_dckpt_file(n) for n in names)
 
 
 def fresh_fs(url: str, storage_options: dict | None = None):

@@ -14,7 +14,7 @@ from ...protocol.collectives import Comm, on_rank0
 from ...tiers.chooser import fallback_worthy
 from ...view.open import MissingKeyError
 from .place import fresh_fs, is_url, kind, local_path, stamp
-from .rotation import Committed, commit_order
+from .rotation import UNKNOWN, Committed, commit_order
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -24,9 +24,11 @@ def committed_in(directory: str, pattern: "re.Pattern[str]",
                  storage_options: dict | None = None) -> list[Committed]:
     """The committed dckpt checkpoints among ``directory``'s entries whose name
     ``pattern`` fullmatches (hidden ones never: staging and removals), oldest commit
-    first. A name whose manifest cannot be read counts as committed at time 0 (the
-    load then reports its damage). Blocking I/O: a listing and one manifest read per
-    match; [] when the folder is missing."""
+    first. A manifest that cannot be read is read once more (a transient error); if it
+    still cannot, its commit time is :data:`.rotation.UNKNOWN` (ordered newest: the load
+    then reports its damage and falls back past it with a warning; retention keeps it).
+    Blocking I/O: a listing and one manifest read per match; [] when the folder is
+    missing."""
     names: list[tuple[str, str]] = []
     if is_url(directory):
         fs, p = fresh_fs(directory, storage_options)
@@ -52,10 +54,16 @@ def committed_in(directory: str, pattern: "re.Pattern[str]",
             continue
         if kind(path, storage_options) != "dckpt":
             continue
-        try:
-            sid, created = stamp(path, storage_options)
-        except (CheckpointError, OSError, TypeError):
-            sid, created = "", 0.0
+        sid, created = "", UNKNOWN
+        for attempt in range(2):
+            try:
+                sid, created = stamp(path, storage_options)
+                break
+            except (CheckpointError, OSError, TypeError, ValueError) as e:
+                if attempt:
+                    log.warning("cannot read the manifest of %s (%s): its commit time is "
+                                "unknown, so it is taken as the newest", path, e)
+                    sid, created = "", UNKNOWN
         out.append(Committed(path, float(created), str(sid)))
     return commit_order(out)
 

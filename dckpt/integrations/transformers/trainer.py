@@ -21,10 +21,12 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 from ...errors import (CheckpointError, IntegrityError, NotCommittedError,
                       StateMismatchError)
 from ...protocol.collectives import Comm, agree
+from ...protocol.settings import agree_settings
 from ...view.open import MissingKeyError
 from ..common import resolve, tree
 from ..common.commit import Committer
-from ..common.place import durable_name, is_url, kind, read_manifest, remove_whole
+from ..common.place import (dckpt_leftover, durable_name, is_url, kind, read_manifest,
+                             remove_whole)
 from ..common.rotation import to_remove
 from ..common.verify import verify_shared
 from . import export
@@ -67,7 +69,8 @@ class DckptTrainerMixin:
                 raise CheckpointError(f"DckptTrainer: {name}={value!r} is not supported yet "
                                       "(the Trainer's checkpoints live on a local output_dir)")
         committer = Committer(None, async_save, compression,  # validates both
-                              markers=(JIT_SENTINEL,))
+                              markers=(JIT_SENTINEL,),
+                              sidecars=(STATE_FILE, ARGS_FILE, "config.json"))
         super().__init__(*args, **kwargs)
         if async_save and self.args.push_to_hub:
             raise CheckpointError("DckptTrainer: async_save=True with push_to_hub: the push "
@@ -79,6 +82,7 @@ class DckptTrainerMixin:
             raise CheckpointError(f"DckptTrainer: output_dir {self.args.output_dir!r} is a "
                                   "URL; the Trainer reads its checkpoints locally")
         self._dckpt = committer
+        self._dckpt_agreed: Any = None  # the process group the settings were agreed on
         self._dckpt_resume: str | None = None  # the dckpt checkpoint train() resumes
         self._dckpt_loaded: Any = None  # its load (the RNG, set at _load_rng_state)
 
@@ -96,6 +100,7 @@ class DckptTrainerMixin:
         CheckpointError on every rank (nothing is placed then), UnsupportedValueError
         for a scheduler value that cannot be stored."""
         comm = Comm()
+        self._dckpt_agree(comm)
         folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
@@ -120,6 +125,26 @@ class DckptTrainerMixin:
                            after=self._dckpt_rotation(run_dir, plan.final))
         if self.args.push_to_hub:
             self._push_from_checkpoint(output_dir)
+
+    def _dckpt_agree(self, comm: Comm) -> None:
+        """The settings that decide what a save holds and how it is committed, the same
+        on every rank (one all-gather, once per process group), else CheckpointError on
+        every rank naming them (a model-only flag on one rank would commit another
+        rank's optimizer under model-only metadata)."""
+        import torch.distributed as dist
+
+        world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        if self._dckpt_agreed is not None and self._dckpt_agreed is world:
+            return
+        a = self.args
+        agree_settings(comm, {"save_only_model": bool(a.save_only_model),
+                              "async_save": self._dckpt.async_save,
+                              "compression": self._dckpt.compression,
+                              "save_total_limit": a.save_total_limit,
+                              "has_optimizer": self.optimizer is not None,
+                              "has_lr_scheduler": self.lr_scheduler is not None},
+                       None, "DckptTrainer")
+        self._dckpt_agreed = world
 
     def _dckpt_write_json(self, target: str) -> None:
         """Rank 0: the stateful callbacks' states into ``self.state`` (as stock), then
@@ -219,13 +244,20 @@ class DckptTrainerMixin:
             out = str(self.args.output_dir)
             paths = resolve.listed(lambda: [c.path for c in resolve.committed_in(out, NAME)],
                                    f"list {out}")
+            self._dckpt_warn_leftovers(out)
             if paths:
                 path, _ = resolve.load_newest(paths, lambda p: (self._dckpt_precheck(p),
                                                                 verify_shared(p)))
         elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
             p = os.path.abspath(os.path.expanduser(os.fspath(resume_from_checkpoint)))
             found = resolve.listed(lambda: "jit" if os.path.isfile(os.path.join(
-                p, JIT_SENTINEL)) else kind(p), f"look up {p}")
+                p, JIT_SENTINEL)) else "leftover" if dckpt_leftover(p) else kind(p),
+                f"look up {p}")
+            if found == "leftover":
+                raise NotCommittedError(
+                    f"{p} holds dckpt data files but no manifest: a save that never "
+                    "committed, or whose manifest was lost; it cannot be resumed (resume "
+                    "with resume_from_checkpoint=True for the newest committed one)")
             if found == "dckpt":
                 self._dckpt_precheck(p)
                 path = p
@@ -244,6 +276,22 @@ class DckptTrainerMixin:
             self._dckpt_resume = self._dckpt_loaded = None
         self._dckpt.finish()  # the last asynchronous save: placed, or its error raised
         return result
+
+    def _dckpt_warn_leftovers(self, out: str) -> None:
+        """Rank 0: warn about each ``checkpoint-N`` of ``out`` holding dckpt's files
+        without a manifest (a lost manifest, a copy made before the commit): it is
+        passed over, and the next save of that step replaces it. Local I/O."""
+        if Comm().rank != 0:
+            return
+        try:
+            names = sorted(n for n in os.listdir(out) if NAME.fullmatch(n))
+        except OSError:
+            return
+        for n in names:
+            if dckpt_leftover(os.path.join(out, n)):
+                log.warning("%s holds dckpt data files but no manifest (a lost manifest, or "
+                            "a copy made before the commit): not resumable, passed over; "
+                            "the next save of that step replaces it", os.path.join(out, n))
 
     def _dckpt_instead_of_incomplete(self, p: str) -> str:
         """``p`` holds transformers' JIT sentinel: a save killed before it completed
@@ -271,14 +319,24 @@ class DckptTrainerMixin:
         rank 0's finding); blocking I/O on rank 0: one manifest read and a stat."""
         def look() -> list:
             values = read_manifest(path).values
-            other = None
+            other, step = None, None
             if not isinstance(values.get(META_KEY), str):
                 fw = [k.strip("_") for k in values if k.startswith("__") and k.endswith("__")]
                 other = fw[0] if fw else "dckpt.save"
+            else:
+                try:
+                    step = json.loads(values[META_KEY]).get("global_step")
+                except (ValueError, AttributeError):
+                    step = None
             try:
                 with open(os.path.join(path, STATE_FILE), encoding="utf-8") as f:
                     doc = json.load(f)
                 state = "" if isinstance(doc, dict) else "is not a JSON object"
+                # the file is outside the manifest's checksums: its step must be the
+                # commit's (the Trainer takes the step and the data skip from it)
+                if not state and step is not None and doc.get("global_step") != step:
+                    state = (f"says global_step {str(doc.get('global_step'))[:20]} but the "
+                             f"commit holds step {step}")
             except FileNotFoundError:
                 state = "is missing (removed by hand?)"
             except (OSError, ValueError) as e:
@@ -331,6 +389,10 @@ class DckptTrainerMixin:
             err = e
         agree(comm, err, f"load the scheduler and scaler of {checkpoint}")
         self._dckpt_loaded = None if loaded.meta.get("model_only") else loaded
+        if loaded.meta.get("model_only") and not self.args.save_only_model and comm.rank == 0:
+            log.warning("%s holds the model only (saved with save_only_model=True): the "
+                        "optimizer, lr_scheduler, scaler and RNG start fresh in this run",
+                        checkpoint)
         if comm.rank == 0:
             log.info("loaded %s (saved at %d ranks, global step %s)", checkpoint,
                      loaded.world_size, loaded.meta.get("global_step"))
