@@ -9,17 +9,14 @@ takes the highest number with a folder, complete or not; see docs/HF.md.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
 from typing import Any
 
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
-from ...errors import (CheckpointError, IntegrityError, NotCommittedError,
-                      StateMismatchError)
+from ...errors import CheckpointError, NotCommittedError, StateMismatchError
 from ...protocol.collectives import Comm, agree
 from ...protocol.settings import agree_settings
 from ...view.open import MissingKeyError
@@ -30,16 +27,11 @@ from ..common.place import (dckpt_leftover, durable_name, is_url, kind, read_man
 from ..common.rotation import to_remove
 from ..common.verify import verify_shared
 from . import export
+from . import resume as rs
+from .resume import JIT_SENTINEL, META_KEY, NAME, STATE_FILE
 
 log = logging.getLogger(__name__)
-NAME = re.compile(PREFIX_CHECKPOINT_DIR + r"-[0-9]+")
-META_KEY = "__transformers__"
-STATE_FILE = "trainer_state.json"  # transformers.trainer.TRAINER_STATE_NAME
 ARGS_FILE = "training_args.json"
-# transformers' JIT checkpoint (trainer_jit_checkpoint.py) creates checkpoint-N/ holding
-# this file before it calls _save_checkpoint, and removes it after: a folder holding it
-# is an incomplete save (nothing in transformers reads it)
-JIT_SENTINEL = "checkpoint-is-incomplete.txt"
 
 
 def _inner(opt: Any) -> Any:
@@ -244,9 +236,9 @@ class DckptTrainerMixin:
             out = str(self.args.output_dir)
             paths = resolve.listed(lambda: [c.path for c in resolve.committed_in(out, NAME)],
                                    f"list {out}")
-            self._dckpt_warn_leftovers(out)
+            rs.warn_leftovers(out)
             if paths:
-                path, _ = resolve.load_newest(paths, lambda p: (self._dckpt_precheck(p),
+                path, _ = resolve.load_newest(paths, lambda p: (rs.precheck(p),
                                                                 verify_shared(p)))
         elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
             p = os.path.abspath(os.path.expanduser(os.fspath(resume_from_checkpoint)))
@@ -259,10 +251,10 @@ class DckptTrainerMixin:
                     "committed, or whose manifest was lost; it cannot be resumed (resume "
                     "with resume_from_checkpoint=True for the newest committed one)")
             if found == "dckpt":
-                self._dckpt_precheck(p)
+                rs.precheck(p)
                 path = p
             elif found == "jit":
-                path = self._dckpt_instead_of_incomplete(p)
+                path = rs.instead_of_incomplete(p)
             else:
                 log.info("%s is not a dckpt checkpoint: the stock Trainer resumes it", p)
         if path is not None:
@@ -276,79 +268,6 @@ class DckptTrainerMixin:
             self._dckpt_resume = self._dckpt_loaded = None
         self._dckpt.finish()  # the last asynchronous save: placed, or its error raised
         return result
-
-    def _dckpt_warn_leftovers(self, out: str) -> None:
-        """Rank 0: warn about each ``checkpoint-N`` of ``out`` holding dckpt's files
-        without a manifest (a lost manifest, a copy made before the commit): it is
-        passed over, and the next save of that step replaces it. Local I/O."""
-        if Comm().rank != 0:
-            return
-        try:
-            names = sorted(n for n in os.listdir(out) if NAME.fullmatch(n))
-        except OSError:
-            return
-        for n in names:
-            if dckpt_leftover(os.path.join(out, n)):
-                log.warning("%s holds dckpt data files but no manifest (a lost manifest, or "
-                            "a copy made before the commit): not resumable, passed over; "
-                            "the next save of that step replaces it", os.path.join(out, n))
-
-    def _dckpt_instead_of_incomplete(self, p: str) -> str:
-        """``p`` holds transformers' JIT sentinel: a save killed before it completed
-        (``get_last_checkpoint`` returns it, as the highest number with a folder). The
-        newest committed checkpoint beside it, verified, with a warning; else
-        NotCommittedError naming ``p``. Collective (as :meth:`train`'s lookup)."""
-        parent = os.path.dirname(p)
-        paths = resolve.listed(lambda: [c.path for c in resolve.committed_in(parent, NAME)],
-                               f"list {parent}")
-        if not paths:
-            raise NotCommittedError(f"{p} is an incomplete save (it holds transformers' "
-                                    f"{JIT_SENTINEL}) and no committed checkpoint is beside it")
-        path, _ = resolve.load_newest(paths, lambda q: (self._dckpt_precheck(q),
-                                                        verify_shared(q)))
-        if Comm().rank == 0:
-            log.warning("%s is an incomplete save (it holds %s): resuming from %s, the "
-                        "newest committed checkpoint beside it", p, JIT_SENTINEL, path)
-        return path
-
-    def _dckpt_precheck(self, path: str) -> None:
-        """Before the Trainer reads anything of ``path``: it is a Trainer's checkpoint
-        (StateMismatchError naming its framework otherwise) holding its
-        ``trainer_state.json`` as a JSON object (IntegrityError otherwise: it is not in
-        the manifest's checksums, so it is checked here). Collective (a broadcast of
-        rank 0's finding); blocking I/O on rank 0: one manifest read and a stat."""
-        def look() -> list:
-            values = read_manifest(path).values
-            other, step = None, None
-            if not isinstance(values.get(META_KEY), str):
-                fw = [k.strip("_") for k in values if k.startswith("__") and k.endswith("__")]
-                other = fw[0] if fw else "dckpt.save"
-            else:
-                try:
-                    step = json.loads(values[META_KEY]).get("global_step")
-                except (ValueError, AttributeError):
-                    step = None
-            try:
-                with open(os.path.join(path, STATE_FILE), encoding="utf-8") as f:
-                    doc = json.load(f)
-                state = "" if isinstance(doc, dict) else "is not a JSON object"
-                # the file is outside the manifest's checksums: its step must be the
-                # commit's (the Trainer takes the step and the data skip from it)
-                if not state and step is not None and doc.get("global_step") != step:
-                    state = (f"says global_step {str(doc.get('global_step'))[:20]} but the "
-                             f"commit holds step {step}")
-            except FileNotFoundError:
-                state = "is missing (removed by hand?)"
-            except (OSError, ValueError) as e:
-                state = f"cannot be read ({e})"
-            return [other, state]
-        other, state = resolve.listed(look, f"read the manifest of {path}")
-        if other is not None:
-            raise StateMismatchError(f"{path} is a dckpt checkpoint of {other!r}, not of the "
-                                     "transformers Trainer: load it with what saved it")
-        if state:
-            raise IntegrityError(f"{path} is committed but its {STATE_FILE} {state}: the "
-                                 "Trainer cannot resume it")
 
     def _dckpt_ours(self, checkpoint: str | None) -> bool:
         return (checkpoint is not None and self._dckpt_resume is not None

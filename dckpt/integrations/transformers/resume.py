@@ -1,0 +1,101 @@
+"""Which checkpoint ``DckptTrainer.train`` resumes, and the checks before the Trainer
+reads one: a Trainer's dckpt checkpoint whose ``trainer_state.json`` agrees with its
+commit; leftovers without a manifest passed over with a warning; the folder of a JIT
+save killed after transformers' sentinel replaced by the newest committed one."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from ...errors import IntegrityError, NotCommittedError, StateMismatchError
+from ...protocol.collectives import Comm
+from ..common import resolve
+from ..common.place import dckpt_leftover, read_manifest
+from ..common.verify import verify_shared
+
+log = logging.getLogger(__name__)
+NAME = re.compile(PREFIX_CHECKPOINT_DIR + r"-[0-9]+")
+META_KEY = "__transformers__"
+STATE_FILE = "trainer_state.json"  # transformers.trainer.TRAINER_STATE_NAME
+# transformers' JIT checkpoint (trainer_jit_checkpoint.py) creates checkpoint-N/ holding
+# this file before it calls _save_checkpoint, and removes it after: a folder holding it
+# is an incomplete save (nothing in transformers reads it)
+JIT_SENTINEL = "checkpoint-is-incomplete.txt"
+
+
+def warn_leftovers(out: str) -> None:
+    """Rank 0: warn about each ``checkpoint-N`` of ``out`` holding dckpt's files
+    without a manifest (a lost manifest, a copy made before the commit): it is
+    passed over, and the next save of that step replaces it. Local I/O."""
+    if Comm().rank != 0:
+        return
+    try:
+        names = sorted(n for n in os.listdir(out) if NAME.fullmatch(n))
+    except OSError:
+        return
+    for n in names:
+        if dckpt_leftover(os.path.join(out, n)):
+            log.warning("%s holds dckpt data files but no manifest (a lost manifest, or "
+                        "a copy made before the commit): not resumable, passed over; "
+                        "the next save of that step replaces it", os.path.join(out, n))
+
+def instead_of_incomplete(p: str) -> str:
+    """``p`` holds transformers' JIT sentinel: a save killed before it completed
+    (``get_last_checkpoint`` returns it, as the highest number with a folder). The
+    newest committed checkpoint beside it, verified, with a warning; else
+    NotCommittedError naming ``p``. Collective (as :meth:`train`'s lookup)."""
+    parent = os.path.dirname(p)
+    paths = resolve.listed(lambda: [c.path for c in resolve.committed_in(parent, NAME)],
+                           f"list {parent}")
+    if not paths:
+        raise NotCommittedError(f"{p} is an incomplete save (it holds transformers' "
+                                f"{JIT_SENTINEL}) and no committed checkpoint is beside it")
+    path, _ = resolve.load_newest(paths, lambda q: (precheck(q),
+                                                    verify_shared(q)))
+    if Comm().rank == 0:
+        log.warning("%s is an incomplete save (it holds %s): resuming from %s, the "
+                    "newest committed checkpoint beside it", p, JIT_SENTINEL, path)
+    return path
+
+def precheck(path: str) -> None:
+    """Before the Trainer reads anything of ``path``: it is a Trainer's checkpoint
+    (StateMismatchError naming its framework otherwise) holding its
+    ``trainer_state.json`` as a JSON object (IntegrityError otherwise: it is not in
+    the manifest's checksums, so it is checked here). Collective (a broadcast of
+    rank 0's finding); blocking I/O on rank 0: one manifest read and a stat."""
+    def look() -> list:
+        values = read_manifest(path).values
+        other, step = None, None
+        if not isinstance(values.get(META_KEY), str):
+            fw = [k.strip("_") for k in values if k.startswith("__") and k.endswith("__")]
+            other = fw[0] if fw else "dckpt.save"
+        else:
+            try:
+                step = json.loads(values[META_KEY]).get("global_step")
+            except (ValueError, AttributeError):
+                step = None
+        try:
+            with open(os.path.join(path, STATE_FILE), encoding="utf-8") as f:
+                doc = json.load(f)
+            state = "" if isinstance(doc, dict) else "is not a JSON object"
+            # the file is outside the manifest's checksums: its step must be the
+            # commit's (the Trainer takes the step and the data skip from it)
+            if not state and step is not None and doc.get("global_step") != step:
+                state = (f"says global_step {str(doc.get('global_step'))[:20]} but the "
+                         f"commit holds step {step}")
+        except FileNotFoundError:
+            state = "is missing (removed by hand?)"
+        except (OSError, ValueError) as e:
+            state = f"cannot be read ({e})"
+        return [other, state]
+    other, state = resolve.listed(look, f"read the manifest of {path}")
+    if other is not None:
+        raise StateMismatchError(f"{path} is a dckpt checkpoint of {other!r}, not of the "
+                                 "transformers Trainer: load it with what saved it")
+    if state:
+        raise IntegrityError(f"{path} is committed but its {STATE_FILE} {state}: the "
+                             "Trainer cannot resume it")
