@@ -24,7 +24,9 @@ from ..common import resolve, tree
 from ..common.commit import Committer, broadcast_json
 from ..common.place import dckpt_leftover, is_url, join, kind, local_path, remove_whole
 from ..common.rotation import to_remove
+from ..common.tier import LocalTier
 from . import contents as cn
+from . import fast
 
 log = logging.getLogger(__name__)
 NAME = re.compile(r"checkpoint_[0-9]+")
@@ -36,22 +38,22 @@ class DckptAccelerator(Accelerator):
     arguments, plus keyword-only ``storage_options`` (fsspec's, for an object-store
     ``project_dir``/``output_dir``), ``async_save`` (``save_state`` returns after the
     snapshot; the optimizers' next ``step()`` waits for the copy), ``compression``
-    (None, "zstd", "lz4"). ``local_root``/``keep_last_local`` (a node-local fast
-    tier) are not supported by this adapter yet: passing ``local_root`` raises.
-    Raises CheckpointError on a bad option, and for DeepSpeed, Megatron-LM and XLA
-    (their engines write their own checkpoints: keep ``accelerate.Accelerator``)."""
+    (None, "zstd", "lz4"), ``local_root`` (a node-local fast tier: a save commits
+    there and its copy to the checkpoint's name runs in the background, see
+    :mod:`.fast`) and ``keep_last_local`` (the slots each node keeps there). Raises
+    CheckpointError on a bad option, and for DeepSpeed, Megatron-LM and XLA (their
+    engines write their own checkpoints: keep ``accelerate.Accelerator``)."""
 
     def __init__(self, *args: Any, storage_options: dict | None = None,
                  async_save: bool = False, compression: str | None = None,
                  local_root: str | None = None, keep_last_local: int = 2,
                  **kwargs: Any) -> None:
-        if local_root is not None:
-            raise CheckpointError("DckptAccelerator: local_root (a node-local fast tier) is "
-                                  "not supported yet; save to shared storage or an object "
-                                  "store")
-        if not isinstance(keep_last_local, int) or keep_last_local < 1:
+        if isinstance(keep_last_local, bool) or not isinstance(keep_last_local, int) \
+                or keep_last_local < 1:
             raise CheckpointError(f"keep_last_local must be an int >= 1, got {keep_last_local!r}")
         committer = Committer(storage_options, async_save, compression)  # validates
+        tier = None if local_root is None else LocalTier(
+            local_root, keep_last_local, storage_options, compression)
         super().__init__(*args, **kwargs)
         dt = getattr(self.distributed_type, "name", str(self.distributed_type))
         if dt in REFUSED:
@@ -59,6 +61,7 @@ class DckptAccelerator(Accelerator):
                 f"DckptAccelerator does not support DistributedType.{dt}: its engine writes "
                 "its own checkpoints; use accelerate.Accelerator for it")
         self._dckpt = committer
+        self._dckpt_tier = tier
         self._dckpt_agreed: Any = None
         self._dckpt_warned = False
 
@@ -80,7 +83,10 @@ class DckptAccelerator(Accelerator):
         agree_settings(comm, {"async_save": self._dckpt.async_save,
                               "compression": self._dckpt.compression,
                               "automatic_checkpoint_naming": pc.automatic_checkpoint_naming,
-                              "total_limit": pc.total_limit}, bad, "DckptAccelerator")
+                              "total_limit": pc.total_limit,
+                              "local_root": self._dckpt_tier is not None,
+                              "keep_last_local": getattr(self._dckpt_tier, "keep", None)},
+                       bad, "DckptAccelerator")
         self._dckpt_agreed = world
 
     def _checkpoints_dir(self) -> str:
@@ -110,10 +116,20 @@ class DckptAccelerator(Accelerator):
             parent = self._checkpoints_dir()
             output_dir = join(parent, f"checkpoint_{self.save_iteration}")
             self._dckpt.finish()
-            exists = on_rank0(comm, lambda: kind(output_dir, self._dckpt.storage_options)
-                              != "none" or (not is_url(output_dir)
-                                            and os.path.exists(local_path(output_dir))),
-                              f"look up {output_dir}")
+            target = output_dir
+
+            def look() -> bool:
+                try:
+                    return kind(target, self._dckpt.storage_options) != "none" or (
+                        not is_url(target) and os.path.exists(local_path(target)))
+                except Exception as e:
+                    if self._dckpt_tier is None:
+                        raise
+                    # the durable store is down: the fast tier takes the save anyway
+                    log.warning("cannot look up %s (%s): saving to the fast tier; its "
+                                "copy will be tried in the background", target, e)
+                    return False
+            exists = on_rank0(comm, look, f"look up {output_dir}")
             if exists:
                 raise ValueError(
                     f"Checkpoint directory {output_dir} ({self.save_iteration}) already "
@@ -123,8 +139,12 @@ class DckptAccelerator(Accelerator):
             raise CheckpointError("save_state needs output_dir without "
                                   "ProjectConfiguration(automatic_checkpoint_naming=True)")
         output_dir = os.fspath(output_dir)
-        plan = self._dckpt.plan(output_dir)
-        skip = self._run_save_hooks(comm, plan.target)
+        tier = self._dckpt_tier
+        # the hooks write into the staging folder, made now (with the fast tier, the
+        # background copy then commits into it; without hooks it plans its own)
+        plan = self._dckpt.plan(output_dir) if (
+            tier is None or self._save_model_state_pre_hook) else None
+        skip = self._run_save_hooks(comm, plan.target if plan is not None else "")
         built, err = None, None
         try:
             c = cn.contents(self, skip, comm.rank)
@@ -132,6 +152,13 @@ class DckptAccelerator(Accelerator):
         except Exception as e:
             err = e
         agree(comm, err, f"collect the state to save to {output_dir}")
+        if tier is not None:
+            final = fast.save(tier, self._dckpt, built, output_dir, plan, pc.iteration)
+            if auto and pc.total_limit is not None:
+                fast.rotate(tier, self._checkpoints_dir(), NAME, final, pc.total_limit,
+                            self._dckpt.storage_options)
+            pc.iteration += 1
+            return final
         after = None
         if auto and pc.total_limit is not None:
             after = self._rotation(plan.final, pc.total_limit)
@@ -196,8 +223,14 @@ class DckptAccelerator(Accelerator):
         self._dckpt_agree(comm)
         self._dckpt.finish()
         opts = self._dckpt.storage_options
+        tier = self._dckpt_tier
         if input_dir is not None:
             input_dir = os.path.expanduser(os.fspath(input_dir))
+            if tier is not None:  # the name's fast-tier commit, or its durable copy
+                choices = fast.one(tier, input_dir, opts)
+                if choices:
+                    self._load_choices(comm, choices)
+                    return
 
             def look() -> str:
                 k = kind(input_dir, opts)
@@ -226,6 +259,15 @@ class DckptAccelerator(Accelerator):
         if not self.project_configuration.automatic_checkpoint_naming:
             raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
         parent = self._checkpoints_dir()
+        if tier is not None:
+            choices = fast.candidates(tier, parent, NAME, opts)
+            if choices:
+                self._load_choices(comm, choices)
+                stock = resolve.listed(lambda: resolve.stock_in(parent, NAME), f"list {parent}")
+                self.project_configuration.iteration = max(
+                    self.project_configuration.iteration,
+                    1 + max(_number(p) for p in [*(c.name for c in choices), *stock]))
+                return
         dckpt_paths, stock = resolve.listed(
             lambda: [[c.path for c in resolve.committed_in(parent, NAME, opts)],
                      resolve.stock_in(parent, NAME)], f"list {parent}")
@@ -246,22 +288,34 @@ class DckptAccelerator(Accelerator):
             return
         raise NotCommittedError(f"no committed checkpoint under {parent}")
 
-    def _load_one(self, comm: Comm, path: str) -> None:
+    def _load_choices(self, comm: Comm, choices: list) -> None:
+        """Load the newest of ``choices`` (:class:`.fast.Choice`, oldest first) that
+        loads, falling back past damaged ones with a warning. Collective."""
+        by = {c.shown(): c for c in choices}
+        resolve.load_newest(list(by), lambda k: self._load_one(
+            comm, by[k].path, by[k].name, by[k].manifest_name))
+
+    def _load_one(self, comm: Comm, path: str, name: str | None = None,
+                  manifest_name: str | None = None) -> None:
+        """Load the checkpoint at ``path`` (``name``: the checkpoint's name, given to the
+        load hooks; ``manifest_name``: this rank's fast-tier view). Collective."""
+        name = name or path
         fsdp = self.distributed_type == DistributedType.FSDP
         err, skip = None, []
         try:
             listed = [] if fsdp else list(self._models)
             before = list(listed)
             for hook in self._load_model_state_pre_hook.values():
-                hook(listed, path)
+                hook(listed, name)
             kept = {id(m) for m in listed}
             skip = [i for i, m in enumerate(self._models) if m in before and id(m) not in kept]
         except Exception as e:
             err = e
         agree(comm, err, "the load_state pre-hooks")
         c = tree.Contents(list(self._models), set(skip), cn.optimizers(self))
-        loaded = tree.load(path, c, cn.META_KEY, storage_options=self._dckpt.storage_options,
-                           check=cn.check(self, path))
+        loaded = tree.load(path, c, cn.META_KEY, check=cn.check(self, name),
+                           storage_options=None if manifest_name else self._dckpt.storage_options,
+                           manifest_name=manifest_name)
         err = None
         try:
             cn.apply(self, loaded.objects)
@@ -271,7 +325,8 @@ class DckptAccelerator(Accelerator):
         self.step = int(loaded.meta.get("step", 0))
         self.project_configuration.iteration = int(loaded.meta.get("iteration", -1)) + 1
         loaded.restore_rng()
-        log.info("loaded %s (saved at %d ranks)", path, loaded.world_size)
+        log.info("loaded %s%s (saved at %d ranks)", name,
+                 " from the fast tier" if manifest_name else "", loaded.world_size)
 
     def end_training(self) -> None:
         """Wait for an asynchronous save in flight (raising its error on every rank),
@@ -280,11 +335,16 @@ class DckptAccelerator(Accelerator):
         accelerator.end_training()`` after this rank's training failed): then a bounded
         wait without any collective on the training's group, so this rank's own error is
         the one seen (a collective would wait for ranks still training)."""
+        tier = self._dckpt_tier
         try:
             if sys.exc_info()[1] is not None:
                 self._dckpt.abandon()
+                if tier is not None:
+                    tier.abandon(60.0)
             else:
                 self._dckpt.finish()
+                if tier is not None:
+                    tier.drain()  # every durable copy queued (a failed one is logged)
         finally:
             super().end_training()
 

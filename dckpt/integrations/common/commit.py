@@ -118,20 +118,23 @@ class Committer:
         rank."""
         comm = Comm()
         self.finish()  # one save at a time: the sweep never races a save in flight
+        return Plan(*on_rank0(comm, lambda: self.decide(final), f"plan the checkpoint {final}"))
 
-        def decide() -> list:
-            if is_url(final):
-                return [final.rstrip("/"), final.rstrip("/"), False]
-            path = os.path.abspath(local_path(final))
-            parent, name = os.path.split(path)
-            _check_replaceable(path, self.markers, self.sidecars)
-            os.makedirs(parent, exist_ok=True)
-            sweep(parent, name)
-            tmp = os.path.join(parent, f".{name}{PARTIAL}{uuid.uuid4().hex[:12]}")
-            os.makedirs(tmp)
-            return [path, tmp, True, _planning_lease(tmp)]
-
-        return Plan(*on_rank0(comm, decide, f"plan the checkpoint {final}"))
+    def decide(self, final: str) -> list:
+        """Rank 0's part of :meth:`plan`: [final, target, staged, lease]. Not
+        collective; blocking I/O (local: a check of what is at ``final``, a sweep of
+        its parent, the staging folder and its lease). Raises CheckpointError when
+        ``final`` holds something a save may not replace, OSError."""
+        if is_url(final):
+            return [final.rstrip("/"), final.rstrip("/"), False]
+        path = os.path.abspath(local_path(final))
+        parent, name = os.path.split(path)
+        _check_replaceable(path, self.markers, self.sidecars)
+        os.makedirs(parent, exist_ok=True)
+        sweep(parent, name)
+        tmp = os.path.join(parent, f".{name}{PARTIAL}{uuid.uuid4().hex[:12]}")
+        os.makedirs(tmp)
+        return [path, tmp, True, _planning_lease(tmp)]
 
     def commit(self, tree: dict, plan: Plan, *, fence: list | None = None,
                after: Callable[[], None] | None = None) -> None:

@@ -99,7 +99,7 @@ class Loaded:
 
 def load(path: str, c: Contents, meta_key: str, *, storage_options: dict | None = None,
          check: Callable[[dict, set], None] | None = None,
-         ignore: tuple[str, ...] = ()) -> Loaded:
+         ignore: tuple[str, ...] = (), manifest_name: str | None = None) -> Loaded:
     """Fill ``c``'s models and optimizers from the checkpoint at ``path`` (reshards:
     any world size, any parallelism) and return its metadata and objects (decoded, not
     applied). ``check(meta, object names)`` runs on every rank before any byte is read
@@ -108,7 +108,8 @@ def load(path: str, c: Contents, meta_key: str, *, storage_options: dict | None 
     NotCommittedError (nothing committed there, or not this adapter's checkpoint),
     IntegrityError/ManifestError, StateMismatchError (names, shapes, dtypes), what
     ``check`` raises. ``ignore``: key prefixes of the checkpoint not loaded and not
-    reported as unexpected (``("optimizers.",)``: the models only)."""
+    reported as unexpected (``("optimizers.",)``: the models only). ``manifest_name``:
+    the manifest each rank reads (a fast-tier slot: this rank's view)."""
     _check(c)
     rank = Comm().rank
     target: dict[str, Any] = {
@@ -144,7 +145,8 @@ def load(path: str, c: Contents, meta_key: str, *, storage_options: dict | None 
 
     try:
         _load(target, path, storage_options=storage_options, strict=True, extra=extra,
-              ignore_prefixes=(rng.ROOT + ".", meta_key) + skipped + tuple(ignore))
+              ignore_prefixes=(rng.ROOT + ".", meta_key) + skipped + tuple(ignore),
+              manifest_name=manifest_name)
     except CheckpointError as e:  # extra()'s own error, the same on every rank: its type
         cause = e.__cause__
         if isinstance(cause, CheckpointError) and type(cause) is not type(e):

@@ -1,0 +1,195 @@
+"""``DckptAccelerator(local_root=...)``: the fast tier (:mod:`..common.tier`) under
+Accelerate's checkpoint names.
+
+A save commits in every node's ``local_root`` and returns (asynchronously: after the
+snapshot); its copy to the checkpoint's name (``checkpoint_<i>`` under the project, or
+``output_dir``) runs in the background, one at a time, and appears there whole (staged
+under a hidden sibling and renamed, as a direct save). ``total_limit`` removes the
+oldest committed names, durable copy and local slot together, after the new local
+commit; the new one counts among those kept. A failing durable store never costs the
+fast tier: the copy's failure is logged and the name stays local only (a load reads it
+there), and retention never trims a slot whose durable copy is not confirmed.
+
+A load takes, per name, the node-local commit when every rank holds it and it is not
+older than the name's durable copy (the same rule as the Lightning strategies), else
+the durable copy; when the local one cannot be read (a file damaged or missing on some
+node: the objects saved by rank 0 are on rank 0's node only), its durable copy is tried
+next, then the names before it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ...protocol.collectives import Comm, on_rank0
+from ...tiers.local import view_name
+from ..common import resolve
+from ..common.commit import Plan
+from ..common.place import durable_name, remove_whole
+from ..common.rotation import UNKNOWN, Committed, commit_order, to_remove
+from ..common.tier import LocalTier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One way to load a name: ``path`` and the manifest each rank reads (None: the
+    durable ``manifest.json``; else this rank's fast-tier view), and the name (what the
+    load hooks are given and the iteration is counted from)."""
+
+    name: str
+    path: str
+    manifest_name: str | None
+    created: float
+
+    def shown(self) -> str:
+        return f"{self.name} (fast tier)" if self.manifest_name else self.name
+
+
+def save(tier: LocalTier, committer: Any, built: dict, final: str, plan: Plan | None,
+         step: int) -> str:
+    """Commit ``built`` in the fast tier as ``final`` and queue its durable copy
+    (``plan``: a staging folder already made for the save hooks' files, else one is
+    planned when the copy begins). Returns the durable name. Collective; blocking
+    (synchronous: the local commit; asynchronous: the snapshot). Raises the local
+    commit's CheckpointError on every rank alike."""
+    final = durable_name(final)
+    if plan is not None:
+        made = [plan.final, plan.target, plan.staged]
+        lease = plan.lease
+
+        def planner() -> list:
+            if lease is not None:  # the copy's own save intent takes over from here
+                try:
+                    os.remove(lease)
+                except FileNotFoundError:
+                    pass
+            return made
+    else:
+        def planner() -> list:
+            return committer.decide(final)[:3]
+    tier.save(built, final, step, planner, async_=committer.async_save,
+              storage_options=committer.storage_options)
+    return final
+
+
+def rotate(tier: LocalTier, parent: str, pattern: Any, final: str, limit: int,
+           opts: dict | None) -> None:
+    """``total_limit`` after a fast-tier commit of ``final``: rank 0 lists the
+    committed names of ``parent`` (``final`` counted even before its copy lands) and
+    every rank queues the removal of the oldest beyond ``limit`` (its local slot part;
+    rank 0 the durable copy), after the copies queued before. Collective (a
+    broadcast); blocking I/O on rank 0 (a listing, a manifest read per name)."""
+    comm = Comm()
+    parent = durable_name(parent)
+
+    def decide() -> list[str]:
+        entries = _durable(parent, pattern, opts)
+        if entries is None:  # the store is down: nothing durable can be removed now
+            return []
+        durable = {c.path for c in entries}
+        # names committed locally whose copy has not landed yet count by their local
+        # commit (else a copy landing after this decision would outlive the limit)
+        entries += [c for c in local_commits(tier, parent, pattern) if c.path not in durable]
+        if all(c.path != final for c in entries):
+            entries.append(Committed(final, UNKNOWN))
+        return to_remove(entries, limit, final)
+
+    def dropper(p: str) -> Callable[[], None]:
+        def drop() -> None:
+            remove_whole(p, opts)
+            log.info("total_limit=%d: removed %s", limit, p)
+        return drop
+
+    for path in on_rank0(comm, decide, f"list {parent}"):
+        tier.remove(path, dropper(path) if comm.rank == 0 else None)
+
+
+def local_commits(tier: LocalTier, parent: str, pattern: Any) -> list[Committed]:
+    """The names of ``parent`` matching ``pattern`` that rank 0's fast tier holds, with
+    their local commit time and save id (rank 0's view). Rank 0 only; local I/O."""
+    found: dict[str, Committed] = {}
+
+    def accept(view: Any) -> bool:
+        owner = str(view.meta.get("owner", ""))
+        if pattern.fullmatch(owner.rstrip("/").rsplit("/", 1)[-1]) is None:
+            return False
+        found[owner] = Committed(owner, float(view.created), view.save_id)
+        return True
+
+    return [found[n] for n in tier.names_in(parent, 0, accept)]
+
+
+def choices(tier: LocalTier, names: list[str], durable: dict[str, Committed]) -> list[Choice]:
+    """The ways to load ``names`` (every rank's same list), oldest commit first; for a
+    name, its durable copy before its local commit (a load tries the local one first).
+    Collective: one all-gather (:meth:`LocalTier.held_many`). Local I/O."""
+    comm = Comm()
+    held = tier.held_many(names, comm)
+    out: list[Choice] = []
+    for name, h in zip(names, held):
+        d = durable.get(name)
+        if d is not None and d.save_id:
+            tier.seen[name] = d.save_id  # the parent of the next local commit of it
+        stamp = None if d is None else [d.save_id, d.created]
+        if d is not None:
+            out.append(Choice(name, name, None, d.created))
+        if h is not None and h.newer_than(stamp):
+            out.append(Choice(name, h.slot, view_name(comm.rank),
+                              max(h.created, d.created if d is not None else 0.0)))
+    return sorted(out, key=lambda c: (c.created, c.manifest_name is not None, c.name))
+
+
+def candidates(tier: LocalTier, parent: str, pattern: Any, opts: dict | None) -> list[Choice]:
+    """Every committed ``checkpoint_<i>`` of ``parent``, durable or in this job's fast
+    tier, oldest first (:func:`choices`). Waits for the copies queued first.
+    Collective; blocking I/O."""
+    comm = Comm()
+    tier.drain()
+    parent = durable_name(parent)  # as the saves spelled their names (slots hash them)
+
+    def look() -> list:
+        durable = _durable(parent, pattern, opts) or []
+        local = tier.names_in(parent, comm.rank, lambda v: pattern.fullmatch(
+            str(v.meta.get("owner", "")).rstrip("/").rsplit("/", 1)[-1]) is not None)
+        return [[[c.path, c.created, c.save_id] for c in durable], local]
+
+    durable, local = on_rank0(comm, look, f"list {parent}")
+    by_name = {p: Committed(p, float(t), s) for p, t, s in durable}
+    names = [c.path for c in commit_order(list(by_name.values()))]
+    names += [n for n in local if n not in by_name]
+    return choices(tier, names, by_name)
+
+
+def one(tier: LocalTier, path: str, opts: dict | None) -> list[Choice]:
+    """The ways to load the name ``path`` (durable, fast tier). Collective; blocking."""
+    comm = Comm()
+    tier.drain()
+    name = durable_name(path)
+
+    def look() -> list:
+        got = _durable(name.rsplit("/", 1)[0], _exact(name.rsplit("/", 1)[-1]), opts) or []
+        return [[c.path, c.created, c.save_id] for c in got if c.path == name]
+
+    found = on_rank0(comm, look, f"look up {path}")
+    durable = {p: Committed(p, float(t), s) for p, t, s in found}
+    return choices(tier, [name], durable)
+
+
+def _durable(parent: str, pattern: Any, opts: dict | None) -> list[Committed] | None:
+    """:func:`resolve.committed_in`, or None with a warning when the durable store
+    cannot be listed (down: the fast tier goes on without it). Blocking I/O."""
+    try:
+        return resolve.committed_in(parent, pattern, opts)
+    except Exception as e:
+        log.warning("cannot list %s (%s): going on with the fast tier alone", parent, e)
+        return None
+
+
+def _exact(base: str) -> Any:
+    import re
+
+    return re.compile(re.escape(base))
