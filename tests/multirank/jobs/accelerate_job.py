@@ -3,7 +3,7 @@ CPU shim, with dckpt's DckptAccelerator or the stock Accelerator.
 
     torchrun --nproc-per-node N accelerate_job.py --impl dckpt|stock --root DIR \
         --steps S --every E [--total-limit L] [--resume] [--kill-at STEP --phase P]
-        [--raise-rank R --raise-at STEP] [--async-save] [--hook]
+        [--raise-rank R --raise-at STEP] [--async-save] [--hook] [--local-root DIR]
 
 Saves go to ROOT/p/checkpoints/checkpoint_<i> (automatic naming). After each save,
 rank r writes ROOT/refs/save-<step>-r<r>.pt: the full model and optimizer state, the
@@ -13,6 +13,9 @@ as ROOT/refs/resumed-<world>-r<r>.pt. ``--kill-at S --phase P``: every rank is
 SIGKILLed in the save at step S: dckpt at its fault point P (plan, write, commit,
 committed, place, rotate); stock (P = hook) in a save pre-hook (the FSDP model and
 optimizer already written). ``--raise-rank R --raise-at S``: rank R's pre-hook raises.
+``--local-root DIR``: DckptAccelerator(local_root=DIR), the fast tier (the fault point
+``committed`` then kills every rank once its own view is written: the local commit is
+complete, its durable copy not begun).
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ p.add_argument("--raise-rank", type=int, default=None)
 p.add_argument("--raise-at", type=int, default=None)
 p.add_argument("--async-save", action="store_true")
 p.add_argument("--load-dir", default=None)
+p.add_argument("--local-root", default=None)
 p.add_argument("--roots", default=None)  # one process, no torchrun: resume each root
 a = p.parse_args()
 
@@ -62,7 +66,7 @@ def main(root: str) -> None:
         from dckpt.integrations.accelerate import DckptAccelerator
 
         acc = DckptAccelerator(cpu=True, fsdp_plugin=plugin, project_config=pc,
-                               async_save=a.async_save)
+                               async_save=a.async_save, local_root=a.local_root)
     else:
         acc = Accelerator(cpu=True, fsdp_plugin=plugin, project_config=pc)
     # the CPU shim (issue 45): Accelerate runs FSDP only on accelerators
@@ -147,7 +151,9 @@ def main(root: str) -> None:
         counter.n = s
         if s % a.every == 0:
             if a.kill_at == s and a.impl == "dckpt" and a.phase != "hook":
-                os.environ["DCKPT_FAULT"] = f"{a.phase}:{'0' if a.phase in ('commit', 'committed', 'place', 'rotate') else '*'}:kill"
+                one = a.phase in ("commit", "place", "rotate") or (
+                    a.phase == "committed" and not a.local_root)  # fast tier: every rank
+                os.environ["DCKPT_FAULT"] = f"{a.phase}:{'0' if one else '*'}:kill"
             try:
                 where = acc.save_state()
             except Exception as e:
