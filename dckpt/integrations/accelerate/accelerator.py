@@ -25,8 +25,8 @@ from ..common.commit import Committer, broadcast_json
 from ..common.place import dckpt_leftover, is_url, join, kind, local_path, remove_whole
 from ..common.rotation import to_remove
 from ..common.tier import LocalTier
+from ..common import fast
 from . import contents as cn
-from . import fast
 
 log = logging.getLogger(__name__)
 NAME = re.compile(r"checkpoint_[0-9]+")

@@ -99,3 +99,65 @@ def precheck(path: str) -> None:
     if state:
         raise IntegrityError(f"{path} is committed but its {STATE_FILE} {state}: the "
                              "Trainer cannot resume it")
+
+
+def precheck_local(slot: str, view: str) -> None:
+    """:func:`precheck` for a fast-tier commit: this rank's ``view`` of ``slot`` is a
+    Trainer's checkpoint whose metadata holds its trainer_state.json, at the commit's
+    step. Collective (the outcome agreed); local I/O (one small read per rank). Raises
+    on every rank alike: StateMismatchError (another framework's), IntegrityError."""
+    from ...format import manifest as mf
+    from ...protocol.collectives import agree
+    from ...protocol.restore import read_manifest_bytes
+    from ...storage.fsspec_storage import make_storage
+
+    err = None
+    try:
+        storage, root = make_storage(slot)
+        m = mf.parse(read_manifest_bytes(storage, root, view), f"{slot}/{view}")
+        state_json(m, slot)
+    except Exception as e:
+        err = e
+    agree(Comm(), err, f"check the fast tier's commit {slot}")
+
+
+def state_json(m, where: str) -> str:
+    """The trainer_state.json text a Trainer checkpoint's manifest ``m`` records, after
+    checking it is a JSON object at the commit's step. Pure. Raises
+    StateMismatchError (not a Trainer's checkpoint), IntegrityError."""
+    raw = m.values.get(META_KEY)
+    if not isinstance(raw, str):
+        raise StateMismatchError(f"{where} is not a transformers Trainer checkpoint")
+    try:
+        meta = json.loads(raw)
+        text = meta.get("trainer_state")
+        doc = json.loads(text) if isinstance(text, str) else None
+    except (ValueError, AttributeError) as e:
+        raise IntegrityError(f"{where}: its Trainer metadata cannot be read ({e})") from None
+    if not isinstance(doc, dict) or doc.get("global_step") != meta.get("global_step"):
+        raise IntegrityError(f"{where} records no {STATE_FILE} at its step "
+                             f"{str(meta.get('global_step'))[:20]}: the Trainer cannot resume it")
+    return text
+
+
+def materialize(root: str, slot: str, view: str, name: str) -> str:
+    """Write the trainer_state.json of the fast-tier commit ``slot`` (this rank's
+    ``view``) into a folder of its own under ``root`` named as the checkpoint ``name``
+    (the Trainer reads the file from the folder it is told to resume), and return that
+    folder. Each rank writes its own. Local I/O; raises OSError, what
+    :func:`state_json` raises."""
+    import socket
+    import uuid
+
+    from ...format import manifest as mf
+    from ...protocol.restore import read_manifest_bytes
+    from ...storage.fsspec_storage import make_storage
+
+    storage, sroot = make_storage(slot)
+    m = mf.parse(read_manifest_bytes(storage, sroot, view), f"{slot}/{view}")
+    folder = os.path.join(root, f".trainer-resume-{socket.gethostname()}-{os.getpid()}-"
+                                f"{uuid.uuid4().hex[:8]}", os.path.basename(name))
+    os.makedirs(folder)
+    with open(os.path.join(folder, STATE_FILE), "w", encoding="utf-8") as f:
+        f.write(state_json(m, slot))
+    return folder

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from typing import Any
 
 from transformers import Trainer
@@ -21,10 +22,12 @@ from ...protocol.collectives import Comm, agree
 from ...protocol.settings import agree_settings
 from ...view.open import MissingKeyError
 from ..common import resolve, tree
+from ..common import fast
 from ..common.commit import Committer
 from ..common.place import (dckpt_leftover, durable_name, is_url, kind, read_manifest,
                              remove_whole)
 from ..common.rotation import to_remove
+from ..common.tier import LocalTier
 from ..common.verify import verify_shared
 from . import export
 from . import resume as rs
@@ -38,31 +41,49 @@ def _inner(opt: Any) -> Any:
     return getattr(opt, "optimizer", opt)
 
 
+def _manifest(path: str, view: str | None) -> Any:
+    """The parsed manifest at ``path`` (``view``: a fast-tier rank's). Blocking I/O."""
+    if view is None:
+        return read_manifest(path)
+    from ...format import manifest as mf
+    from ...protocol.restore import read_manifest_bytes
+    from ...storage.fsspec_storage import make_storage
+
+    storage, root = make_storage(path)
+    return mf.parse(read_manifest_bytes(storage, root, view), f"{path}/{view}")
+
+
 class DckptTrainerMixin:
     """Mix into a ``transformers.Trainer`` (sub)class, first:
     ``class MySFT(DckptTrainerMixin, trl.SFTTrainer)``. Takes the Trainer's arguments,
     plus keyword-only ``compression`` (None, "zstd", "lz4") and ``async_save`` (a save
     returns after the snapshot; the optimizer's next ``step()`` waits for the copy; the
     commit, placement and rotation run in the background; the next save, a load and
-    the end of ``train()`` wait and raise its error on every rank). ``storage_options``
-    and ``local_root`` are accepted for symmetry with ``DckptAccelerator`` but not
-    supported yet (the Trainer reads its checkpoints from a local ``output_dir``): a
-    value raises. Raises CheckpointError on a
-    bad option, an object-store ``output_dir``, and under DeepSpeed (its engine writes
-    its own checkpoints: keep ``transformers.Trainer``)."""
+    the end of ``train()`` wait and raise its error on every rank), ``local_root`` (a
+    node-local fast tier: a save commits there and its copy to ``checkpoint-N`` runs
+    in the background, see :mod:`..common.fast`) and ``keep_last_local``.
+    ``storage_options`` is accepted for symmetry with ``DckptAccelerator`` but not
+    supported (the Trainer reads its checkpoints from a local ``output_dir``): a value
+    raises. Raises CheckpointError on a bad option, an object-store ``output_dir``, and
+    under DeepSpeed (its engine writes its own checkpoints: keep
+    ``transformers.Trainer``)."""
 
     def __init__(self, *args: Any, storage_options: dict | None = None,
                  async_save: bool = False, compression: str | None = None,
                  local_root: str | None = None, keep_last_local: int = 2,
                  **kwargs: Any) -> None:
-        for name, value, default in (("storage_options", storage_options, None),
-                                     ("local_root", local_root, None)):
-            if value != default:
-                raise CheckpointError(f"DckptTrainer: {name}={value!r} is not supported yet "
-                                      "(the Trainer's checkpoints live on a local output_dir)")
+        if storage_options is not None:
+            raise CheckpointError(f"DckptTrainer: storage_options={storage_options!r} is not "
+                                  "supported (the Trainer's checkpoints live on a local "
+                                  "output_dir; use local_root for a node-local fast tier)")
         committer = Committer(None, async_save, compression,  # validates both
                               markers=(JIT_SENTINEL,),
                               sidecars=(STATE_FILE, ARGS_FILE, "config.json"))
+        if isinstance(keep_last_local, bool) or not isinstance(keep_last_local, int) \
+                or keep_last_local < 1:
+            raise CheckpointError(f"keep_last_local must be an int >= 1, got {keep_last_local!r}")
+        tier = None if local_root is None else LocalTier(local_root, keep_last_local, None,
+                                                         compression)
         super().__init__(*args, **kwargs)
         if async_save and self.args.push_to_hub:
             raise CheckpointError("DckptTrainer: async_save=True with push_to_hub: the push "
@@ -74,6 +95,8 @@ class DckptTrainerMixin:
             raise CheckpointError(f"DckptTrainer: output_dir {self.args.output_dir!r} is a "
                                   "URL; the Trainer reads its checkpoints locally")
         self._dckpt = committer
+        self._dckpt_tier = tier
+        self._dckpt_src: tuple[str, str | None] | None = None  # (path, view) a resume reads
         self._dckpt_agreed: Any = None  # the process group the settings were agreed on
         self._dckpt_resume: str | None = None  # the dckpt checkpoint train() resumes
         self._dckpt_loaded: Any = None  # its load (the RNG, set at _load_rng_state)
@@ -98,23 +121,37 @@ class DckptTrainerMixin:
             self.store_flos()
         run_dir = self._get_output_dir(trial=trial)
         output_dir = os.path.join(run_dir, folder)
-        plan = self._dckpt.plan(output_dir)
+        tier = self._dckpt_tier
+        plan = self._dckpt.plan(output_dir) if tier is None else None
+        final = os.path.abspath(output_dir)
         if (self.args.save_strategy in [SaveStrategy.STEPS, SaveStrategy.EPOCH,
                                         SaveStrategy.BEST] and self.state.best_global_step):
             best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
-            if os.path.abspath(best) == plan.final or os.path.exists(best):
+            if os.path.abspath(best) == final or os.path.exists(best):
                 self.state.best_model_checkpoint = best
-        built, err = None, None
+        built, err, files = None, None, {}
         try:
             if comm.rank == 0:
-                self._dckpt_write_json(plan.target)
-            c = self._dckpt_contents(comm.rank)
+                files = self._dckpt_json_files()
+                for name, text in files.items() if plan is not None else ():
+                    with open(os.path.join(plan.target, name), "w", encoding="utf-8") as f:
+                        f.write(text)
+            c = self._dckpt_contents(comm.rank, files.get(STATE_FILE))
             built = tree.build(c, comm.rank, META_KEY)
         except Exception as e:
             err = e
         agree(comm, err, f"collect the state to save to {output_dir}")
-        self._dckpt.commit(built, plan, fence=tree.fence_targets(c),
-                           after=self._dckpt_rotation(run_dir, plan.final))
+        if tier is not None:  # the fast tier: its copy writes the JSON files when it begins
+            fast.save(tier, self._dckpt, built, output_dir, None, self.state.global_step,
+                      files)
+            limit = self.args.save_total_limit
+            if limit is not None and limit > 0:
+                best = self.state.best_model_checkpoint
+                fast.rotate(tier, run_dir, NAME, final, limit, None,
+                            durable_name(best) if best else None)
+        else:
+            self._dckpt.commit(built, plan, fence=tree.fence_targets(c),
+                               after=self._dckpt_rotation(run_dir, plan.final))
         if self.args.push_to_hub:
             self._push_from_checkpoint(output_dir)
 
@@ -134,14 +171,20 @@ class DckptTrainerMixin:
                               "compression": self._dckpt.compression,
                               "save_total_limit": a.save_total_limit,
                               "has_optimizer": self.optimizer is not None,
-                              "has_lr_scheduler": self.lr_scheduler is not None},
+                              "has_lr_scheduler": self.lr_scheduler is not None,
+                              "local_root": self._dckpt_tier is not None,
+                              "keep_last_local": getattr(self._dckpt_tier, "keep", None)},
                        None, "DckptTrainer")
         self._dckpt_agreed = world
 
-    def _dckpt_write_json(self, target: str) -> None:
+    def _dckpt_json_files(self) -> dict[str, str]:
         """Rank 0: the stateful callbacks' states into ``self.state`` (as stock), then
-        trainer_state.json, training_args.json and the model's config.json into the
-        staging folder (they appear with the checkpoint)."""
+        {file name: text} of trainer_state.json (as ``TrainerState.save_to_json``
+        writes it), training_args.json and the model's config.json: written beside
+        dckpt's files, they appear with the checkpoint. No I/O."""
+        import dataclasses
+        import json
+
         from transformers.trainer_callback import ExportableState
 
         for cb in [c for c in self.callback_handler.callbacks + [self.control]
@@ -151,14 +194,15 @@ class DckptTrainerMixin:
                 self.state.stateful_callbacks[name].append(cb.state())
             else:
                 self.state.stateful_callbacks[name] = cb.state()
-        self.state.save_to_json(os.path.join(target, STATE_FILE))
-        with open(os.path.join(target, ARGS_FILE), "w", encoding="utf-8") as f:
-            f.write(self.args.to_json_string())
+        files = {STATE_FILE: json.dumps(dataclasses.asdict(self.state), indent=2,
+                                        sort_keys=True) + "\n",
+                 ARGS_FILE: self.args.to_json_string()}
         config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
-        if config is not None and hasattr(config, "to_json_file"):
-            config.to_json_file(os.path.join(target, "config.json"))
+        if config is not None and hasattr(config, "to_json_string"):
+            files["config.json"] = config.to_json_string()
+        return files
 
-    def _dckpt_contents(self, rank: int) -> tree.Contents:
+    def _dckpt_contents(self, rank: int, state_json: str | None = None) -> tree.Contents:
         only = bool(self.args.save_only_model)
         opts = [] if only or self.optimizer is None else [(_inner(self.optimizer), 0)]
         objects: dict[str, Any] = {}
@@ -173,6 +217,9 @@ class DckptTrainerMixin:
 
             meta = {"framework": "transformers", "transformers": transformers.__version__,
                     "global_step": int(self.state.global_step), "model_only": only,
+                    # trainer_state.json again, checksummed with the manifest: what a
+                    # resume from the fast tier (no such file there) hands the Trainer
+                    "trainer_state": state_json,
                     "scheduler": "scheduler" in objects, "scaler": "scaler" in objects}
         # FSDP: self.model is the prepared (sharded) model; else the unwrapped one, whose
         # parameters are the optimizer's (DDP's own prefix never enters the keys)
@@ -231,43 +278,89 @@ class DckptTrainerMixin:
         on every rank); after a failure of the training, waits without a collective."""
         call = dict(trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
         self._dckpt.finish()  # an earlier train()'s save in flight (none: no collective)
+        tier = self._dckpt_tier
         path: str | None = None
+        src: tuple[str, str | None] | None = None  # what the load reads (a fast-tier view)
         if resume_from_checkpoint is True:
             out = str(self.args.output_dir)
-            paths = resolve.listed(lambda: [c.path for c in resolve.committed_in(out, NAME)],
-                                   f"list {out}")
             rs.warn_leftovers(out)
-            if paths:
-                path, _ = resolve.load_newest(paths, lambda p: (rs.precheck(p),
-                                                                verify_shared(p)))
+            if tier is not None:
+                path, src = self._dckpt_pick(fast.candidates(tier, out, NAME, None))
+            else:
+                paths = resolve.listed(lambda: [c.path for c in resolve.committed_in(
+                    out, NAME)], f"list {out}")
+                if paths:
+                    path, _ = resolve.load_newest(paths, lambda p: (rs.precheck(p),
+                                                                    verify_shared(p)))
         elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
             p = os.path.abspath(os.path.expanduser(os.fspath(resume_from_checkpoint)))
-            found = resolve.listed(lambda: "jit" if os.path.isfile(os.path.join(
-                p, JIT_SENTINEL)) else "leftover" if dckpt_leftover(p) else kind(p),
-                f"look up {p}")
-            if found == "leftover":
-                raise NotCommittedError(
-                    f"{p} holds dckpt data files but no manifest: a save that never "
-                    "committed, or whose manifest was lost; it cannot be resumed (resume "
-                    "with resume_from_checkpoint=True for the newest committed one)")
-            if found == "dckpt":
-                rs.precheck(p)
-                path = p
-            elif found == "jit":
-                path = rs.instead_of_incomplete(p)
-            else:
-                log.info("%s is not a dckpt checkpoint: the stock Trainer resumes it", p)
+            if tier is not None:
+                path, src = self._dckpt_pick(fast.one(tier, p, None))
+            if path is None:
+                path = self._dckpt_named(p)
         if path is not None:
             self._dckpt_resume, self._dckpt_loaded = path, None
+            self._dckpt_src = src or (path, None)
         try:
             result = super().train(resume_from_checkpoint if path is None else path, **call)
         except BaseException:
             self._dckpt.abandon()  # never a collective after a failure: its error shows
+            if tier is not None:
+                tier.abandon(60.0)
             raise
         finally:
-            self._dckpt_resume = self._dckpt_loaded = None
+            self._dckpt_resume = self._dckpt_loaded = self._dckpt_src = None
+            if src is not None and src[1] is not None and path is not None:
+                shutil.rmtree(os.path.dirname(path), ignore_errors=True)
         self._dckpt.finish()  # the last asynchronous save: placed, or its error raised
+        if tier is not None:
+            tier.drain()  # every durable copy queued (a failed one is logged, stays local)
         return result
+
+    def _dckpt_named(self, p: str) -> str | None:
+        """The dckpt checkpoint an explicit ``resume_from_checkpoint`` path resumes
+        (checked), None for a stock one (migration). Collective."""
+        found = resolve.listed(lambda: "jit" if os.path.isfile(os.path.join(
+            p, JIT_SENTINEL)) else "leftover" if dckpt_leftover(p) else kind(p),
+            f"look up {p}")
+        if found == "leftover":
+            raise NotCommittedError(
+                f"{p} holds dckpt data files but no manifest: a save that never "
+                "committed, or whose manifest was lost; it cannot be resumed (resume "
+                "with resume_from_checkpoint=True for the newest committed one)")
+        if found == "dckpt":
+            rs.precheck(p)
+            return p
+        if found == "jit":
+            return rs.instead_of_incomplete(p)
+        log.info("%s is not a dckpt checkpoint: the stock Trainer resumes it", p)
+        return None
+
+    def _dckpt_pick(self, choices: list) -> tuple[str | None, tuple[str, str | None] | None]:
+        """With the fast tier: the newest of ``choices`` (:class:`..common.fast.Choice`)
+        that passes its checks, as (the folder the Trainer is told to resume, what the
+        load reads); (None, None) when there is none. A fast-tier commit's folder is a
+        per-rank one holding its trainer_state.json (removed when train() ends).
+        Collective; local I/O."""
+        if not choices:
+            return None, None
+        by = {c.shown(): c for c in choices}
+
+        def check(k: str) -> None:
+            c = by[k]
+            if c.manifest_name is None:
+                rs.precheck(c.path)
+                verify_shared(c.path)
+            else:
+                rs.precheck_local(c.path, c.manifest_name)
+        key, _ = resolve.load_newest(list(by), check)
+        c = by[key]
+        if c.manifest_name is None:
+            return c.path, (c.path, None)
+        folder = rs.materialize(self._dckpt_tier.root, c.path, c.manifest_name, c.name)
+        if Comm().rank == 0:
+            log.info("resuming %s from the fast tier %s", c.name, c.path)
+        return os.path.abspath(folder), (c.path, c.manifest_name)
 
     def _dckpt_ours(self, checkpoint: str | None) -> bool:
         return (checkpoint is not None and self._dckpt_resume is not None
@@ -289,13 +382,14 @@ class DckptTrainerMixin:
         if not self._dckpt_ours(checkpoint):
             return super()._load_optimizer_and_scheduler(checkpoint)
         comm = Comm()
+        spath, view = self._dckpt_src or (checkpoint, None)
         has_opt = resolve.listed(lambda: any(k.startswith("optimizers.") for k in
-                                             read_manifest(checkpoint).tensors),
-                                 f"read the manifest of {checkpoint}")
+                                             _manifest(spath, view).tensors),
+                                 f"read the manifest of {spath}")
         opts = [(_inner(self.optimizer), 0)] if has_opt and self.optimizer is not None else []
         c = tree.Contents([self.model], set(), opts)
-        loaded = tree.load(checkpoint, c, META_KEY, check=self._dckpt_check(checkpoint),
-                           ignore=() if opts else ("optimizers.",))
+        loaded = tree.load(spath, c, META_KEY, check=self._dckpt_check(spath),
+                           ignore=() if opts else ("optimizers.",), manifest_name=view)
         err = None
         try:
             if not loaded.meta.get("model_only"):
@@ -345,6 +439,8 @@ class DckptTrainerMixin:
         """``load_best_model_at_end``: a dckpt ``best_model_checkpoint`` loads the model
         only (resharded); else stock. Collective; blocking I/O."""
         self._dckpt.finish()  # the best may be the save in flight
+        if self._dckpt_tier is not None:
+            self._dckpt_tier.drain()  # ... or a copy still queued
         best = self.state.best_model_checkpoint
         if best is None or resolve.listed(lambda: kind(best), f"look up {best}") != "dckpt":
             return super()._load_best_model()

@@ -1,9 +1,9 @@
-"""``DckptAccelerator(local_root=...)``: the fast tier (:mod:`..common.tier`) under
-Accelerate's checkpoint names.
+"""The fast tier (:mod:`.tier`) under a framework's checkpoint names, as the Accelerate
+and Trainer adapters use it (``local_root=...``).
 
 A save commits in every node's ``local_root`` and returns (asynchronously: after the
-snapshot); its copy to the checkpoint's name (``checkpoint_<i>`` under the project, or
-``output_dir``) runs in the background, one at a time, and appears there whole (staged
+snapshot); its copy to the checkpoint's name (Accelerate's ``checkpoint_<i>``, the
+Trainer's ``checkpoint-N``) runs in the background, one at a time, and appears there whole (staged
 under a hidden sibling and renamed, as a direct save). ``total_limit`` removes the
 oldest committed names, durable copy and local slot together, after the new local
 commit; the new one counts among those kept. A failing durable store never costs the
@@ -25,11 +25,11 @@ from typing import Any, Callable
 
 from ...protocol.collectives import Comm, on_rank0
 from ...tiers.local import view_name
-from ..common import resolve
-from ..common.commit import Plan
-from ..common.place import durable_name, remove_whole
-from ..common.rotation import UNKNOWN, Committed, commit_order, to_remove
-from ..common.tier import LocalTier
+from . import resolve
+from .commit import Plan
+from .place import durable_name, remove_whole
+from .rotation import UNKNOWN, Committed, commit_order, to_remove
+from .tier import LocalTier
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +50,14 @@ class Choice:
 
 
 def save(tier: LocalTier, committer: Any, built: dict, final: str, plan: Plan | None,
-         step: int) -> str:
+         step: int, files: dict[str, str] | None = None) -> str:
     """Commit ``built`` in the fast tier as ``final`` and queue its durable copy
     (``plan``: a staging folder already made for the save hooks' files, else one is
-    planned when the copy begins). Returns the durable name. Collective; blocking
-    (synchronous: the local commit; asynchronous: the snapshot). Raises the local
-    commit's CheckpointError on every rank alike."""
+    planned when the copy begins; ``files``: rank 0's {name: text} written into that
+    staging folder when the copy begins, e.g. the Trainer's trainer_state.json).
+    Returns the durable name. Collective; blocking (synchronous: the local commit;
+    asynchronous: the snapshot). Raises the local commit's CheckpointError on every
+    rank alike."""
     final = durable_name(final)
     if plan is not None:
         made = [plan.final, plan.target, plan.staged]
@@ -70,19 +72,26 @@ def save(tier: LocalTier, committer: Any, built: dict, final: str, plan: Plan | 
             return made
     else:
         def planner() -> list:
-            return committer.decide(final)[:3]
+            made = committer.decide(final)
+            if made[2]:
+                for name, text in (files or {}).items():
+                    with open(os.path.join(made[1], name), "w", encoding="utf-8") as f:
+                        f.write(text)
+            return made[:3]
     tier.save(built, final, step, planner, async_=committer.async_save,
               storage_options=committer.storage_options)
     return final
 
 
 def rotate(tier: LocalTier, parent: str, pattern: Any, final: str, limit: int,
-           opts: dict | None) -> None:
+           opts: dict | None, protect: str | None = None) -> None:
     """``total_limit`` after a fast-tier commit of ``final``: rank 0 lists the
     committed names of ``parent`` (``final`` counted even before its copy lands) and
     every rank queues the removal of the oldest beyond ``limit`` (its local slot part;
     rank 0 the durable copy), after the copies queued before. Collective (a
-    broadcast); blocking I/O on rank 0 (a listing, a manifest read per name)."""
+    broadcast); blocking I/O on rank 0 (a listing, a manifest read per name).
+    ``protect``: a name never removed (the Trainer's best checkpoint: kept beside the
+    newest ``limit - 1``, as stock)."""
     comm = Comm()
     parent = durable_name(parent)
 
@@ -96,7 +105,10 @@ def rotate(tier: LocalTier, parent: str, pattern: Any, final: str, limit: int,
         entries += [c for c in local_commits(tier, parent, pattern) if c.path not in durable]
         if all(c.path != final for c in entries):
             entries.append(Committed(final, UNKNOWN))
-        return to_remove(entries, limit, final)
+        keep = protect is not None and protect != final and any(
+            c.path == protect for c in entries)
+        pool = [c for c in entries if not (keep and c.path == protect)]
+        return to_remove(pool, max(1, limit - int(keep)), final)
 
     def dropper(p: str) -> Callable[[], None]:
         def drop() -> None:
