@@ -14,7 +14,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from ...errors import IntegrityError, NotCommittedError, StateMismatchError
 from ...protocol.collectives import Comm
 from ..common import resolve
-from ..common.place import dckpt_leftover, read_manifest
+from ..common.place import dckpt_leftover, kind, read_manifest
 from ..common.verify import verify_shared
 
 log = logging.getLogger(__name__)
@@ -161,3 +161,49 @@ def materialize(root: str, slot: str, view: str, name: str) -> str:
     with open(os.path.join(folder, STATE_FILE), "w", encoding="utf-8") as f:
         f.write(state_json(m, slot))
     return folder
+
+
+def named(p: str) -> str | None:
+    """The dckpt checkpoint an explicit ``resume_from_checkpoint`` path resumes
+    (checked), None for a stock one (migration). Collective."""
+    found = resolve.listed(lambda: "jit" if os.path.isfile(os.path.join(
+        p, JIT_SENTINEL)) else "leftover" if dckpt_leftover(p) else kind(p),
+        f"look up {p}")
+    if found == "leftover":
+        raise NotCommittedError(
+            f"{p} holds dckpt data files but no manifest: a save that never "
+            "committed, or whose manifest was lost; it cannot be resumed (resume "
+            "with resume_from_checkpoint=True for the newest committed one)")
+    if found == "dckpt":
+        precheck(p)
+        return p
+    if found == "jit":
+        return instead_of_incomplete(p)
+    log.info("%s is not a dckpt checkpoint: the stock Trainer resumes it", p)
+    return None
+
+def pick(tier, choices: list) -> tuple[str | None, tuple[str, str | None] | None]:
+    """With the fast ``tier`` (a :class:`..common.tier.LocalTier`): the newest of ``choices`` (:class:`..common.fast.Choice`)
+    that passes its checks, as (the folder the Trainer is told to resume, what the
+    load reads); (None, None) when there is none. A fast-tier commit's folder is a
+    per-rank one holding its trainer_state.json (removed when train() ends).
+    Collective; local I/O."""
+    if not choices:
+        return None, None
+    by = {c.shown(): c for c in choices}
+
+    def check(k: str) -> None:
+        c = by[k]
+        if c.manifest_name is None:
+            precheck(c.path)
+            verify_shared(c.path)
+        else:
+            precheck_local(c.path, c.manifest_name)
+    key, _ = resolve.load_newest(list(by), check)
+    c = by[key]
+    if c.manifest_name is None:
+        return c.path, (c.path, None)
+    folder = materialize(tier.root, c.path, c.manifest_name, c.name)
+    if Comm().rank == 0:
+        log.info("resuming %s from the fast tier %s", c.name, c.path)
+    return os.path.abspath(folder), (c.path, c.manifest_name)

@@ -17,15 +17,14 @@ from typing import Any
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
-from ...errors import CheckpointError, NotCommittedError, StateMismatchError
+from ...errors import CheckpointError, StateMismatchError
 from ...protocol.collectives import Comm, agree
 from ...protocol.settings import agree_settings
 from ...view.open import MissingKeyError
 from ..common import resolve, tree
 from ..common import fast
 from ..common.commit import Committer
-from ..common.place import (dckpt_leftover, durable_name, is_url, kind, read_manifest,
-                             remove_whole)
+from ..common.place import durable_name, is_url, kind, read_manifest, remove_whole
 from ..common.rotation import to_remove
 from ..common.tier import LocalTier
 from ..common.verify import verify_shared
@@ -285,7 +284,7 @@ class DckptTrainerMixin:
             out = str(self.args.output_dir)
             rs.warn_leftovers(out)
             if tier is not None:
-                path, src = self._dckpt_pick(fast.candidates(tier, out, NAME, None))
+                path, src = rs.pick(tier, fast.candidates(tier, out, NAME, None))
             else:
                 paths = resolve.listed(lambda: [c.path for c in resolve.committed_in(
                     out, NAME)], f"list {out}")
@@ -295,9 +294,9 @@ class DckptTrainerMixin:
         elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
             p = os.path.abspath(os.path.expanduser(os.fspath(resume_from_checkpoint)))
             if tier is not None:
-                path, src = self._dckpt_pick(fast.one(tier, p, None))
+                path, src = rs.pick(tier, fast.one(tier, p, None))
             if path is None:
-                path = self._dckpt_named(p)
+                path = rs.named(p)
         if path is not None:
             self._dckpt_resume, self._dckpt_loaded = path, None
             self._dckpt_src = src or (path, None)
@@ -316,51 +315,6 @@ class DckptTrainerMixin:
         if tier is not None:
             tier.drain()  # every durable copy queued (a failed one is logged, stays local)
         return result
-
-    def _dckpt_named(self, p: str) -> str | None:
-        """The dckpt checkpoint an explicit ``resume_from_checkpoint`` path resumes
-        (checked), None for a stock one (migration). Collective."""
-        found = resolve.listed(lambda: "jit" if os.path.isfile(os.path.join(
-            p, JIT_SENTINEL)) else "leftover" if dckpt_leftover(p) else kind(p),
-            f"look up {p}")
-        if found == "leftover":
-            raise NotCommittedError(
-                f"{p} holds dckpt data files but no manifest: a save that never "
-                "committed, or whose manifest was lost; it cannot be resumed (resume "
-                "with resume_from_checkpoint=True for the newest committed one)")
-        if found == "dckpt":
-            rs.precheck(p)
-            return p
-        if found == "jit":
-            return rs.instead_of_incomplete(p)
-        log.info("%s is not a dckpt checkpoint: the stock Trainer resumes it", p)
-        return None
-
-    def _dckpt_pick(self, choices: list) -> tuple[str | None, tuple[str, str | None] | None]:
-        """With the fast tier: the newest of ``choices`` (:class:`..common.fast.Choice`)
-        that passes its checks, as (the folder the Trainer is told to resume, what the
-        load reads); (None, None) when there is none. A fast-tier commit's folder is a
-        per-rank one holding its trainer_state.json (removed when train() ends).
-        Collective; local I/O."""
-        if not choices:
-            return None, None
-        by = {c.shown(): c for c in choices}
-
-        def check(k: str) -> None:
-            c = by[k]
-            if c.manifest_name is None:
-                rs.precheck(c.path)
-                verify_shared(c.path)
-            else:
-                rs.precheck_local(c.path, c.manifest_name)
-        key, _ = resolve.load_newest(list(by), check)
-        c = by[key]
-        if c.manifest_name is None:
-            return c.path, (c.path, None)
-        folder = rs.materialize(self._dckpt_tier.root, c.path, c.manifest_name, c.name)
-        if Comm().rank == 0:
-            log.info("resuming %s from the fast tier %s", c.name, c.path)
-        return os.path.abspath(folder), (c.path, c.manifest_name)
 
     def _dckpt_ours(self, checkpoint: str | None) -> bool:
         return (checkpoint is not None and self._dckpt_resume is not None
