@@ -61,8 +61,9 @@ def test_options_are_checked():
     from dckpt import CheckpointError
     from dckpt.integrations.transformers import DckptTrainer
 
-    for kw in ({"async_save": 1}, {"local_root": "/tmp/x"}, {"compression": "gzip"},
-               {"storage_options": {"anon": True}}):
+    for kw in ({"async_save": 1}, {"local_root": "s3://b/x"}, {"compression": "gzip"},
+               {"storage_options": {"anon": True}}, {"local_root": "/tmp/x",
+                                                     "keep_last_local": 0}):
         with pytest.raises(CheckpointError):
             DckptTrainer(model=torch.nn.Linear(2, 2),
                          args=TrainingArguments(output_dir="unused", use_cpu=True,
@@ -350,3 +351,21 @@ def test_one_process_jit_checkpoint_on_sigterm_is_a_commit_and_a_killed_one_is_p
     CheckpointManager(t).execute_jit_checkpoint()
     assert "checkpoint-is-incomplete.txt" not in os.listdir(out / f"checkpoint-{step}")
     assert verify_checkpoint(str(out / f"checkpoint-{step}")).ok  # replaced the sentinel folder
+
+
+def test_local_root_kill_after_the_local_commit_resumes_it_from_the_fast_tier(tmp_path):
+    """2 ranks (DDP) with local_root: every rank SIGKILLed once the save of step 4 is
+    committed in the fast tier, before its copy to checkpoint-4 began. The restart
+    resumes step 4 from the fast tier (not checkpoint-2), and its saves are copied."""
+    out, local = tmp_path / "out", str(tmp_path / "local")
+    run(out, "dckpt", 2, "--steps", "6", "--every", "2", "--kill-at", "4",
+        "--local-root", local, ok=False)
+    assert "checkpoint-4" not in ckpts(out) if os.path.isdir(out) else True
+    text = run(out, "dckpt", 2, "--steps", "6", "--every", "2", "--resume",
+               "--local-root", local)
+    assert text.count("RESUMED step=4 from=") == 2, text[-3000:]
+    for r in range(2):
+        got = ref(tmp_path, f"resumed-2-r{r}")
+        assert got["step"] == 4 and not same(got, ref(tmp_path, f"save-2-r{r}"))
+    assert "checkpoint-6" in ckpts(out)
+    assert not [n for n in os.listdir(local) if n.startswith(".trainer-resume")]

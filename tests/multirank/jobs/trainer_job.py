@@ -3,7 +3,7 @@ ranks (torchrun, gloo: DDP or FSDP2), with dckpt's DckptTrainer or the stock Tra
 
     [torchrun --nproc-per-node N] trainer_job.py --impl dckpt|stock --out DIR
         --steps S [--every E] [--limit L] [--resume [PATH]] [--kill-at STEP] [--fsdp]
-        [--async-save] [--save-model DIR]
+        [--async-save] [--save-model DIR] [--local-root DIR]
 
 Saves every E steps to DIR/checkpoint-<step>. After each save, rank r writes
 DIR/../refs/save-<step>-r<r>.pt: the full model and optimizer state, the scheduler's
@@ -17,7 +17,8 @@ runs FSDP only on accelerators; as accelerate_job.py), else DDP (gloo).
 ``--async-save``: DckptTrainer(async_save=True); a save's record is then taken while
 its commit may still run (the state recorded is the snapshot's: the optimizer's next
 step waits for the copy). ``--save-model DIR``: trainer.save_model(DIR) after training,
-and the full model's state then as refs/final-r<r>.pt.
+and the full model's state then as refs/final-r<r>.pt. ``--local-root DIR``: the fast
+tier (``--kill-at`` then kills every rank after its local commit).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ p.add_argument("--kill-at", type=int, default=None)
 p.add_argument("--fsdp", action="store_true")
 p.add_argument("--async-save", action="store_true")
 p.add_argument("--save-model", default=None)
+p.add_argument("--local-root", default=None)
 a = p.parse_args()
 
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
@@ -72,7 +74,9 @@ def full_state(t) -> dict:
 class Job(Base):
     def _save_checkpoint(self, model, trial):
         if a.kill_at == self.state.global_step and a.impl == "dckpt":
-            os.environ["DCKPT_FAULT"] = "commit:0:kill"
+            # the fast tier: every rank killed once its local commit is written (its
+            # durable copy not begun); else rank 0 before the commit
+            os.environ["DCKPT_FAULT"] = "committed:*:kill" if a.local_root else "commit:0:kill"
         rng = torch.get_rng_state().clone()
         super()._save_checkpoint(model, trial)
         torch.save({**full_state(self), "rng": rng},
@@ -102,7 +106,8 @@ args = TrainingArguments(output_dir=a.out, max_steps=a.steps, save_strategy="ste
                          report_to=[], disable_tqdm=True, dataloader_num_workers=0, seed=7,
                          lr_scheduler_type="linear", warmup_steps=1)
 trainer = Job(model=model, args=args, train_dataset=data,
-              **({"async_save": True} if a.async_save else {}))
+              **({"async_save": True} if a.async_save else {}),
+              **({"local_root": a.local_root} if a.local_root else {}))
 if a.fsdp:  # the CPU shim (as accelerate_job.py): Accelerate runs FSDP only on accelerators
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
