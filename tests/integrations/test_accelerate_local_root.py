@@ -14,18 +14,9 @@ from torch import nn
 
 pytest.importorskip("accelerate")
 
+from .hf_helpers import fresh_accelerate_state  # noqa: E402,F401 (autouse)
+
 from dckpt.catalog.verify import verify_checkpoint  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def make(project: str, local: str, *, total_limit=None, async_save=False, options=None):

@@ -4,7 +4,6 @@ status). Each test is a defect found on 268075f, fixed with this test.
 The multi-rank cases are in tests/multirank/test_accelerate_review.py."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -17,19 +16,9 @@ from torch import nn
 
 pytest.importorskip("accelerate")
 
+from .hf_helpers import fresh_accelerate_state  # noqa: E402,F401 (autouse)
+
 import dckpt  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    """Accelerate's state is a process-wide singleton: each test gets a fresh one."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def make(project_dir=None, *, auto=False, total_limit=None, async_save=False, model=None):

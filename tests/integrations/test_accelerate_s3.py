@@ -10,20 +10,10 @@ from torch import nn
 
 pytest.importorskip("accelerate")
 
+from .hf_helpers import fresh_accelerate_state  # noqa: E402,F401 (autouse)
+
 from dckpt.catalog.verify import verify_checkpoint  # noqa: E402
 from dckpt.errors import CheckpointError  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    """Accelerate's state is a process-wide singleton: each test gets a fresh one."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def make(url: str, options: dict, total_limit=None):

@@ -8,31 +8,14 @@ import logging
 import os
 
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-
-def _tiny():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
-    g = torch.Generator().manual_seed(1)
-    data = [{"input_ids": i, "labels": i} for i in torch.randint(0, 64, (16, 8), generator=g)]
-    return LlamaForCausalLM(cfg), data
+from .hf_helpers import tiny_llama, training_args  # noqa: E402
 
 
-def _args(out, **kw):
-    from transformers import TrainingArguments
-
-    base = dict(output_dir=str(out), save_strategy="steps", save_steps=2,
-                per_device_train_batch_size=2, learning_rate=1e-2, use_cpu=True, report_to=[],
-                disable_tqdm=True, logging_steps=1000)
-    base.update(kw)
-    return TrainingArguments(**base)
+_tiny, _args = tiny_llama, training_args  # (the names other test modules import)
 
 
 def _seen(seen: dict):

@@ -12,6 +12,7 @@ import torch
 
 from .lightning_run import run_cmd, torchrun  # noqa: E402
 from .staterefs import ref, same_state  # noqa: E402
+from ..integrations.hf_helpers import tiny_llama, training_args  # noqa: E402
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -182,23 +183,11 @@ def test_sigkill_before_the_commit_resumes_the_previous_one_stock_picks_the_part
 
 
 def _tiny():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
-    g = torch.Generator().manual_seed(1)
-    data = [{"input_ids": i, "labels": i} for i in torch.randint(0, 64, (16, 8), generator=g)]
-    return LlamaForCausalLM(cfg), data
+    return tiny_llama()
 
 
 def _args(out, **kw):
-    from transformers import TrainingArguments
-
-    kw = {"save_steps": 2, **kw}
-    return TrainingArguments(output_dir=str(out), save_strategy="steps",
-                             per_device_train_batch_size=2, learning_rate=1e-2, use_cpu=True,
-                             report_to=[], disable_tqdm=True, logging_steps=1000, **kw)
+    return training_args(out, **kw)
 
 
 def test_one_process_best_checkpoint_kept_and_loaded_and_model_only(tmp_path):
