@@ -358,3 +358,25 @@ def test_local_root_kill_after_the_local_commit_resumes_it_from_the_fast_tier(tm
         assert got["step"] == 4 and not same(got, ref(tmp_path, f"save-2-r{r}"))
     assert "checkpoint-6" in ckpts(out)
     assert not [n for n in os.listdir(local) if n.startswith(".trainer-resume")]
+
+
+def _losses(text: str) -> dict[int, str]:
+    return {int(ln.split()[1]): ln.split()[2] for ln in text.splitlines()
+            if ln.startswith("LOSS ")}
+
+
+@pytest.mark.parametrize("impl", ["dckpt", "stock"])
+def test_a_resume_repeats_the_uninterrupted_losses_bit_for_bit(tmp_path, impl):
+    """attention_dropout=0.1 at 2 ranks (DDP): 6 steps in one run, and a run of 6 steps
+    stopped after step 4 then a resume (resume_from_checkpoint=True): the resumed
+    steps' losses are the uninterrupted run's, bitwise, for DckptTrainer as for the
+    stock Trainer."""
+    whole = _losses(run(tmp_path / "whole", impl, 2, "--steps", "6", "--every", "2",
+                        "--losses"))
+    assert sorted(whole) == [1, 2, 3, 4, 5, 6], whole
+    first = _losses(run(tmp_path / "cut", impl, 2, "--steps", "6", "--every", "2",
+                        "--losses", "--stop-at", "4"))
+    rest = _losses(run(tmp_path / "cut", impl, 2, "--steps", "6", "--every", "2",
+                       "--losses", "--resume"))
+    assert {s: first[s] for s in range(1, 5)} == {s: whole[s] for s in range(1, 5)}
+    assert sorted(rest) == [5, 6] and all(rest[s] == whole[s] for s in (5, 6)), (rest, whole)

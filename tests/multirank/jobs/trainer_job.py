@@ -3,7 +3,7 @@ ranks (torchrun, gloo: DDP or FSDP2), with dckpt's DckptTrainer or the stock Tra
 
     [torchrun --nproc-per-node N] trainer_job.py --impl dckpt|stock --out DIR
         --steps S [--every E] [--limit L] [--resume [PATH]] [--kill-at STEP] [--fsdp]
-        [--async-save] [--save-model DIR] [--local-root DIR]
+        [--async-save] [--save-model DIR] [--local-root DIR] [--losses [--stop-at S]]
 
 Saves every E steps to DIR/checkpoint-<step>. After each save, rank r writes
 DIR/../refs/save-<step>-r<r>.pt: the full model and optimizer state, the scheduler's
@@ -18,7 +18,9 @@ runs FSDP only on accelerators; as accelerate_job.py), else DDP (gloo).
 its commit may still run (the state recorded is the snapshot's: the optimizer's next
 step waits for the copy). ``--save-model DIR``: trainer.save_model(DIR) after training,
 and the full model's state then as refs/final-r<r>.pt. ``--local-root DIR``: the fast
-tier (``--kill-at`` then kills every rank after its local commit).
+tier (``--kill-at`` then kills every rank after its local commit). ``--losses``: the
+model with attention_dropout=0.1, and rank 0 prints every step's loss as "LOSS <step>
+<repr>"; ``--stop-at S`` ends training after step S (and its save).
 """
 from __future__ import annotations
 
@@ -40,9 +42,12 @@ p.add_argument("--fsdp", action="store_true")
 p.add_argument("--async-save", action="store_true")
 p.add_argument("--save-model", default=None)
 p.add_argument("--local-root", default=None)
+p.add_argument("--losses", action="store_true")
+p.add_argument("--stop-at", type=int, default=None)
 a = p.parse_args()
 
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
+from transformers import (LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback,  # noqa: E402
+                          TrainingArguments)
 
 rank = int(os.environ.get("RANK", "0"))
 world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -96,16 +101,31 @@ class Job(Base):
 
 torch.manual_seed(0)
 cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                  num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+                  num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+                  attention_dropout=0.1 if a.losses else 0.0)
 model = LlamaForCausalLM(cfg)
 g = torch.Generator().manual_seed(1)
 data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (48, 8), generator=g)]
 args = TrainingArguments(output_dir=a.out, max_steps=a.steps, save_strategy="steps",
-                         save_steps=a.every, save_total_limit=a.limit, logging_steps=1000,
+                         save_steps=a.every, save_total_limit=a.limit,
+                         logging_steps=1 if a.losses else 1000,
                          per_device_train_batch_size=2, learning_rate=1e-2, use_cpu=True,
                          report_to=[], disable_tqdm=True, dataloader_num_workers=0, seed=7,
                          lr_scheduler_type="linear", warmup_steps=1)
+class Losses(TrainerCallback):
+    """``--losses``: rank 0 prints each step's logged loss (repr: bitwise)."""
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        if rank == 0 and logs and "loss" in logs:
+            print(f"LOSS {state.global_step} {logs['loss']!r}", flush=True)
+
+    def on_step_end(self, args, state, control, **kw):
+        if a.stop_at == state.global_step:  # a run cut short (its save still happens)
+            control.should_training_stop = True
+
+
 trainer = Job(model=model, args=args, train_dataset=data,
+              callbacks=[Losses()] if a.losses else None,
               **({"async_save": True} if a.async_save else {}),
               **({"local_root": a.local_root} if a.local_root else {}))
 if a.fsdp:  # the CPU shim (as accelerate_job.py): Accelerate runs FSDP only on accelerators
