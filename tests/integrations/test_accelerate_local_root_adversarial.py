@@ -210,3 +210,28 @@ def test_store_down_total_limit_still_bounds_the_fast_tier(tmp_path):
     acc.end_training()
     slots_left = os.listdir(local)
     assert len(slots_left) <= 2, f"{len(slots_left)} slots for total_limit=2: {slots_left}"
+
+
+# ------------------------------------------------- a name a save may not replace
+@pytest.mark.xfail(strict=True, reason="save_state(output_dir=<a user's non-checkpoint "
+                   "folder>) raises CheckpointError without local_root (or with a hook) but "
+                   "with local_root returns success: its copy is refused in the background, "
+                   "only logged, and the name never holds the checkpoint")
+def test_a_refused_output_dir_raises_checkpoint_error_with_local_root_too(tmp_path):
+    from dckpt import CheckpointError
+
+    out = tmp_path / "model_out"
+    out.mkdir()
+    (out / "tokenizer.json").write_text("{}")
+    acc, m, o = make(str(tmp_path / "p"), None, auto=False)
+    train(acc, m, o)
+    with pytest.raises(CheckpointError):  # the contract without the fast tier
+        acc.save_state(str(out))
+    acc, m, o = make(str(tmp_path / "p"), str(tmp_path / "local"), auto=False)
+    train(acc, m, o)
+    try:
+        with pytest.raises(CheckpointError):
+            acc.save_state(str(out))
+    finally:
+        acc._dckpt_tier.drain()
+        assert (out / "tokenizer.json").exists()  # never deleted, in any case
