@@ -1,6 +1,6 @@
 """Adversarial review of DckptAccelerator(local_root=...) (the fast tier), one process
-(real Accelerate, CPU). Each xfail(strict=True) pins a defect proven on the code under
-review; see the reason of each."""
+(real Accelerate, CPU). Each test pins a defect the review proved on f277e0b (it failed
+there), fixed since."""
 from __future__ import annotations
 
 import os
@@ -106,9 +106,6 @@ def unet_hooks(acc, seen: dict):
     acc.register_load_state_pre_hook(load_hook)
 
 
-@pytest.mark.xfail(strict=True, reason="a save resumed from the fast tier (its durable copy "
-                   "failed) gives the load hooks its durable name, which does not hold the "
-                   "files the save hooks wrote: they are never in the fast tier")
 def test_load_hooks_see_the_save_hooks_files_of_a_fast_tier_only_checkpoint(
         tmp_path, monkeypatch):
     proj, local = str(tmp_path / "p"), str(tmp_path / "local")
@@ -126,9 +123,6 @@ def test_load_hooks_see_the_save_hooks_files_of_a_fast_tier_only_checkpoint(
     assert seen["unet"] == '{"step": 1}', seen  # ... with the hook's files at input_dir
 
 
-@pytest.mark.xfail(strict=True, reason="with a save pre-hook registered, save_state plans "
-                   "its staging folder on the durable store synchronously: the store down "
-                   "fails the save instead of the fast tier taking it")
 def test_store_down_a_save_with_a_pre_hook_still_commits_in_the_fast_tier(
         tmp_path, monkeypatch):
     from dckpt import CheckpointError
@@ -150,9 +144,6 @@ def test_store_down_a_save_with_a_pre_hook_still_commits_in_the_fast_tier(
 
 
 # ---------------------------------------------------------------- transient read
-@pytest.mark.xfail(strict=True, reason="one transient OSError reading a rank's fast-tier view "
-                   "at load drops the newest (local-only) checkpoint silently (logged at "
-                   "INFO): load_state resumes an older one")
 def test_a_transient_view_read_error_never_rewinds_to_an_older_checkpoint(
         tmp_path, monkeypatch):
     from dckpt import CheckpointError
@@ -198,8 +189,6 @@ def test_a_transient_view_read_error_never_rewinds_to_an_older_checkpoint(
 
 
 # ---------------------------------------------------------- total_limit, store down
-@pytest.mark.xfail(strict=True, reason="with the durable store down, total_limit removes "
-                   "nothing: fast-tier slots grow by one per save without bound")
 def test_store_down_total_limit_still_bounds_the_fast_tier(tmp_path):
     opts = unreachable_s3()
     proj, local = "s3://nowhere/proj", str(tmp_path / "local")
@@ -213,10 +202,6 @@ def test_store_down_total_limit_still_bounds_the_fast_tier(tmp_path):
 
 
 # ------------------------------------------------- a name a save may not replace
-@pytest.mark.xfail(strict=True, reason="save_state(output_dir=<a user's non-checkpoint "
-                   "folder>) raises CheckpointError without local_root (or with a hook) but "
-                   "with local_root returns success: its copy is refused in the background, "
-                   "only logged, and the name never holds the checkpoint")
 def test_a_refused_output_dir_raises_checkpoint_error_with_local_root_too(tmp_path):
     from dckpt import CheckpointError
 
@@ -238,9 +223,6 @@ def test_a_refused_output_dir_raises_checkpoint_error_with_local_root_too(tmp_pa
 
 
 # ------------------------------------------- total_limit before the new local commit
-@pytest.mark.xfail(strict=True, reason="with async_save, total_limit's removal is queued "
-                   "before the new save's local commit (it runs in the background): the only "
-                   "complete checkpoint is deleted while the new one is still being written")
 def test_async_total_limit_removes_nothing_before_the_new_local_commit(tmp_path, monkeypatch):
     import time
 

@@ -62,6 +62,7 @@ class DckptAccelerator(Accelerator):
                 "its own checkpoints; use accelerate.Accelerator for it")
         self._dckpt = committer
         self._dckpt_tier = tier
+        self._dckpt_pending: tuple | None = None  # an async save's rotation, see below
         self._dckpt_agreed: Any = None
         self._dckpt_warned = False
 
@@ -140,11 +141,16 @@ class DckptAccelerator(Accelerator):
                                   "ProjectConfiguration(automatic_checkpoint_naming=True)")
         output_dir = os.fspath(output_dir)
         tier = self._dckpt_tier
-        # the hooks write into the staging folder, made now (with the fast tier, the
-        # background copy then commits into it; without hooks it plans its own)
-        plan = self._dckpt.plan(output_dir) if (
-            tier is None or self._save_model_state_pre_hook) else None
-        skip = self._run_save_hooks(comm, plan.target if plan is not None else "")
+        if tier is not None:
+            self._dckpt_rotate_pending()
+            fast.check_name(self._dckpt, output_dir)
+            # the hooks write beside the slot; the background copy takes their files
+            extras = (fast.prepare_extras(tier, output_dir)
+                      if self._save_model_state_pre_hook else None)
+            skip = self._run_save_hooks(comm, extras or "")
+        else:
+            plan = self._dckpt.plan(output_dir)  # the hooks write into its staging folder
+            skip = self._run_save_hooks(comm, plan.target)
         built, err = None, None
         try:
             c = cn.contents(self, skip, comm.rank)
@@ -153,10 +159,15 @@ class DckptAccelerator(Accelerator):
             err = e
         agree(comm, err, f"collect the state to save to {output_dir}")
         if tier is not None:
-            final = fast.save(tier, self._dckpt, built, output_dir, plan, pc.iteration)
+            final = fast.save(tier, self._dckpt, built, output_dir, pc.iteration,
+                              extras=extras)
             if auto and pc.total_limit is not None:
-                fast.rotate(tier, self._checkpoints_dir(), NAME, final, pc.total_limit,
+                rotation = (tier, self._checkpoints_dir(), NAME, final, pc.total_limit,
                             self._dckpt.storage_options)
+                if self._dckpt.async_save:  # after the local commit: the next call's
+                    self._dckpt_pending = rotation
+                else:
+                    fast.rotate(*rotation)
             pc.iteration += 1
             return final
         after = None
@@ -165,6 +176,15 @@ class DckptAccelerator(Accelerator):
         self._dckpt.commit(built, plan, fence=tree.fence_targets(c), after=after)
         pc.iteration += 1
         return plan.final
+
+    def _dckpt_rotate_pending(self) -> None:
+        """The rotation of the last asynchronous fast-tier save, once its local commit
+        is complete (never before: until then the checkpoints it would remove are the
+        newest complete ones). Collective; raises that commit's error on every rank."""
+        pending, self._dckpt_pending = self._dckpt_pending, None
+        if pending is not None:
+            pending[0].wait_local()
+            fast.rotate(*pending)
 
     def _run_save_hooks(self, comm: Comm, target: str) -> set[int]:
         """Run the save pre-hooks with (models, weights, the staging folder) as stock
@@ -224,6 +244,8 @@ class DckptAccelerator(Accelerator):
         self._dckpt.finish()
         opts = self._dckpt.storage_options
         tier = self._dckpt_tier
+        if tier is not None:
+            self._dckpt_rotate_pending()
         if input_dir is not None:
             input_dir = os.path.expanduser(os.fspath(input_dir))
             if tier is not None:  # the name's fast-tier commit, or its durable copy
@@ -260,13 +282,15 @@ class DckptAccelerator(Accelerator):
             raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
         parent = self._checkpoints_dir()
         if tier is not None:
-            choices = fast.candidates(tier, parent, NAME, opts)
+            choices, names = fast.candidates(tier, parent, NAME, opts)
             if choices:
                 self._load_choices(comm, choices)
                 stock = resolve.listed(lambda: resolve.stock_in(parent, NAME), f"list {parent}")
+                # past every name held anywhere (a fast-tier commit of another world
+                # size too: the next save must not overwrite its only copy)
                 self.project_configuration.iteration = max(
                     self.project_configuration.iteration,
-                    1 + max(_number(p) for p in [*(c.name for c in choices), *stock]))
+                    1 + max(_number(p) for p in [*names, *stock]))
                 return
         dckpt_paths, stock = resolve.listed(
             lambda: [[c.path for c in resolve.committed_in(parent, NAME, opts)],
@@ -292,8 +316,15 @@ class DckptAccelerator(Accelerator):
         """Load the newest of ``choices`` (:class:`.fast.Choice`, oldest first) that
         loads, falling back past damaged ones with a warning. Collective."""
         by = {c.shown(): c for c in choices}
+
+        def hook_dir(c) -> str:  # where the save hooks' files are, as the load hooks see it
+            if c.manifest_name is not None:
+                extras = fast.extras_dir(self._dckpt_tier, c.name)
+                if os.path.isdir(extras) and os.listdir(extras):
+                    return extras
+            return c.name
         resolve.load_newest(list(by), lambda k: self._load_one(
-            comm, by[k].path, by[k].name, by[k].manifest_name))
+            comm, by[k].path, hook_dir(by[k]), by[k].manifest_name))
 
     def _load_one(self, comm: Comm, path: str, name: str | None = None,
                   manifest_name: str | None = None) -> None:
@@ -344,6 +375,7 @@ class DckptAccelerator(Accelerator):
             else:
                 self._dckpt.finish()
                 if tier is not None:
+                    self._dckpt_rotate_pending()
                     tier.drain()  # every durable copy queued (a failed one is logged)
         finally:
             super().end_training()

@@ -20,18 +20,19 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from ...protocol.collectives import Comm, on_rank0
 from ...tiers.local import view_name
 from . import resolve
-from .commit import Plan
 from .place import durable_name, remove_whole
 from .rotation import UNKNOWN, Committed, commit_order, to_remove
 from .tier import LocalTier
 
 log = logging.getLogger(__name__)
+EXTRAS = ".extras"  # the save hooks' folder beside a slot (see extras_dir)
 
 
 @dataclass(frozen=True)
@@ -49,35 +50,81 @@ class Choice:
         return f"{self.name} (fast tier)" if self.manifest_name else self.name
 
 
-def save(tier: LocalTier, committer: Any, built: dict, final: str, plan: Plan | None,
-         step: int, files: dict[str, str] | None = None) -> str:
-    """Commit ``built`` in the fast tier as ``final`` and queue its durable copy
-    (``plan``: a staging folder already made for the save hooks' files, else one is
-    planned when the copy begins; ``files``: rank 0's {name: text} written into that
-    staging folder when the copy begins, e.g. the Trainer's trainer_state.json).
-    Returns the durable name. Collective; blocking (synchronous: the local commit;
-    asynchronous: the snapshot). Raises the local commit's CheckpointError on every
-    rank alike."""
-    final = durable_name(final)
-    if plan is not None:
-        made = [plan.final, plan.target, plan.staged]
-        lease = plan.lease
+def extras_dir(tier: LocalTier, final: str) -> str:
+    """The folder beside ``final``'s slot where a framework's save hooks write their
+    files (diffusers: ``model.save_pretrained(output_dir + "/unet")``): they travel
+    with the durable copy and are what the load hooks read when the fast tier's commit
+    is loaded. Pure."""
+    return tier.slot(durable_name(final)) + EXTRAS
 
-        def planner() -> list:
-            if lease is not None:  # the copy's own save intent takes over from here
-                try:
-                    os.remove(lease)
-                except FileNotFoundError:
-                    pass
-            return made
-    else:
-        def planner() -> list:
-            made = committer.decide(final)
-            if made[2]:
-                for name, text in (files or {}).items():
-                    with open(os.path.join(made[1], name), "w", encoding="utf-8") as f:
-                        f.write(text)
-            return made[:3]
+
+def prepare_extras(tier: LocalTier, final: str) -> str:
+    """Before a save's hooks run: an empty :func:`extras_dir` of ``final`` on every
+    node (a copy of the name in flight is waited for first: it may be reading the
+    folder), and the folders of names whose slot is gone removed. Collective (a
+    broadcast after rank 0's cleaning); local I/O. Returns the folder."""
+    comm = Comm()
+    final = durable_name(final)
+    tier._make_room(final)
+    folder = extras_dir(tier, final)
+    _sweep_extras(tier)
+
+    def clean() -> None:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.makedirs(folder, exist_ok=True)
+    on_rank0(comm, clean, f"prepare {folder}")
+    os.makedirs(folder, exist_ok=True)  # the other nodes' (their hooks write there)
+    return folder
+
+
+def _sweep_extras(tier: LocalTier) -> None:
+    """Remove the hook folders whose slot no longer exists (retention or rotation
+    took it). Local I/O; never raises."""
+    try:
+        names = set(os.listdir(tier.root))
+    except OSError:
+        return
+    for n in names:
+        if n.endswith(EXTRAS) and n[:-len(EXTRAS)] not in names:
+            shutil.rmtree(os.path.join(tier.root, n), ignore_errors=True)
+
+
+def check_name(committer: Any, final: str) -> None:
+    """Before a fast-tier save of the local name ``final``: what is there may be
+    replaced by its copy (else the CheckpointError the copy would only log, on every
+    rank now). Collective (a broadcast); a stat on rank 0; object stores: nothing."""
+    from .commit import _check_replaceable
+
+    if "://" in final:
+        return
+    on_rank0(Comm(), lambda: _check_replaceable(
+        durable_name(final), committer.markers, committer.sidecars), f"look at {final}")
+
+
+def save(tier: LocalTier, committer: Any, built: dict, final: str, step: int,
+         files: dict[str, str] | None = None, extras: str | None = None) -> str:
+    """Commit ``built`` in the fast tier as ``final`` and queue its durable copy: its
+    staging folder is planned when the copy begins, and rank 0 writes into it
+    ``files`` ({name: text}, e.g. the Trainer's trainer_state.json) and the contents of
+    ``extras`` (the save hooks' folder, :func:`prepare_extras`). Returns the durable
+    name. Collective; blocking (synchronous: the local commit; asynchronous: the
+    snapshot). Raises the local commit's CheckpointError on every rank alike."""
+    final = durable_name(final)
+
+    def planner() -> list:
+        made = committer.decide(final)
+        if len(made) > 3 and made[3] is not None:  # the copy's own intent takes over
+            os.remove(made[3])
+        if made[2]:
+            for name, text in (files or {}).items():
+                with open(os.path.join(made[1], name), "w", encoding="utf-8") as f:
+                    f.write(text)
+            if extras is not None and os.path.isdir(extras):
+                shutil.copytree(extras, made[1], dirs_exist_ok=True)
+        elif extras is not None and os.listdir(extras):
+            log.warning("the save hooks' files of %s are not copied to an object store "
+                        "(they stay in %s)", final, extras)
+        return made[:3]
     tier.save(built, final, step, planner, async_=committer.async_save,
               storage_options=committer.storage_options)
     return final
@@ -97,9 +144,9 @@ def rotate(tier: LocalTier, parent: str, pattern: Any, final: str, limit: int,
 
     def decide() -> list[str]:
         entries = _durable(parent, pattern, opts)
-        if entries is None:  # the store is down: nothing durable can be removed now
-            return []
-        durable = {c.path for c in entries}
+        durable = {c.path for c in entries or []}
+        if entries is None:  # the store is down: the limit still bounds the fast tier
+            entries = []
         # names committed locally whose copy has not landed yet count by their local
         # commit (else a copy landing after this decision would outlive the limit)
         entries += [c for c in local_commits(tier, parent, pattern) if c.path not in durable]
@@ -155,10 +202,13 @@ def choices(tier: LocalTier, names: list[str], durable: dict[str, Committed]) ->
     return sorted(out, key=lambda c: (c.created, c.manifest_name is not None, c.name))
 
 
-def candidates(tier: LocalTier, parent: str, pattern: Any, opts: dict | None) -> list[Choice]:
+def candidates(tier: LocalTier, parent: str, pattern: Any,
+               opts: dict | None) -> tuple[list[Choice], list[str]]:
     """Every committed ``checkpoint_<i>`` of ``parent``, durable or in this job's fast
-    tier, oldest first (:func:`choices`). Waits for the copies queued first.
-    Collective; blocking I/O."""
+    tier, oldest first (:func:`choices`), and every name either holds (a fast-tier
+    commit of another world size too: a next name must pass them all). A name in the
+    fast tier that cannot be loaded from it and has no durable copy is warned about.
+    Waits for the copies queued first. Collective; blocking I/O."""
     comm = Comm()
     tier.drain()
     parent = durable_name(parent)  # as the saves spelled their names (slots hash them)
@@ -173,7 +223,14 @@ def candidates(tier: LocalTier, parent: str, pattern: Any, opts: dict | None) ->
     by_name = {p: Committed(p, float(t), s) for p, t, s in durable}
     names = [c.path for c in commit_order(list(by_name.values()))]
     names += [n for n in local if n not in by_name]
-    return choices(tier, names, by_name)
+    got = choices(tier, names, by_name)
+    usable = {c.name for c in got}
+    lost = [n for n in names if n not in usable]
+    if lost and comm.rank == 0:
+        log.warning("the fast tier holds %s, but not on every rank or not at this world "
+                    "size (%d ranks), and no durable copy exists: not loadable, passed "
+                    "over", lost, comm.size)
+    return got, names
 
 
 def one(tier: LocalTier, path: str, opts: dict | None) -> list[Choice]:

@@ -69,7 +69,15 @@ def mine(storage, slot: str, final: str, comm: Comm) -> list | None:
     sizes), or None. Local I/O; never raises."""
     try:
         path = storage.join(slot, tlocal.view_name(comm.rank))
-        view = mf.parse(storage.read_file(path, MAX_MANIFEST), path)
+        try:
+            raw = storage.read_file(path, MAX_MANIFEST)
+        except FileNotFoundError:
+            raise
+        except OSError as e:  # once more: a transient error must not hide the commit
+            log.warning("rank %d: reading %s failed (%s): trying once more", comm.rank,
+                        path, e)
+            raw = storage.read_file(path, MAX_MANIFEST)
+        view = mf.parse(raw, path)
         sizes = {x.name: x.size for x in storage.listdir(slot)}
         if view.meta.get("owner") != final:
             return None
@@ -87,7 +95,8 @@ def mine(storage, slot: str, final: str, comm: Comm) -> list | None:
     except FileNotFoundError:
         pass
     except (OSError, CheckpointError) as e:
-        log.info("rank %d: local copy of %s not usable: %s", comm.rank, final, e)
+        log.warning("rank %d: the fast tier's copy of %s is not usable: %s", comm.rank,
+                    final, e)
     return None
 
 

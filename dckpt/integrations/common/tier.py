@@ -306,11 +306,14 @@ class LocalTier:
             try:
                 if remove_durable is not None:
                     remove_durable()
+            except Exception as e:  # the store down: the local slot goes all the same
+                log.error("removing checkpoint %s from the durable store: %s", final, e)
+            try:
                 with self._lock:  # held: a new save of the name waits for the drop
                     if self._gen.get(final, 0) == gen:
                         tlocal.drop_step(self.storage, self.slot(final), rank)
             except Exception as e:
-                log.error("removing checkpoint %s: %s", final, e)
+                log.error("removing checkpoint %s from the fast tier: %s", final, e)
 
         self._copy_exec.submit(run)
 

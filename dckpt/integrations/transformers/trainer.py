@@ -95,6 +95,7 @@ class DckptTrainerMixin:
                                   "URL; the Trainer reads its checkpoints locally")
         self._dckpt = committer
         self._dckpt_tier = tier
+        self._dckpt_pending: tuple | None = None  # an async save's rotation
         self._dckpt_src: tuple[str, str | None] | None = None  # (path, view) a resume reads
         self._dckpt_agreed: Any = None  # the process group the settings were agreed on
         self._dckpt_resume: str | None = None  # the dckpt checkpoint train() resumes
@@ -122,6 +123,9 @@ class DckptTrainerMixin:
         output_dir = os.path.join(run_dir, folder)
         tier = self._dckpt_tier
         plan = self._dckpt.plan(output_dir) if tier is None else None
+        if tier is not None:
+            self._dckpt_rotate_pending()
+            fast.check_name(self._dckpt, output_dir)
         final = os.path.abspath(output_dir)
         if (self.args.save_strategy in [SaveStrategy.STEPS, SaveStrategy.EPOCH,
                                         SaveStrategy.BEST] and self.state.best_global_step):
@@ -141,18 +145,29 @@ class DckptTrainerMixin:
             err = e
         agree(comm, err, f"collect the state to save to {output_dir}")
         if tier is not None:  # the fast tier: its copy writes the JSON files when it begins
-            fast.save(tier, self._dckpt, built, output_dir, None, self.state.global_step,
-                      files)
+            fast.save(tier, self._dckpt, built, output_dir, self.state.global_step, files)
             limit = self.args.save_total_limit
             if limit is not None and limit > 0:
                 best = self.state.best_model_checkpoint
-                fast.rotate(tier, run_dir, NAME, final, limit, None,
+                rotation = (tier, run_dir, NAME, final, limit, None,
                             durable_name(best) if best else None)
+                if self._dckpt.async_save:  # after the local commit: the next call's
+                    self._dckpt_pending = rotation
+                else:
+                    fast.rotate(*rotation)
         else:
             self._dckpt.commit(built, plan, fence=tree.fence_targets(c),
                                after=self._dckpt_rotation(run_dir, plan.final))
         if self.args.push_to_hub:
             self._push_from_checkpoint(output_dir)
+
+    def _dckpt_rotate_pending(self) -> None:
+        """The rotation of the last asynchronous fast-tier save, once its local commit
+        is complete. Collective; raises that commit's error on every rank."""
+        pending, self._dckpt_pending = self._dckpt_pending, None
+        if pending is not None:
+            pending[0].wait_local()
+            fast.rotate(*pending)
 
     def _dckpt_agree(self, comm: Comm) -> None:
         """The settings that decide what a save holds and how it is committed, the same
@@ -284,7 +299,7 @@ class DckptTrainerMixin:
             out = str(self.args.output_dir)
             rs.warn_leftovers(out)
             if tier is not None:
-                path, src = rs.pick(tier, fast.candidates(tier, out, NAME, None))
+                path, src = rs.pick(tier, fast.candidates(tier, out, NAME, None)[0])
             else:
                 paths = resolve.listed(lambda: [c.path for c in resolve.committed_in(
                     out, NAME)], f"list {out}")
@@ -313,6 +328,7 @@ class DckptTrainerMixin:
                 shutil.rmtree(os.path.dirname(path), ignore_errors=True)
         self._dckpt.finish()  # the last asynchronous save: placed, or its error raised
         if tier is not None:
+            self._dckpt_rotate_pending()
             tier.drain()  # every durable copy queued (a failed one is logged, stays local)
         return result
 
@@ -394,6 +410,7 @@ class DckptTrainerMixin:
         only (resharded); else stock. Collective; blocking I/O."""
         self._dckpt.finish()  # the best may be the save in flight
         if self._dckpt_tier is not None:
+            self._dckpt_rotate_pending()
             self._dckpt_tier.drain()  # ... or a copy still queued
         best = self.state.best_model_checkpoint
         if best is None or resolve.listed(lambda: kind(best), f"look up {best}") != "dckpt":

@@ -155,6 +155,8 @@ def main(root: str) -> None:
             if a.kill_at == s and a.impl == "dckpt" and a.phase != "hook":
                 one = a.phase in ("commit", "place", "rotate") or (
                     a.phase == "committed" and not a.local_root)  # fast tier: every rank
+                if a.local_root:  # the earlier copies first: "committed" is their point too
+                    acc._dckpt_tier.drain()
                 os.environ["DCKPT_FAULT"] = f"{a.phase}:{'0' if one else '*'}:kill"
             try:
                 where = acc.save_state()

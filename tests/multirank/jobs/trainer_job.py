@@ -81,6 +81,8 @@ class Job(Base):
         if a.kill_at == self.state.global_step and a.impl == "dckpt":
             # the fast tier: every rank killed once its local commit is written (its
             # durable copy not begun); else rank 0 before the commit
+            if a.local_root:  # the earlier copies first: "committed" is their point too
+                self._dckpt_tier.drain()
             os.environ["DCKPT_FAULT"] = "committed:*:kill" if a.local_root else "commit:0:kill"
         rng = torch.get_rng_state().clone()
         super()._save_checkpoint(model, trial)
