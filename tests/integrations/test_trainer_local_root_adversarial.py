@@ -1,7 +1,6 @@
 """Adversarial review of DckptTrainer's fast tier (``local_root``), one process, the
-real transformers Trainer (a tiny Llama on CPU). Each xfail(strict) test pins a defect
-the review proved on the code at the time of writing; it must start passing (and the
-marker go) when the defect is fixed."""
+real transformers Trainer (a tiny Llama on CPU). Each test pins a defect the review
+proved on 67985e5 (it failed there), fixed since."""
 from __future__ import annotations
 
 import json
@@ -37,9 +36,6 @@ def _flip(path: str) -> None:
         fh.write(bytes([b[0] ^ 0xFF]))
 
 
-@pytest.mark.xfail(strict=True, reason="a damaged fast-tier commit is chosen by resume (only its "
-                   "manifest is checked) and its load raises IntegrityError: no fallback to "
-                   "the intact durable copy of the same name, as docs/HF.md promises")
 def test_a_damaged_fast_tier_commit_falls_back_to_its_intact_durable_copy(tmp_path):
     out, local = tmp_path / "out", tmp_path / "local"
     make(out, local, max_steps=4).train()  # both copies land: checkpoint-2, checkpoint-4
@@ -52,9 +48,6 @@ def test_a_damaged_fast_tier_commit_falls_back_to_its_intact_durable_copy(tmp_pa
     assert seen["step"] == 4  # out/checkpoint-4 is intact and verifies
 
 
-@pytest.mark.xfail(strict=True, reason="load_best_model_at_end with local_root: a best "
-                   "checkpoint whose durable copy failed (held in the fast tier) is not "
-                   "loaded; stock's lookup only warns 'Could not locate the best model'")
 def test_load_best_model_at_end_loads_a_best_held_only_in_the_fast_tier(tmp_path,
                                                                         monkeypatch):
     from transformers import TrainerCallback
@@ -88,10 +81,6 @@ def test_load_best_model_at_end_loads_a_best_held_only_in_the_fast_tier(tmp_path
     assert all(torch.equal(got[k], snap[2][k]) for k in got), "the best model was not loaded"
 
 
-@pytest.mark.xfail(strict=True, reason="enable_jit_checkpoint + local_root: a JIT save whose "
-                   "copy never landed leaves an EMPTY checkpoint-N (sentinel removed); "
-                   "get_last_checkpoint returns it and train(resume_from_checkpoint=it) "
-                   "raises a raw ValueError instead of resuming the committed one beside it")
 def test_jit_save_with_local_root_whose_copy_never_landed_is_passed_over(tmp_path,
                                                                           monkeypatch):
     from transformers.trainer_jit_checkpoint import CheckpointManager

@@ -1,8 +1,7 @@
 """Adversarial review of DckptTrainer's fast tier (``local_root``) and ``save_model``
 under SIGKILL: the real transformers Trainer as real processes (torchrun or one plain
-process) under deadlines, reaped whole (tests/multirank/lightning_run.py). Each
-xfail(strict) test pins a defect the review proved; it must start passing (and the
-marker go) when the defect is fixed. Job script: tests/multirank/jobs/trainer_job.py."""
+process) under deadlines, reaped whole (tests/multirank/lightning_run.py). Each test
+pins a defect the review proved on 67985e5 (it failed there), fixed since. Job script: tests/multirank/jobs/trainer_job.py."""
 from __future__ import annotations
 
 import os
@@ -24,9 +23,6 @@ def run(out, n, *args: str, ok: bool = True, timeout: float = 150, script: str =
     return text
 
 
-@pytest.mark.xfail(strict=True, reason="a run resumed from the fast tier and then SIGKILLed "
-                   "leaks its per-rank .trainer-resume-* folder under local_root: nothing "
-                   "(the next train(), the tier's retention) ever sweeps it")
 def test_a_killed_resumed_run_leaves_no_trainer_resume_folder_under_local_root(tmp_path):
     out, local = tmp_path / "out", str(tmp_path / "local")
     # killed after the local commit of step 4, then the restart resumes it from the fast
@@ -56,10 +52,6 @@ runpy.run_path({job!r}, run_name="__main__")
 '''
 
 
-@pytest.mark.xfail(strict=True, reason="save_model under FSDP SHARDED_STATE_DICT killed after "
-                   "its hidden checkpoint committed leaves .<name>.dckpt-model-* (a full copy "
-                   "of the model) beside output_dir for good: the next save_model never "
-                   "sweeps it")
 def test_save_model_killed_mid_export_leaves_no_hidden_checkpoint_behind(tmp_path):
     arm, wrap = tmp_path / "arm", tmp_path / "wrap.py"
     wrap.write_text(_WRAP.format(arm=str(arm), job=JOB))

@@ -22,6 +22,7 @@ from ..common.states import ModelState
 
 log = logging.getLogger(__name__)
 ARGS_FILE = "training_args.json"
+TEMP = ".dckpt-model-"  # the hidden checkpoint an export reads, beside output_dir
 
 
 def sharded(trainer: Any) -> bool:
@@ -46,7 +47,10 @@ def save_sharded_model(trainer: Any, output_dir: str) -> None:
     def decide() -> str:
         parent, name = os.path.split(out)
         os.makedirs(parent or ".", exist_ok=True)
-        return os.path.join(parent, f".{name}.dckpt-model-{uuid.uuid4().hex[:12]}")
+        for n in os.listdir(parent or "."):  # a killed export's temporary checkpoint
+            if n.startswith(f".{name}{TEMP}"):
+                remove_whole(os.path.join(parent, n))
+        return os.path.join(parent, f".{name}{TEMP}{uuid.uuid4().hex[:12]}")
 
     tmp = on_rank0(comm, decide, f"plan the model export to {out}")
     try:

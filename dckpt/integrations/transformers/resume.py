@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import re
+import shutil
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -25,6 +26,7 @@ STATE_FILE = "trainer_state.json"  # transformers.trainer.TRAINER_STATE_NAME
 # this file before it calls _save_checkpoint, and removes it after: a folder holding it
 # is an incomplete save (nothing in transformers reads it)
 JIT_SENTINEL = "checkpoint-is-incomplete.txt"
+RESUME_PREFIX = ".trainer-resume-"  # per-rank folders handed to the Trainer (materialize)
 
 
 def warn_leftovers(out: str) -> None:
@@ -43,9 +45,22 @@ def warn_leftovers(out: str) -> None:
                         "a copy made before the commit): not resumable, passed over; "
                         "the next save of that step replaces it", os.path.join(out, n))
 
+def _incomplete(p: str) -> bool:
+    """Whether ``p`` is the folder of a save transformers' JIT checkpoint began: it
+    holds its sentinel, or nothing at all (the sentinel is removed when the save call
+    returns, before a fast-tier save's copy fills the folder). Local I/O."""
+    try:
+        names = os.listdir(p)
+    except OSError:
+        return False
+    return JIT_SENTINEL in names or (not names and NAME.fullmatch(os.path.basename(p))
+                                     is not None)
+
+
 def instead_of_incomplete(p: str) -> str:
-    """``p`` holds transformers' JIT sentinel: a save killed before it completed
-    (``get_last_checkpoint`` returns it, as the highest number with a folder). The
+    """``p`` holds transformers' JIT sentinel, or nothing: a save killed before it
+    completed (``get_last_checkpoint`` returns it, as the highest number with a
+    folder). The
     newest committed checkpoint beside it, verified, with a warning; else
     NotCommittedError naming ``p``. Collective (as :meth:`train`'s lookup)."""
     parent = os.path.dirname(p)
@@ -53,13 +68,15 @@ def instead_of_incomplete(p: str) -> str:
                            f"list {parent}")
     if not paths:
         raise NotCommittedError(f"{p} is an incomplete save (it holds transformers' "
-                                f"{JIT_SENTINEL}) and no committed checkpoint is beside it")
+                                f"{JIT_SENTINEL}, or nothing) and no committed checkpoint "
+                                "is beside it")
     path, _ = resolve.load_newest(paths, lambda q: (precheck(q),
                                                     verify_shared(q)))
     if Comm().rank == 0:
-        log.warning("%s is an incomplete save (it holds %s): resuming from %s, the "
-                    "newest committed checkpoint beside it", p, JIT_SENTINEL, path)
+        log.warning("%s is an incomplete save (it holds %s, or nothing): resuming from "
+                    "%s, the newest committed checkpoint beside it", p, JIT_SENTINEL, path)
     return path
+
 
 def precheck(path: str) -> None:
     """Before the Trainer reads anything of ``path``: it is a Trainer's checkpoint
@@ -104,8 +121,9 @@ def precheck(path: str) -> None:
 def precheck_local(slot: str, view: str) -> None:
     """:func:`precheck` for a fast-tier commit: this rank's ``view`` of ``slot`` is a
     Trainer's checkpoint whose metadata holds its trainer_state.json, at the commit's
-    step. Collective (the outcome agreed); local I/O (one small read per rank). Raises
-    on every rank alike: StateMismatchError (another framework's), IntegrityError."""
+    step, and the node's files of it verify (read by each node's local rank 0).
+    Collective (the outcome agreed); local I/O. Raises on every rank alike:
+    StateMismatchError (another framework's), IntegrityError."""
     from ...format import manifest as mf
     from ...protocol.collectives import agree
     from ...protocol.restore import read_manifest_bytes
@@ -116,6 +134,16 @@ def precheck_local(slot: str, view: str) -> None:
         storage, root = make_storage(slot)
         m = mf.parse(read_manifest_bytes(storage, root, view), f"{slot}/{view}")
         state_json(m, slot)
+        # the node's files read once before the Trainer reads anything (as the durable
+        # copy is verified): damage falls back to the name's durable copy now, not in
+        # the middle of train() where nothing can fall back
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            from ...catalog.verify import verify_local_step
+
+            report = verify_local_step(storage, root, slot)
+            if report.problems:
+                raise IntegrityError(f"the fast tier's commit {slot} is damaged: "
+                                     + "; ".join(report.problems[:3]))
     except Exception as e:
         err = e
     agree(Comm(), err, f"check the fast tier's commit {slot}")
@@ -140,6 +168,28 @@ def state_json(m, where: str) -> str:
     return text
 
 
+def sweep_resume_folders(root: str) -> None:
+    """Remove the per-rank resume folders (:func:`materialize`) of processes of this
+    host that are gone (a run killed while resumed from the fast tier). Local I/O;
+    never raises."""
+    import socket
+
+    from ..common.place import _alive
+
+    host = socket.gethostname()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for n in names:
+        if not n.startswith(RESUME_PREFIX):
+            continue
+        parts = n[len(RESUME_PREFIX):].rsplit("-", 2)
+        if len(parts) == 3 and parts[0] == host and parts[1].isdigit() \
+                and not _alive(int(parts[1])):
+            shutil.rmtree(os.path.join(root, n), ignore_errors=True)
+
+
 def materialize(root: str, slot: str, view: str, name: str) -> str:
     """Write the trainer_state.json of the fast-tier commit ``slot`` (this rank's
     ``view``) into a folder of its own under ``root`` named as the checkpoint ``name``
@@ -155,7 +205,7 @@ def materialize(root: str, slot: str, view: str, name: str) -> str:
 
     storage, sroot = make_storage(slot)
     m = mf.parse(read_manifest_bytes(storage, sroot, view), f"{slot}/{view}")
-    folder = os.path.join(root, f".trainer-resume-{socket.gethostname()}-{os.getpid()}-"
+    folder = os.path.join(root, f"{RESUME_PREFIX}{socket.gethostname()}-{os.getpid()}-"
                                 f"{uuid.uuid4().hex[:8]}", os.path.basename(name))
     os.makedirs(folder)
     with open(os.path.join(folder, STATE_FILE), "w", encoding="utf-8") as f:
@@ -166,8 +216,8 @@ def materialize(root: str, slot: str, view: str, name: str) -> str:
 def named(p: str) -> str | None:
     """The dckpt checkpoint an explicit ``resume_from_checkpoint`` path resumes
     (checked), None for a stock one (migration). Collective."""
-    found = resolve.listed(lambda: "jit" if os.path.isfile(os.path.join(
-        p, JIT_SENTINEL)) else "leftover" if dckpt_leftover(p) else kind(p),
+    found = resolve.listed(lambda: "jit" if _incomplete(
+        p) else "leftover" if dckpt_leftover(p) else kind(p),
         f"look up {p}")
     if found == "leftover":
         raise NotCommittedError(

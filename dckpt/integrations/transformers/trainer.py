@@ -293,6 +293,8 @@ class DckptTrainerMixin:
         call = dict(trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
         self._dckpt.finish()  # an earlier train()'s save in flight (none: no collective)
         tier = self._dckpt_tier
+        if tier is not None:
+            rs.sweep_resume_folders(tier.root)  # left by killed runs of this host
         path: str | None = None
         src: tuple[str, str | None] | None = None  # what the load reads (a fast-tier view)
         if resume_from_checkpoint is True:
@@ -413,10 +415,19 @@ class DckptTrainerMixin:
             self._dckpt_rotate_pending()
             self._dckpt_tier.drain()  # ... or a copy still queued
         best = self.state.best_model_checkpoint
-        if best is None or resolve.listed(lambda: kind(best), f"look up {best}") != "dckpt":
+        choices = [] if best is None or self._dckpt_tier is None else fast.one(
+            self._dckpt_tier, best, None)
+        if choices:  # the fast tier's commit of it, or its durable copy
+            by = {c.shown(): c for c in choices}
+            resolve.load_newest(list(by), lambda k: tree.load(
+                by[k].path, tree.Contents([self.model]), META_KEY,
+                check=self._dckpt_check(by[k].path), ignore=("optimizers.",),
+                manifest_name=by[k].manifest_name))
+        elif best is None or resolve.listed(lambda: kind(best), f"look up {best}") != "dckpt":
             return super()._load_best_model()
-        tree.load(best, tree.Contents([self.model]), META_KEY, check=self._dckpt_check(best),
-                  ignore=("optimizers.",))
+        else:
+            tree.load(best, tree.Contents([self.model]), META_KEY,
+                      check=self._dckpt_check(best), ignore=("optimizers.",))
         if Comm().rank == 0:
             log.info("loaded the best model from %s (score: %s)", best, self.state.best_metric)
 
