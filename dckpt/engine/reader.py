@@ -80,6 +80,24 @@ def plan_reads(piece: LocalPiece, entry: mf.TensorEntry) -> list[ReadItem]:
     return _plan(piece.box, c.offsets, c.sizes, c.file)
 
 
+def plan_pieces(pairs: list[tuple[LocalPiece, mf.TensorEntry]]
+                ) -> list[tuple[LocalPiece, mf.TensorEntry, ReadItem]]:
+    """Every read the pieces need, ``(piece, entry, item)`` in piece order, coverage
+    checked: what a load plans before its first I/O. Pure; O(the pieces' overlapping
+    chunks) for grid-stored tensors (see :func:`plan_reads`). Raises IntegrityError
+    naming the key when the chunks do not cover a piece."""
+    planned = []
+    for piece, entry in pairs:
+        reads = plan_reads(piece, entry)
+        covered = sum(Box(tuple(r.start for r in i.dst),
+                          tuple(r.stop - r.start for r in i.dst)).numel for i in reads)
+        if piece.local is not None and covered != piece.box.numel:
+            raise IntegrityError(f"tensor {piece.key!r}: the checkpoint's chunks cover "
+                                 f"{covered} of the {piece.box.numel} elements this rank needs")
+        planned += [(piece, entry, item) for item in reads]
+    return planned
+
+
 class ChunkReader:
     """Reads chunks of one checkpoint; caches verified file headers. Not thread-safe."""
 
@@ -285,15 +303,7 @@ class ChunkReader:
         (see dckpt.progress). Blocking I/O; no collective. Raises IntegrityError naming
         file and tensor."""
         workers = max(1, workers)
-        planned = []
-        for piece, entry in pairs:
-            reads = plan_reads(piece, entry)
-            covered = sum(Box(tuple(r.start for r in i.dst),
-                              tuple(r.stop - r.start for r in i.dst)).numel for i in reads)
-            if piece.local is not None and covered != piece.box.numel:
-                raise IntegrityError(f"tensor {piece.key!r}: the checkpoint's chunks cover "
-                                     f"{covered} of the {piece.box.numel} elements this rank needs")
-            planned += [(piece, entry, item) for item in reads]
+        planned = plan_pieces(pairs)
         encoded = [t for t in planned if t[1].encoded(t[2].chunk) is not None]
         planned = [t for t in planned if t[1].encoded(t[2].chunk) is None]
         for fi in sorted({t[2].file for t in planned} | {int(f) for _, e, i in encoded

@@ -52,6 +52,10 @@ class Chunks:
             self._cells()
         return self._sizes
 
+    def box(self, ci: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Chunk ``ci``'s (offsets, sizes) as Python ints."""
+        return tuple(self.offsets[ci].tolist()), tuple(self.sizes[ci].tolist())
+
     def _cells(self) -> None:
         from .grid import cells
 
