@@ -1,10 +1,13 @@
 """Pure resharding math: saved chunks x a wanted box -> what to read and where it goes."""
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
+from ..format.grid import cells
 from .chunks import Box
 
 
@@ -22,9 +25,11 @@ class ReadItem:
 
 
 def plan_reads(want: Box, offsets: np.ndarray, sizes: np.ndarray,
-               files: np.ndarray) -> list[ReadItem]:
+               files: np.ndarray, ids: np.ndarray | None = None) -> list[ReadItem]:
     """Every chunk overlapping ``want``, with the overlap in both coordinate systems.
-    Vectorised over chunks: O(chunks) numpy work plus O(overlaps) Python."""
+    ``ids``: the chunks' indexes when the rows are a subset (:func:`plan_grid_reads`),
+    else row i is chunk i. Vectorised over chunks: O(chunks) numpy work plus
+    O(overlaps) Python."""
     if want.numel == 0 or len(offsets) == 0:
         return []
     w_lo = np.asarray(want.offsets, np.int64)
@@ -36,13 +41,58 @@ def plan_reads(want: Box, offsets: np.ndarray, sizes: np.ndarray,
     # few hundred tensors was most of a load's planning time.
     wl, wh = w_lo.tolist(), w_hi.tolist()
     out = []
-    for i, l, h, o, z, f in zip(hit.tolist(), lo[hit].tolist(), hi[hit].tolist(),
+    for i, l, h, o, z, f in zip((hit if ids is None else ids[hit]).tolist(), lo[hit].tolist(), hi[hit].tolist(),
                                 offsets[hit].tolist(), sizes[hit].tolist(), files[hit].tolist()):
         src = tuple(slice(a - c, b - c) for a, b, c in zip(l, h, o))
         dst = tuple(slice(a - c, b - c) for a, b, c in zip(l, h, wl))
         whole_chunk = l == o and h == [c + n for c, n in zip(o, z)]
         out.append(ReadItem(i, int(f), src, dst, whole_chunk, l == wl and h == wh))
     return out
+
+
+def plan_grid_reads(want: Box, grid: tuple, file_of: Callable[[np.ndarray], np.ndarray]
+                    ) -> list[ReadItem]:
+    """:func:`plan_reads` for chunks that are the cells of ``grid`` (per dim, rising
+    breakpoints: a tuple, an int64 array or :class:`dckpt.format.runs.Runs`; cells in C
+    order), found by rule: per dim, a binary search on the breakpoints gives the run of
+    cells that ``want`` overlaps; only those cells are built (their boxes, and their
+    files through ``file_of(cell indexes)``). The same items, in the same order, as
+    :func:`plan_reads` over every cell (tests/layout/test_grid_reads.py). Cost:
+    O(ndim log(cuts)) plus O(overlapping cells) numpy and Python, whatever the number of
+    cells. ``want`` must lie inside the grid's shape (a load matched the shapes)."""
+    if want.numel == 0:
+        return []
+    first, counts, sub = [], [], []
+    for d, b in enumerate(grid):
+        lo, hi = want.offsets[d], want.offsets[d] + want.sizes[d]
+        i0 = max(_search(b, lo, "right") - 1, 0)  # the cell holding lo
+        i1 = min(_search(b, hi, "left"), len(b) - 1)  # one past the cell holding hi - 1
+        if i1 <= i0:
+            return []
+        first.append(i0)
+        counts.append(i1 - i0)
+        sub.append(_cut(b, i0, i1 + 1))
+    offsets, sizes = cells(tuple(sub), None)
+    # each sub-grid cell's index in the whole grid, C order as cells() builds them
+    ids = np.zeros(1, np.int64)
+    for b, i0, n in zip(grid, first, counts):
+        ids = (ids[:, None] * (len(b) - 1) + np.arange(i0, i0 + n, dtype=np.int64)).ravel()
+    return plan_reads(want, offsets, sizes, np.asarray(file_of(ids), np.int64), ids)
+
+
+def _search(b, x: int, side: str) -> int:
+    """np.searchsorted over one dim's breakpoints, whatever holds them."""
+    if isinstance(b, tuple):
+        return (bisect.bisect_right if side == "right" else bisect.bisect_left)(b, x)
+    return int(b.searchsorted(x, side))
+
+
+def _cut(b, a: int, z: int):
+    """Breakpoints ``a..z-1`` of one dim: a tuple or an int64 array (never the whole
+    dim expanded: Runs compute just these)."""
+    if isinstance(b, (tuple, np.ndarray)):
+        return b[a:z]
+    return b.take(np.arange(a, z, dtype=np.int64))
 
 
 def strides(sizes) -> tuple[int, ...]:

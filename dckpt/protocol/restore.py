@@ -244,7 +244,7 @@ def needed_chunks(state_dict: dict, manifest: mf.Manifest,
     for p, e in pieces:
         for item in plan_reads(p, e):
             out.setdefault(item.file, set()).add(
-                (p.key, tuple(int(x) for x in e.chunks.offsets[item.chunk])))
+                (p.key, e.chunks.box(item.chunk)[0]))
     return out
 
 
