@@ -5,6 +5,7 @@ breakpoints into cells and validate them when a manifest is parsed.
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from typing import Any
@@ -55,6 +56,26 @@ def cells(grid: tuple[tuple[int, ...], ...],
         i = cell // stride % (len(b) - 1)
         offsets[:, d], sizes[:, d] = b[:-1][i], np.diff(b)[i]
     return offsets, sizes
+
+
+def search(b: "tuple[int, ...] | np.ndarray | Runs", x: int, side: str = "left") -> int:
+    """``np.searchsorted`` over one dim's rising breakpoints, whatever holds them (a
+    tuple, an int64 array, :class:`.runs.Runs`). O(log len(b))."""
+    if isinstance(b, tuple):
+        return (bisect.bisect_right if side == "right" else bisect.bisect_left)(b, x)
+    return int(b.searchsorted(x, side))
+
+
+def find_cell(grid: tuple, offsets, sizes) -> int | None:
+    """The C-order index of the cell of ``grid`` whose box is exactly
+    ``offsets``/``sizes``, or None. O(ndim log cuts): no cell is built."""
+    idx = 0
+    for b, o, z in zip(grid, offsets, sizes):
+        i = search(b, int(o))
+        if i >= len(b) - 1 or int(b[i]) != o or int(b[i + 1]) != o + z:
+            return None
+        idx = idx * (len(b) - 1) + i
+    return idx
 
 
 def parse_dim(obj: Any, key: str, d: int, extent: int,

@@ -56,6 +56,12 @@ class Chunks:
         f = self.file_ids
         return f[idx] if isinstance(f, np.ndarray) else f.take(idx)
 
+    def in_file(self, fi: int) -> np.ndarray:
+        """The indexes of the chunks stored in file ``fi``, rising. O(runs) plus the
+        hits for a run-form file list, else O(chunks) numpy."""
+        f = self.file_ids
+        return np.flatnonzero(f == fi) if isinstance(f, np.ndarray) else f.where(fi)
+
     def box(self, ci: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Chunk ``ci``'s (offsets, sizes) as Python ints; for a grid, by arithmetic on
         its breakpoints (O(ndim log runs)), whether or not its cells were built."""
@@ -83,6 +89,18 @@ class Chunks:
         if self._sizes is None:
             self._cells()
         return self._sizes
+
+    def find(self, offsets, sizes) -> np.ndarray:
+        """The indexes of the chunks whose box is exactly ``offsets``/``sizes`` (at
+        most one in a valid manifest): for a grid by arithmetic on its breakpoints,
+        O(ndim log cuts); else a scan, O(chunks)."""
+        if self.grid is not None and self._offsets is None:
+            from .grid import find_cell
+
+            i = find_cell(self.grid, offsets, sizes)
+            return np.zeros(0, np.int64) if i is None else np.array([i], np.int64)
+        o, s = np.asarray(offsets, np.int64), np.asarray(sizes, np.int64)
+        return np.flatnonzero((self.offsets == o).all(1) & (self.sizes == s).all(1))
 
     def _cells(self) -> None:
         from .grid import cells

@@ -100,6 +100,17 @@ class Runs:
         k = (x - f) // s + 1 if side == "right" else -((f - x) // s)
         return self.start[j] + min(k, c)
 
+    def where(self, x: int) -> np.ndarray:
+        """The indexes holding ``x``, rising. O(runs) plus the hits."""
+        out = []
+        for f, s, c, a in zip(self.first, self.step, self.count, self.start):
+            if s == 0:
+                if f == x:
+                    out.extend(range(a, a + c))
+            elif (x - f) % s == 0 and 0 <= (x - f) // s < c:
+                out.append(a + (x - f) // s)
+        return np.asarray(out, np.int64)
+
     def __iter__(self) -> Iterator[int]:
         for f, s, c in zip(self.first, self.step, self.count):
             yield from range(f, f + s * c, s) if s else (f for _ in range(c))

@@ -1,13 +1,12 @@
 """Pure resharding math: saved chunks x a wanted box -> what to read and where it goes."""
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
-from ..format.grid import cells
+from ..format.grid import cells, search
 from .chunks import Box
 
 
@@ -65,8 +64,8 @@ def plan_grid_reads(want: Box, grid: tuple, file_of: Callable[[np.ndarray], np.n
     first, counts, sub = [], [], []
     for d, b in enumerate(grid):
         lo, hi = want.offsets[d], want.offsets[d] + want.sizes[d]
-        i0 = max(_search(b, lo, "right") - 1, 0)  # the cell holding lo
-        i1 = min(_search(b, hi, "left"), len(b) - 1)  # one past the cell holding hi - 1
+        i0 = max(search(b, lo, "right") - 1, 0)  # the cell holding lo
+        i1 = min(search(b, hi, "left"), len(b) - 1)  # one past the cell holding hi - 1
         if i1 <= i0:
             return []
         first.append(i0)
@@ -78,13 +77,6 @@ def plan_grid_reads(want: Box, grid: tuple, file_of: Callable[[np.ndarray], np.n
     for b, i0, n in zip(grid, first, counts):
         ids = (ids[:, None] * (len(b) - 1) + np.arange(i0, i0 + n, dtype=np.int64)).ravel()
     return plan_reads(want, offsets, sizes, np.asarray(file_of(ids), np.int64), ids)
-
-
-def _search(b, x: int, side: str) -> int:
-    """np.searchsorted over one dim's breakpoints, whatever holds them."""
-    if isinstance(b, tuple):
-        return (bisect.bisect_right if side == "right" else bisect.bisect_left)(b, x)
-    return int(b.searchsorted(x, side))
 
 
 def _cut(b, a: int, z: int):

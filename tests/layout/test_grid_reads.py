@@ -28,7 +28,7 @@ def _n(k: int) -> int:
     return k * int(os.environ.get("DCKPT_TEST_EXAMPLES", "1"))
 
 
-SETTINGS = settings(max_examples=_n(200), deadline=None,
+SETTINGS = settings(max_examples=_n(120), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -69,7 +69,7 @@ def cut_points(draw, extent_max: int = 400):
         n = draw(st.integers(1, extent_max))
         return (0, n)
     if kind == "even":
-        step, k = draw(st.integers(1, 7)), draw(st.integers(1, 60))
+        step, k = draw(st.integers(1, 7)), draw(st.integers(1, 30))
         tail = draw(st.integers(0, step - 1))
         pts = list(range(0, step * k + 1, step))
         return tuple(pts + ([pts[-1] + tail] if tail else []))
