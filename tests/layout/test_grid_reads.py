@@ -209,3 +209,50 @@ def test_hostile_grid_refused_before_allocation():
         assert tracemalloc.get_traced_memory()[1] < 50 << 20
     finally:
         tracemalloc.stop()
+
+
+def _sealed(doc: dict) -> bytes:
+    import json
+    import zlib
+
+    rest = json.dumps(doc, separators=(",", ":")).encode()[1:]
+    return b'{"checksum":"crc32:%08x",' % zlib.crc32(rest) + rest
+
+
+def _v4(tensor: dict) -> dict:
+    """A version-4 manifest whose file table declares 4,194,304 files in a few bytes
+    (so the per-file cap allows 2^28 chunks) holding one tensor entry."""
+    n = 1 << 22
+    col = {"runs": [[0, 1, n]]}
+    return {"format": "dckpt", "version": 4, "save_id": "0123456789abcdef", "world_size": n,
+            "created": 0.0, "meta": {}, "values": {}, "tensors": {"w": tensor},
+            "files": {"names": "data", "rank": col, "size": {"runs": [[4096, 0, n]]},
+                      "header_len": {"runs": [[64, 0, n]]}, "header_crc32": {"runs": [[1, 0, n]]}}}
+
+
+def test_hostile_runs_under_a_large_file_table():
+    """Runs kept as runs are bounded as decoded ones were: 10^12 cells refused; a grid
+    over the per-dim extent refused; a grid at the caps parses without expanding."""
+    import tracemalloc
+
+    huge = {"dtype": "U8", "shape": [10 ** 6, 10 ** 6], "chunks": {
+        "grid": [{"runs": [[0, 1, 10 ** 6 + 1]]}, {"runs": [[0, 1, 10 ** 6 + 1]]}],
+        "file": {"runs": [[0, 1, 8]]}}}  # the grid's cell count is what refuses it
+    over = {"dtype": "U8", "shape": [100], "chunks": {
+        "grid": [{"runs": [[0, 1, 200]]}], "file": {"runs": [[0, 1, 199]]}}}
+    wraps = {"dtype": "U8", "shape": [100], "chunks": {  # exact values leave int64
+        "grid": [{"runs": [[0, 1 << 62, 9]]}], "file": {"runs": [[0, 1, 8]]}}}
+    tracemalloc.start()
+    try:
+        for t, match in ((huge, "cells"), (over, "'w'"), (wraps, "'w'")):
+            with pytest.raises(ManifestError, match=match):
+                mf.parse(_sealed(_v4(t)))
+        n = 1 << 20  # a million chunks as runs: parsed in O(runs)
+        ok = {"dtype": "U8", "shape": [4 * n], "chunks": {
+            "grid": [{"runs": [[0, 4, n + 1]]}], "file": {"runs": [[0, 1, n]]}}}
+        c = mf.parse(_sealed(_v4(ok))).tensors["w"].chunks
+        assert isinstance(c.grid[0], Runs) and isinstance(c.file_ids, Runs)
+        assert c.box(n - 1) == ((4 * n - 4,), (4,)) and c.find((8,), (4,)).tolist() == [2]
+        assert tracemalloc.get_traced_memory()[1] < 300 << 20  # the file table's 4 columns
+    finally:
+        tracemalloc.stop()
