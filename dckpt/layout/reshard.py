@@ -42,7 +42,8 @@ def plan_reads(want: Box, offsets: np.ndarray, sizes: np.ndarray,
     # few hundred tensors was most of a load's planning time.
     wl, wh = w_lo.tolist(), w_hi.tolist()
     out = []
-    for i, l, h, o, z, f in zip((hit if ids is None else ids[hit]).tolist(), lo[hit].tolist(), hi[hit].tolist(),
+    chunk = hit if ids is None else ids[hit]
+    for i, l, h, o, z, f in zip(chunk.tolist(), lo[hit].tolist(), hi[hit].tolist(),
                                 offsets[hit].tolist(), sizes[hit].tolist(), files[hit].tolist()):
         src = tuple(slice(a - c, b - c) for a, b, c in zip(l, h, o))
         dst = tuple(slice(a - c, b - c) for a, b, c in zip(l, h, wl))
