@@ -256,3 +256,30 @@ def test_hostile_runs_under_a_large_file_table():
         assert tracemalloc.get_traced_memory()[1] < 300 << 20  # the file table's 4 columns
     finally:
         tracemalloc.stop()
+
+
+def test_a_mix_of_grid_and_irregular_tensors():
+    """One load's pieces over a grid-stored tensor (by rule) and a chunk list (the
+    scan): plan_pieces plans both, coverage checked, as the expanded plans say."""
+    import torch
+
+    from dckpt.state.tensors import LocalPiece
+
+    ft = [mf.FileEntry(f"data-0123456789abcdef-{r:05d}.safetensors", 4096, 64, 1, r)
+          for r in range(4)]
+    go, gs = mf.grid_cells((tuple(range(0, 201, 2)), (0, 3)))
+    grid = mf.TensorEntry("g", "F32", (200, 3), mf.Chunks(go, gs, np.arange(100) % 4,
+                                                          (tuple(range(0, 201, 2)), (0, 3))))
+    io = np.array([[0, 0], [0, 2], [1, 0], [1, 1], [1, 3]], np.int64)
+    iz = np.array([[1, 2], [1, 2], [1, 1], [1, 2], [1, 1]], np.int64)
+    irr = mf.TensorEntry("i", "F16", (2, 4), mf.Chunks(io, iz, np.array([0, 1, 2, 3, 0]), None))
+    m = mf.parse(mf.to_json(mf.Manifest("0123456789abcdef", 4, 0.0, ft, {"g": grid, "i": irr}, {})))
+    g, i = m.tensors["g"], m.tensors["i"]
+    assert g.chunks.grid is not None and i.chunks.grid is None
+    pieces = [(LocalPiece("g", "F32", (200, 3), Box((5, 1), (90, 2)), torch.empty(90, 2)), g),
+              (LocalPiece("i", "F16", (2, 4), Box((0, 1), (2, 2)), torch.empty(2, 2)), i)]
+    got = reader.plan_pieces(pieces)
+    want = [(p, e, it) for p, e in pieces
+            for it in reshard.plan_reads(p.box, e.chunks.offsets, e.chunks.sizes, e.chunks.file)]
+    assert [(p.key, it) for p, _, it in got] == [(p.key, it) for p, _, it in want]
+    assert len([1 for p, _, _ in got if p.key == "g"]) == 46
