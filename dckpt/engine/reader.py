@@ -13,14 +13,14 @@ from ..format import manifest as mf
 from ..format import codec, shards
 from ..format.checksum import crc32
 from ..format.dtypes import ITEMSIZE, to_torch
-from ..layout.chunks import Box
 from ..layout.reshard import ReadItem, byte_span, split_item, strides
-from ..layout.reshard import plan_grid_reads as _plan_grid, plan_reads as _plan
 from ..progress import Progress
 from ..state.tensors import LocalPiece
 # the names of several chunks of one tensor in one file; public here for the writers
 from ..format.chunknames import find_stored, stored_name, stored_names  # noqa: F401
 from .openfiles import OpenFiles as _Files
+# what a load plans before its first read; public here, as before
+from .readplan import plan_pieces, plan_reads  # noqa: F401
 
 DEFAULT_READ_BUDGET = 256 << 20
 log = logging.getLogger(__name__)
@@ -70,38 +70,6 @@ def file_path(storage, root: str, f: mf.FileEntry) -> str:
 
 def _shown(f: mf.FileEntry) -> str:
     return f"{f.dir}/{f.name}" if f.dir else f.name
-
-
-def plan_reads(piece: LocalPiece, entry: mf.TensorEntry) -> list[ReadItem]:
-    """The chunks of ``entry`` that overlap what ``piece`` holds. A grid-stored tensor
-    (every layout dckpt saves from DTensors) by rule: O(log cuts + the chunks it
-    overlaps), its cells never expanded (issue 47: 131,072 ranks x 500 tensors took
-    3-5 s and 1.8 GB per rank when every rank scanned every chunk); any other chunk
-    list by a scan of its chunks, O(chunks)."""
-    if piece.local is None:
-        return []
-    c = entry.chunks
-    if c.grid is not None:
-        return _plan_grid(piece.box, c.grid, c.file_of)
-    return _plan(piece.box, c.offsets, c.sizes, c.file)
-
-
-def plan_pieces(pairs: list[tuple[LocalPiece, mf.TensorEntry]]
-                ) -> list[tuple[LocalPiece, mf.TensorEntry, ReadItem]]:
-    """Every read the pieces need, ``(piece, entry, item)`` in piece order, coverage
-    checked: what a load plans before its first I/O. Pure; O(the pieces' overlapping
-    chunks) for grid-stored tensors (see :func:`plan_reads`). Raises IntegrityError
-    naming the key when the chunks do not cover a piece."""
-    planned = []
-    for piece, entry in pairs:
-        reads = plan_reads(piece, entry)
-        covered = sum(Box(tuple(r.start for r in i.dst),
-                          tuple(r.stop - r.start for r in i.dst)).numel for i in reads)
-        if piece.local is not None and covered != piece.box.numel:
-            raise IntegrityError(f"tensor {piece.key!r}: the checkpoint's chunks cover "
-                                 f"{covered} of the {piece.box.numel} elements this rank needs")
-        planned += [(piece, entry, item) for item in reads]
-    return planned
 
 
 class ChunkReader:

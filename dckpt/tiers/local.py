@@ -29,7 +29,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
 
 from .. import _faults
 from ..errors import CheckpointError, ManifestError
