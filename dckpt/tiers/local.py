@@ -29,7 +29,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-
 from .. import _faults
 from ..errors import CheckpointError, ManifestError
 from ..format import manifest as mf
