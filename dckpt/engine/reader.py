@@ -13,14 +13,14 @@ from ..format import manifest as mf
 from ..format import codec, shards
 from ..format.checksum import crc32
 from ..format.dtypes import ITEMSIZE, to_torch
-from ..layout.chunks import Box
 from ..layout.reshard import ReadItem, byte_span, split_item, strides
-from ..layout.reshard import plan_reads as _plan
 from ..progress import Progress
 from ..state.tensors import LocalPiece
 # the names of several chunks of one tensor in one file; public here for the writers
 from ..format.chunknames import find_stored, stored_name, stored_names  # noqa: F401
 from .openfiles import OpenFiles as _Files
+# what a load plans before its first read; public here, as before
+from .readplan import plan_pieces, plan_reads  # noqa: F401
 
 DEFAULT_READ_BUDGET = 256 << 20
 log = logging.getLogger(__name__)
@@ -70,14 +70,6 @@ def file_path(storage, root: str, f: mf.FileEntry) -> str:
 
 def _shown(f: mf.FileEntry) -> str:
     return f"{f.dir}/{f.name}" if f.dir else f.name
-
-
-def plan_reads(piece: LocalPiece, entry: mf.TensorEntry) -> list[ReadItem]:
-    """The chunks of ``entry`` that overlap what ``piece`` holds."""
-    if piece.local is None:
-        return []
-    c = entry.chunks
-    return _plan(piece.box, c.offsets, c.sizes, c.file)
 
 
 class ChunkReader:
@@ -160,7 +152,7 @@ class ChunkReader:
         size = min(b.size, entry.chunk_nbytes(ci) - k * b.size)
         isz = ITEMSIZE[entry.dtype]
         what = f"tensor {entry.key!r} chunk {ci} block {k} (in {_shown(self.m.files[row[0]])})"
-        offs = entry.chunks.offsets[ci]  # a referenced block: the base's chunk, same box
+        offs = entry.chunks.box(ci)[0]  # a referenced block: the base's chunk, same box
         try:
             anchor = None
             if row[3] & codec.XOR:
@@ -195,7 +187,7 @@ class ChunkReader:
             lo, hi = int(sel[:, 1].min()), int((sel[:, 1] + sel[:, 2]).max())
             if len(sel) > 1 and hi - lo <= COALESCE_MAX and 2 * int(sel[:, 2].sum()) >= hi - lo:
                 out[fi] = (lo, self.stored_bytes(fi, entry.key, lo, hi - lo, files,
-                                                 entry.chunks.offsets[ci]))
+                                                 entry.chunks.box(ci)[0]))
         return out
 
     def copy_encoded(self, t: "Encoded", files: "_Files") -> int:
@@ -204,7 +196,7 @@ class ChunkReader:
         budget, as regions are cut). Returns stored bytes read. Blocking I/O."""
         piece, entry, item = t.piece, t.entry, t.item
         ci, isz = item.chunk, ITEMSIZE[entry.dtype]
-        sizes = [int(x) for x in entry.chunks.sizes[ci]]
+        sizes = list(entry.chunks.box(ci)[1])
         a, b = byte_span(sizes, item.src, isz)
         bs = entry.blocks[ci].size
         k0, k1 = a // bs, -(-b // bs)
@@ -223,8 +215,8 @@ class ChunkReader:
 
     def stored(self, key: str, entry: mf.TensorEntry, item: ReadItem) -> shards.StoredTensor:
         tensors, _ = self.header(item.file)
-        st = find_stored(tensors, key, entry.chunks.offsets[item.chunk])
-        want = tuple(int(x) for x in entry.chunks.sizes[item.chunk])
+        offsets, want = entry.chunks.box(item.chunk)
+        st = find_stored(tensors, key, offsets)
         if st is None or st.dtype != entry.dtype or st.shape != want:
             raise IntegrityError(f"shard file {self.m.files[item.file].name} does not hold "
                                  f"chunk {item.chunk} of {key!r} as the manifest says")
@@ -285,15 +277,7 @@ class ChunkReader:
         (see dckpt.progress). Blocking I/O; no collective. Raises IntegrityError naming
         file and tensor."""
         workers = max(1, workers)
-        planned = []
-        for piece, entry in pairs:
-            reads = plan_reads(piece, entry)
-            covered = sum(Box(tuple(r.start for r in i.dst),
-                              tuple(r.stop - r.start for r in i.dst)).numel for i in reads)
-            if piece.local is not None and covered != piece.box.numel:
-                raise IntegrityError(f"tensor {piece.key!r}: the checkpoint's chunks cover "
-                                     f"{covered} of the {piece.box.numel} elements this rank needs")
-            planned += [(piece, entry, item) for item in reads]
+        planned = plan_pieces(pairs)
         encoded = [t for t in planned if t[1].encoded(t[2].chunk) is not None]
         planned = [t for t in planned if t[1].encoded(t[2].chunk) is None]
         for fi in sorted({t[2].file for t in planned} | {int(f) for _, e, i in encoded
@@ -305,7 +289,7 @@ class ChunkReader:
         # Pieces small enough to balance the workers' runs, and to bound the temporaries
         # (encoded chunks count too: cut into 1 MiB blocks one by one, a compressed
         # checkpoint on an object store paid a request per block).
-        spans = [byte_span(e.chunks.sizes[i.chunk].tolist(), i.src, ITEMSIZE[e.dtype])
+        spans = [byte_span(e.chunks.box(i.chunk)[1], i.src, ITEMSIZE[e.dtype])
                  for _, e, i in encoded]
         total = sum(r.nbytes for r in whole) + sum(b - a for a, b in spans)
         # Whole MiBs, so that cuts of a large chunk fall on checksum-block boundaries
@@ -317,14 +301,14 @@ class ChunkReader:
                 tasks.append(r)
                 continue
             tasks += [self._region(piece, i, r.st) for i in split_item(
-                item, entry.chunks.sizes[item.chunk].tolist(), ITEMSIZE[entry.dtype], per_item)]
+                item, entry.chunks.box(item.chunk)[1], ITEMSIZE[entry.dtype], per_item)]
         tasks.sort(key=lambda r: (r.item.file, r.st.start + r.lo))
         for (piece, entry, item), (a, b) in zip(encoded, spans):
             limit = max(per_item, entry.blocks[item.chunk].size)
             if b - a <= limit:  # the common case: no cut, its span already known
                 tasks.append(Encoded(piece, entry, item, b - a))
                 continue
-            sizes = entry.chunks.sizes[item.chunk].tolist()
+            sizes = list(entry.chunks.box(item.chunk)[1])
             isz = ITEMSIZE[entry.dtype]
             for i in split_item(item, sizes, isz, limit):
                 a, b = byte_span(sizes, i.src, isz)

@@ -5,13 +5,15 @@ breakpoints into cells and validate them when a manifest is parsed.
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from typing import Any
 
 import numpy as np
 
-from . import intarray
+from . import intarray, runs
+from .runs import Runs
 
 _SMALL = 64  # below this many values, plain Python is faster than numpy
 
@@ -37,7 +39,7 @@ def cells(grid: tuple[tuple[int, ...], ...],
         offsets = np.array([[lo for lo, _ in c] for c in pairs], np.int64)
         sizes = np.array([[hi - lo for lo, hi in c] for c in pairs], np.int64)
         return offsets.reshape(ncells, len(grid)), sizes.reshape(ncells, len(grid))
-    bps = [np.asarray(b, np.int64) if a is None else a
+    bps = [np.asarray(b).astype(np.int64, copy=False) if a is None else a
            for b, a in zip(grid, arrays or (None,) * len(grid))]
     if len(bps) == 1:  # the common case (FSDP): no index arithmetic
         return bps[0][:-1, None].copy(), np.diff(bps[0])[:, None]
@@ -56,12 +58,43 @@ def cells(grid: tuple[tuple[int, ...], ...],
     return offsets, sizes
 
 
+def search(b: "tuple[int, ...] | np.ndarray | Runs", x: int, side: str = "left") -> int:
+    """``np.searchsorted`` over one dim's rising breakpoints, whatever holds them (a
+    tuple, an int64 array, :class:`.runs.Runs`). O(log len(b))."""
+    if isinstance(b, tuple):
+        return (bisect.bisect_right if side == "right" else bisect.bisect_left)(b, x)
+    return int(b.searchsorted(x, side))
+
+
+def find_cell(grid: tuple, offsets, sizes) -> int | None:
+    """The C-order index of the cell of ``grid`` whose box is exactly
+    ``offsets``/``sizes``, or None. O(ndim log cuts): no cell is built."""
+    idx = 0
+    for b, o, z in zip(grid, offsets, sizes):
+        i = search(b, int(o))
+        if i >= len(b) - 1 or int(b[i]) != o or int(b[i + 1]) != o + z:
+            return None
+        idx = idx * (len(b) - 1) + i
+    return idx
+
+
 def parse_dim(obj: Any, key: str, d: int, extent: int,
-              nfiles: int) -> tuple[tuple[int, ...], np.ndarray | None]:
+              nfiles: int) -> tuple[tuple[int, ...] | np.ndarray | Runs, np.ndarray | None]:
     """Validate one dim's breakpoints: integers rising strictly from 0 to ``extent``,
-    at most ``nfiles + 1`` of them. Returns them as a tuple, and as the int64 array they
-    were decoded into when they took numpy (else None). Raises ValueError."""
+    at most ``nfiles + 1`` of them (refused before any value is decoded). Returns them
+    as a tuple, a :class:`.runs.Runs` (a long dim given as a few runs: O(runs) here), or
+    the int64 array they were decoded into; and that array when there is one (else
+    None). Raises ValueError."""
     arr = None
+    compact = runs.from_json(obj, nfiles + 1)
+    if compact is not None:
+        # kept as runs (an FSDP grid at 131,072 ranks: 1 MB per tensor as int64, a few
+        # runs here): checked in O(runs), never expanded by the parse
+        if not (compact.rising() and len(compact) >= 2 and compact[0] == 0
+                and compact[-1] == extent):
+            raise ValueError(f"tensor {key!r}: grid of dim {d} must rise strictly from 0 "
+                             f"to {extent}")
+        return compact, None
     if not (isinstance(obj, list) and len(obj) <= _SMALL):
         arr = intarray.decode(obj, f"tensor {key!r} grid", nfiles + 1)
         if len(arr) <= _SMALL:  # a few runs (an even split): the checks in Python

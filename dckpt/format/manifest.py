@@ -25,6 +25,8 @@ from . import filetable, manifest_blocks, tiling
 from . import intarray, sealed
 from .grid import grid_cells  # noqa: F401  (public here: readers and tools use it)
 from .grid import cells as _cells, parse_dim as _grid_dim
+from . import runs
+from .runs import Runs
 from .sealed import seal  # noqa: F401  (public here: tools and tests reseal with it)
 from . import codec
 from .dtypes import ITEMSIZE
@@ -124,7 +126,7 @@ def _encoded_tensors(entries: dict) -> dict:
             enc: dict[str, Any] = {"grid": [_encode_memo(b, memo) for b in c.grid]}
         else:
             enc = {"offsets": c.offsets.tolist(), "sizes": c.sizes.tolist()}
-        enc["file"] = _encode_memo(c.file, memo)
+        enc["file"] = _encode_memo(c.file_ids, memo)
         tensors[key] = {"dtype": t.dtype, "shape": list(t.shape), "chunks": enc}
         if t.blocks is not None:
             tensors[key]["blocks"] = _blocks_json(t.blocks)
@@ -136,6 +138,8 @@ def _encoded_tensors(entries: dict) -> dict:
 def _encode_memo(b, memo: dict):
     """intarray.encode of one breakpoint or file array, once per array object (the
     entries keep the arrays alive, so an id is not reused meanwhile)."""
+    if isinstance(b, Runs):  # a parsed manifest's runs: written back as they came
+        return b.encode()
     if not isinstance(b, np.ndarray):
         # fromiter: twice as fast as asarray on a tuple of 16,384 ints (FSDP at scale)
         return intarray.encode(np.fromiter(b, np.int64, len(b)))
@@ -178,9 +182,11 @@ def _parse_chunks(key: str, shape: tuple[int, ...], obj: Any, nfiles: int,
     try:
         # a list of boxes (paid for in bytes) bounds the file indexes decoded for it
         boxes = obj.get("offsets")
-        file = intarray.decode(obj.get("file"), f"tensor {key!r} chunk files",
-                               cap if "grid" in obj or not isinstance(boxes, list)
-                               else min(cap, len(boxes)))
+        limit = cap if "grid" in obj or not isinstance(boxes, list) else min(cap, len(boxes))
+        # a long run-form file list (FSDP: 0, 1, ..., R - 1) stays runs: O(runs)
+        file = runs.from_json(obj.get("file"), limit)
+        if file is None:
+            file = intarray.decode(obj.get("file"), f"tensor {key!r} chunk files", limit)
         if "grid" in obj:
             g = obj["grid"]
             if not isinstance(g, list) or len(g) != ndim:

@@ -137,19 +137,27 @@ def load(state_dict: dict, path: str, *, process_group: Any = None,
     mine = {"error": error_payload(err),
             "unexpected": matched.unexpected if strict and matched else [],
             "missing": matched.missing if matched else []}
-    views = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(mine).encode())]
+    # Each distinct view decoded once: at 131,072 ranks they are nearly all the same
+    # few bytes, and decoding every rank's on every rank was O(ranks) JSON (issue 47).
+    blobs = comm.all_gather_bytes(json.dumps(mine).encode())
+    distinct: dict[bytes, dict] = {}
+    for b in blobs:
+        if b not in distinct:
+            distinct[b] = json.loads(b)
+    views = [distinct[b] for b in blobs]
     errors = {r: v["error"] for r, v in enumerate(views) if v["error"]}
     if errors:
         raise_gathered(errors, f"load from {path}", err)
     flat, pieces, names = matched.flat, matched.pieces, matched.names
-    unexpected = sorted(k for k in set.intersection(*(set(v["unexpected"]) for v in views))
+    unexpected = sorted(k for k in set.intersection(*(set(v["unexpected"])
+                                                      for v in distinct.values()))
                         if not k.startswith(ignore_prefixes) and k not in mf.TIMELINE_VALUES)
     if unexpected:
         raise StateMismatchError(
             f"checkpoint {root} has {len(unexpected)} key(s) the state_dict lacks: "
             f"{preview(unexpected, 8)} (pass strict=False to ignore them)")
     if comm.rank == 0:
-        missing = list(dict.fromkeys(k for v in views for k in v["missing"]))
+        missing = list(dict.fromkeys(k for v in distinct.values() for k in v["missing"]))
         if missing:
             log.warning("checkpoint %s lacks %d key(s) of the state_dict, left as they were "
                         "(allow_missing=True): %s", root, len(missing), preview(missing, 8))
@@ -244,7 +252,7 @@ def needed_chunks(state_dict: dict, manifest: mf.Manifest,
     for p, e in pieces:
         for item in plan_reads(p, e):
             out.setdefault(item.file, set()).add(
-                (p.key, tuple(int(x) for x in e.chunks.offsets[item.chunk])))
+                (p.key, e.chunks.box(item.chunk)[0]))
     return out
 
 

@@ -141,8 +141,8 @@ class LocalPieces:
         tensors, block = shards.parse_header(head, path, entry.size)
         for key, t in m.tensors.items():
             c = t.chunks
-            for ci in np.flatnonzero(c.file == fi).tolist():
-                offsets = tuple(int(x) for x in c.offsets[ci])
+            for ci in c.in_file(fi).tolist():  # by rule: no rank expands every chunk
+                offsets, sizes = c.box(ci)
                 st = find_stored(tensors, key, offsets)
                 if st is None or st.nbytes != t.chunk_nbytes(ci):
                     raise CheckpointError(f"{path}: no stored tensor for {key!r} at {offsets} "
@@ -156,7 +156,7 @@ class LocalPieces:
                 else:
                     local = torch.empty(0, dtype=torch.uint8)
                 self.pieces.append(LocalPiece(key, t.dtype, t.shape,
-                                              Box(offsets, tuple(int(x) for x in c.sizes[ci])),
+                                              Box(offsets, sizes),
                                               local))
 
     def __enter__(self) -> list[LocalPiece]:
