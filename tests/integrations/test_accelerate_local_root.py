@@ -19,7 +19,8 @@ from .hf_helpers import fresh_accelerate_state  # noqa: E402,F401 (autouse)
 from dckpt.catalog.verify import verify_checkpoint  # noqa: E402
 
 
-def make(project: str, local: str, *, total_limit=None, async_save=False, options=None):
+def make(project: str, local: str | None, *, total_limit=None, async_save=False,
+         options=None, keep_last_local=2, auto=True):
     from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import ProjectConfiguration
 
@@ -28,8 +29,9 @@ def make(project: str, local: str, *, total_limit=None, async_save=False, option
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     acc = DckptAccelerator(cpu=True, local_root=local, async_save=async_save,
-                           storage_options=options, project_config=ProjectConfiguration(
-                               project_dir=project, automatic_checkpoint_naming=True,
+                           storage_options=options, keep_last_local=keep_last_local,
+                           project_config=ProjectConfiguration(
+                               project_dir=project, automatic_checkpoint_naming=auto,
                                total_limit=total_limit))
     torch.manual_seed(0)
     m = nn.Linear(8, 8)

@@ -4,13 +4,13 @@ there), fixed since."""
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
 import torch
-from torch import nn
 
 pytest.importorskip("accelerate")
+
+from .test_accelerate_local_root import make, state, train  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -23,39 +23,6 @@ def fresh_accelerate_state(monkeypatch):
     yield
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-
-
-def make(project: str, local: str | None, *, total_limit=None, async_save=False,
-         options=None, keep_last_local=2, auto=True):
-    from accelerate.state import AcceleratorState, GradientState
-    from accelerate.utils import ProjectConfiguration
-
-    from dckpt.integrations.accelerate import DckptAccelerator
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    acc = DckptAccelerator(cpu=True, local_root=local, async_save=async_save,
-                           storage_options=options, keep_last_local=keep_last_local,
-                           project_config=ProjectConfiguration(
-                               project_dir=project, automatic_checkpoint_naming=auto,
-                               total_limit=total_limit))
-    torch.manual_seed(0)
-    m = nn.Linear(8, 8)
-    o = torch.optim.AdamW(m.parameters(), lr=0.1)
-    m, o = acc.prepare(m, o)
-    return acc, m, o
-
-
-def train(acc, m, o, n: int = 1) -> None:
-    for _ in range(n):
-        acc.backward(m(torch.randn(4, 8)).square().sum())
-        o.step()
-        o.zero_grad()
-        acc.step += 1
-
-
-def state(m) -> dict:
-    return {k: v.detach().clone() for k, v in m.state_dict().items()}
 
 
 def equal(m, want: dict) -> bool:
