@@ -131,6 +131,20 @@ class Runs:
         """An expanded, writable copy (as ``ndarray.copy``)."""
         return np.array(np.asarray(self))
 
+    def replaced(self, i: int, value: int) -> "Runs":
+        """A new sequence equal to this one but for ``value`` at index ``i`` (in
+        range): the run holding ``i`` split around it. O(runs), nothing expanded."""
+        if not 0 <= i < self._n:
+            raise IndexError(f"index {i} out of range for {self._n} values")
+        j = self._run(i)
+        f, st, c, k = self.first[j], self.step[j], self.count[j], i - self.start[j]
+        mid = [(f, st, k)] if k else []
+        mid.append((int(value), 1, 1))
+        if k + 1 < c:
+            mid.append((f + st * (k + 1), st, c - k - 1))
+        runs = list(zip(self.first, self.step, self.count))
+        return Runs(runs[:j] + mid + runs[j + 1:])
+
     def encode(self) -> dict[str, list[list[int]]]:
         """The JSON runs form (:mod:`.intarray`), without expanding."""
         return {"runs": [[f, s, c] for f, s, c in zip(self.first, self.step, self.count)]}

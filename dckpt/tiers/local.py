@@ -29,11 +29,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
+
 from .. import _faults
 from ..errors import CheckpointError, ManifestError
 from ..format import manifest as mf
 from ..engine import devstream
 from ..format import shards
+from ..format.runs import Runs
 from ..layout import plan as gplan
 from ..protocol.collectives import Comm, agree, error_payload, raise_gathered, rank0_bytes
 from ..protocol.commit import local_plan, write_file
@@ -221,8 +224,12 @@ def local_view(m: mf.Manifest, rank: int, replica_vote: dict, replicas: list,
         if len(hit) != 1:
             raise ManifestError(f"rank {rank}: replica of {p.key!r} at {list(p.box.offsets)} "
                                 "is not a chunk of the global manifest")
-        file = c.file.copy()
-        file[hit[0]] = fidx
+        ids = c.file_ids
+        if isinstance(ids, Runs):  # one entry differs: split its run, expand nothing
+            file = ids.replaced(int(hit[0]), fidx)
+        else:
+            file = np.array(ids, np.int64)
+            file[hit[0]] = fidx
         tensors[p.key] = dataclasses.replace(e, chunks=dataclasses.replace(c, file_ids=file))
     return dataclasses.replace(m, files=files, tensors=tensors, meta=meta)
 
