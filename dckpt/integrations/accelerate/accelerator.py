@@ -62,7 +62,7 @@ class DckptAccelerator(Accelerator):
                 "its own checkpoints; use accelerate.Accelerator for it")
         self._dckpt = committer
         self._dckpt_tier = tier
-        self._dckpt_pending: tuple | None = None  # an async save's rotation, see below
+        self._dckpt_rotation_fast = fast.Rotation()  # total_limit with the fast tier
         self._dckpt_agreed: Any = None
         self._dckpt_warned = False
 
@@ -142,7 +142,7 @@ class DckptAccelerator(Accelerator):
         output_dir = os.fspath(output_dir)
         tier = self._dckpt_tier
         if tier is not None:
-            self._dckpt_rotate_pending()
+            self._dckpt_rotation_fast.flush()
             fast.check_name(self._dckpt, output_dir)
             # the hooks write beside the slot; the background copy takes their files
             extras = (fast.prepare_extras(tier, output_dir)
@@ -162,12 +162,9 @@ class DckptAccelerator(Accelerator):
             final = fast.save(tier, self._dckpt, built, output_dir, pc.iteration,
                               extras=extras)
             if auto and pc.total_limit is not None:
-                rotation = (tier, self._checkpoints_dir(), NAME, final, pc.total_limit,
-                            self._dckpt.storage_options)
-                if self._dckpt.async_save:  # after the local commit: the next call's
-                    self._dckpt_pending = rotation
-                else:
-                    fast.rotate(*rotation)
+                self._dckpt_rotation_fast.after_save(
+                    self._dckpt.async_save, tier, self._checkpoints_dir(), NAME, final,
+                    pc.total_limit, self._dckpt.storage_options)
             pc.iteration += 1
             return final
         after = None
@@ -176,15 +173,6 @@ class DckptAccelerator(Accelerator):
         self._dckpt.commit(built, plan, fence=tree.fence_targets(c), after=after)
         pc.iteration += 1
         return plan.final
-
-    def _dckpt_rotate_pending(self) -> None:
-        """The rotation of the last asynchronous fast-tier save, once its local commit
-        is complete (never before: until then the checkpoints it would remove are the
-        newest complete ones). Collective; raises that commit's error on every rank."""
-        pending, self._dckpt_pending = self._dckpt_pending, None
-        if pending is not None:
-            pending[0].wait_local()
-            fast.rotate(*pending)
 
     def _run_save_hooks(self, comm: Comm, target: str) -> set[int]:
         """Run the save pre-hooks with (models, weights, the staging folder) as stock
@@ -245,7 +233,7 @@ class DckptAccelerator(Accelerator):
         opts = self._dckpt.storage_options
         tier = self._dckpt_tier
         if tier is not None:
-            self._dckpt_rotate_pending()
+            self._dckpt_rotation_fast.flush()
         if input_dir is not None:
             input_dir = os.path.expanduser(os.fspath(input_dir))
             if tier is not None:  # the name's fast-tier commit, or its durable copy
@@ -375,7 +363,7 @@ class DckptAccelerator(Accelerator):
             else:
                 self._dckpt.finish()
                 if tier is not None:
-                    self._dckpt_rotate_pending()
+                    self._dckpt_rotation_fast.flush()
                     tier.drain()  # every durable copy queued (a failed one is logged)
         finally:
             super().end_training()

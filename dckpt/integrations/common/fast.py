@@ -167,6 +167,32 @@ def rotate(tier: LocalTier, parent: str, pattern: Any, final: str, limit: int,
         tier.remove(path, dropper(path) if comm.rank == 0 else None)
 
 
+class Rotation:
+    """``total_limit`` after fast-tier saves (:func:`rotate`): at once after a
+    synchronous save; after an asynchronous one, deferred to the adapter's next call
+    (:meth:`flush`), once that save's local commit is complete (never before: until
+    then the checkpoints it would remove are the newest complete ones). Dropped after a
+    failure of the training (nothing removed)."""
+
+    def __init__(self) -> None:
+        self._pending: tuple | None = None
+
+    def after_save(self, async_save: bool, *args: Any) -> None:
+        """``args`` as :func:`rotate`'s. Collective when it runs now."""
+        if async_save:
+            self._pending = args
+        else:
+            rotate(*args)
+
+    def flush(self) -> None:
+        """Run the deferred rotation, if any. Collective then; raises the awaited local
+        commit's error on every rank."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending[0].wait_local()
+            rotate(*pending)
+
+
 def local_commits(tier: LocalTier, parent: str, pattern: Any) -> list[Committed]:
     """The names of ``parent`` matching ``pattern`` that rank 0's fast tier holds, with
     their local commit time and save id (rank 0's view). Rank 0 only; local I/O."""

@@ -95,7 +95,7 @@ class DckptTrainerMixin:
                                   "URL; the Trainer reads its checkpoints locally")
         self._dckpt = committer
         self._dckpt_tier = tier
-        self._dckpt_pending: tuple | None = None  # an async save's rotation
+        self._dckpt_rotation_fast = fast.Rotation()  # total_limit with the fast tier
         self._dckpt_src: tuple[str, str | None] | None = None  # (path, view) a resume reads
         self._dckpt_agreed: Any = None  # the process group the settings were agreed on
         self._dckpt_resume: str | None = None  # the dckpt checkpoint train() resumes
@@ -124,7 +124,7 @@ class DckptTrainerMixin:
         tier = self._dckpt_tier
         plan = self._dckpt.plan(output_dir) if tier is None else None
         if tier is not None:
-            self._dckpt_rotate_pending()
+            self._dckpt_rotation_fast.flush()
             fast.check_name(self._dckpt, output_dir)
         final = os.path.abspath(output_dir)
         if (self.args.save_strategy in [SaveStrategy.STEPS, SaveStrategy.EPOCH,
@@ -149,25 +149,14 @@ class DckptTrainerMixin:
             limit = self.args.save_total_limit
             if limit is not None and limit > 0:
                 best = self.state.best_model_checkpoint
-                rotation = (tier, run_dir, NAME, final, limit, None,
-                            durable_name(best) if best else None)
-                if self._dckpt.async_save:  # after the local commit: the next call's
-                    self._dckpt_pending = rotation
-                else:
-                    fast.rotate(*rotation)
+                self._dckpt_rotation_fast.after_save(
+                    self._dckpt.async_save, tier, run_dir, NAME, final, limit, None,
+                    durable_name(best) if best else None)
         else:
             self._dckpt.commit(built, plan, fence=tree.fence_targets(c),
                                after=self._dckpt_rotation(run_dir, plan.final))
         if self.args.push_to_hub:
             self._push_from_checkpoint(output_dir)
-
-    def _dckpt_rotate_pending(self) -> None:
-        """The rotation of the last asynchronous fast-tier save, once its local commit
-        is complete. Collective; raises that commit's error on every rank."""
-        pending, self._dckpt_pending = self._dckpt_pending, None
-        if pending is not None:
-            pending[0].wait_local()
-            fast.rotate(*pending)
 
     def _dckpt_agree(self, comm: Comm) -> None:
         """The settings that decide what a save holds and how it is committed, the same
@@ -330,7 +319,7 @@ class DckptTrainerMixin:
                 shutil.rmtree(os.path.dirname(path), ignore_errors=True)
         self._dckpt.finish()  # the last asynchronous save: placed, or its error raised
         if tier is not None:
-            self._dckpt_rotate_pending()
+            self._dckpt_rotation_fast.flush()
             tier.drain()  # every durable copy queued (a failed one is logged, stays local)
         return result
 
@@ -412,7 +401,7 @@ class DckptTrainerMixin:
         only (resharded); else stock. Collective; blocking I/O."""
         self._dckpt.finish()  # the best may be the save in flight
         if self._dckpt_tier is not None:
-            self._dckpt_rotate_pending()
+            self._dckpt_rotation_fast.flush()
             self._dckpt_tier.drain()  # ... or a copy still queued
         best = self.state.best_model_checkpoint
         choices = [] if best is None or self._dckpt_tier is None else fast.one(
