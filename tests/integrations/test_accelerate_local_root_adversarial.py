@@ -169,24 +169,24 @@ def test_store_down_total_limit_still_bounds_the_fast_tier(tmp_path):
 
 
 # ------------------------------------------------- a name a save may not replace
-def test_a_refused_output_dir_raises_checkpoint_error_with_local_root_too(tmp_path):
-    from dckpt import CheckpointError
-
-    out = tmp_path / "model_out"
-    out.mkdir()
-    (out / "tokenizer.json").write_text("{}")
-    acc, m, o = make(str(tmp_path / "p"), None, auto=False)
-    train(acc, m, o)
-    with pytest.raises(CheckpointError):  # the contract without the fast tier
-        acc.save_state(str(out))
-    acc, m, o = make(str(tmp_path / "p"), str(tmp_path / "local"), auto=False)
-    train(acc, m, o)
-    try:
-        with pytest.raises(CheckpointError):
+def test_a_folder_holding_a_users_files_keeps_them_with_local_root_too(tmp_path):
+    """Stock save_state writes into an existing folder and leaves the rest alone: the
+    user's files there are kept in the placed checkpoint, without and with the fast
+    tier (whose copy places the name later)."""
+    for local in (None, str(tmp_path / "local")):
+        out = tmp_path / ("model_out" if local is None else "model_out_tier")
+        out.mkdir()
+        (out / "tokenizer.json").write_text("{}")
+        acc, m, o = make(str(tmp_path / "p"), local, auto=False)
+        train(acc, m, o)
+        try:
             acc.save_state(str(out))
-    finally:
-        acc._dckpt_tier.drain()
-        assert (out / "tokenizer.json").exists()  # never deleted, in any case
+        finally:
+            if acc._dckpt_tier is not None:
+                acc._dckpt_tier.drain()
+        assert (out / "tokenizer.json").read_text() == "{}"  # never deleted
+        assert (out / "manifest.json").exists()
+        acc.load_state(str(out))
 
 
 # ------------------------------------------- total_limit before the new local commit

@@ -17,10 +17,12 @@ from typing import Any
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from ...errors import CheckpointError, NotCommittedError
+from ...errors import CheckpointError, NotCommittedError, StateMismatchError
+from ...view.open import MissingKeyError
 from ...protocol.collectives import Comm, agree, on_rank0
 from ...protocol.settings import agree_settings
 from ..common import resolve, tree
+from ..common.arrival import Arrival
 from ..common.commit import Committer, broadcast_json
 from ..common.place import dckpt_leftover, is_url, join, kind, local_path, remove_whole
 from ..common.rotation import to_remove
@@ -40,14 +42,18 @@ class DckptAccelerator(Accelerator):
     snapshot; the optimizers' next ``step()`` waits for the copy), ``compression``
     (None, "zstd", "lz4"), ``local_root`` (a node-local fast tier: a save commits
     there and its copy to the checkpoint's name runs in the background, see
-    :mod:`.fast`) and ``keep_last_local`` (the slots each node keeps there). Raises
+    :mod:`.fast`), ``keep_last_local`` (the slots each node keeps there) and
+    ``save_arrival_timeout`` (seconds a rank in ``save_state`` waits for the others
+    before it fails: ``save_state`` is a collective, so calling it on the main
+    process only raises a CheckpointError on it instead of hanging). Raises
     CheckpointError on a bad option, and for DeepSpeed, Megatron-LM and XLA (their
     engines write their own checkpoints: keep ``accelerate.Accelerator``)."""
 
     def __init__(self, *args: Any, storage_options: dict | None = None,
                  async_save: bool = False, compression: str | None = None,
                  local_root: str | None = None, keep_last_local: int = 2,
-                 **kwargs: Any) -> None:
+                 save_arrival_timeout: float = 60.0, **kwargs: Any) -> None:
+        arrival = Arrival("DckptAccelerator", save_arrival_timeout)  # validates
         if isinstance(keep_last_local, bool) or not isinstance(keep_last_local, int) \
                 or keep_last_local < 1:
             raise CheckpointError(f"keep_last_local must be an int >= 1, got {keep_last_local!r}")
@@ -65,6 +71,35 @@ class DckptAccelerator(Accelerator):
         self._dckpt_rotation_fast = fast.Rotation()  # total_limit with the fast tier
         self._dckpt_agreed: Any = None
         self._dckpt_warned = False
+        self._dckpt_arrival = arrival
+        self._dckpt_strict = True  # load_state(strict=...) of the load in progress
+        self._dckpt_copy = False  # an unpickled copy (see __getstate__)
+
+    def __getstate__(self) -> dict:
+        """Stock accelerators pickle (dataloader workers, multiprocessing): so does
+        this one. The copy carries the settings but no save in flight, no process
+        group and no fast tier (its threads and leases belong to this process): a save
+        or load through the copy with ``local_root`` raises CheckpointError. Waits for
+        the snapshot of an asynchronous save in flight (its fence's hooks on the models
+        are closures, which do not pickle)."""
+        self._dckpt.unfence()
+        d = dict(self.__dict__)
+        d["_dckpt_agreed"] = None
+        if d.get("_dckpt_tier") is not None:
+            d["_dckpt_tier"] = None
+            d["_dckpt_copy"] = True
+        d["_dckpt_rotation_fast"] = None
+        return d
+
+    def __setstate__(self, d: dict) -> None:
+        self.__dict__.update(d)
+        self._dckpt_rotation_fast = fast.Rotation()
+
+    def _dckpt_usable(self) -> None:
+        if self._dckpt_copy:
+            raise CheckpointError("this DckptAccelerator is an unpickled copy of one with "
+                                  "local_root: its fast tier belongs to the original "
+                                  "process; save and load there")
 
     # ------------------------------------------------------------------ helpers
     def _dckpt_agree(self, comm: Comm) -> None:
@@ -95,16 +130,24 @@ class DckptAccelerator(Accelerator):
 
     # ------------------------------------------------------------------ saving
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
-                   **save_model_func_kwargs: Any) -> str:
+                   **save_model_func_kwargs: Any) -> Any:
         """Save everything stock ``save_state`` saves as one dckpt commit and return its
-        path. Collective; blocking I/O (each rank writes its own shards; rank 0 renames
+        path (a ``pathlib.Path`` as stock; a ``str`` for an object-store URL). Files
+        written into that folder before the save, or after an asynchronous save
+        returned, are kept in the placed checkpoint (never deleted). Collective; blocking I/O (each rank writes its own shards; rank 0 renames
         the staged folder into place and, with ``total_limit``, removes the oldest
         committed checkpoints after the commit). With ``async_save`` it returns after
         the snapshot and the rest runs in the background (the next save/load and
         ``end_training`` raise its error). ``safe_serialization`` is ignored (nothing
         is pickled). Raises on every rank alike: ValueError (automatic naming and the
         name exists, as stock), CheckpointError (the commit's, a hook's, a value that
-        cannot be stored)."""
+        cannot be stored): the ``save_arrival_timeout`` one on a rank that called it
+        while another did not."""
+        self._dckpt_usable()
+        self._dckpt_arrival.check("save_state")
+        return _as_path(self._save_state(output_dir))
+
+    def _save_state(self, output_dir: str | None) -> str:
         comm = Comm()
         self._dckpt_agree(comm)
         pc = self.project_configuration
@@ -226,7 +269,25 @@ class DckptAccelerator(Accelerator):
         checkpoint) goes to ``accelerate.Accelerator.load_state``. Collective;
         blocking I/O. Raises on every rank alike: ValueError (a missing folder; no
         input_dir without automatic naming), NotCommittedError (nothing committed),
-        IntegrityError, StateMismatchError, MissingKeyError."""
+        IntegrityError, StateMismatchError, MissingKeyError. ``strict=False`` (stock's
+        ``load_model_func_kwargs``): the models' missing and unexpected keys are left to
+        their own ``load_state_dict(strict=False)``, as stock."""
+        self._dckpt_usable()
+        strict = load_model_func_kwargs.get("strict", True)
+        if not isinstance(strict, bool):
+            raise CheckpointError(f"load_state: strict must be a bool, got {strict!r}")
+        self._dckpt_strict = strict
+        try:
+            self._load_state(input_dir, load_kwargs, **load_model_func_kwargs)
+        except (MissingKeyError, StateMismatchError) as e:
+            # the core's hint names its own keyword; load_state takes stock's
+            msg = str(e).replace("allow_missing=True", "strict=False")
+            if msg == str(e):
+                raise
+            raise type(e)(msg) from None
+
+    def _load_state(self, input_dir: str | None, load_kwargs: dict | None,
+                    **load_model_func_kwargs: Any) -> None:
         comm = Comm()
         self._dckpt_agree(comm)
         self._dckpt.finish()
@@ -334,7 +395,8 @@ class DckptAccelerator(Accelerator):
         c = tree.Contents(list(self._models), set(skip), cn.optimizers(self))
         loaded = tree.load(path, c, cn.META_KEY, check=cn.check(self, name),
                            storage_options=None if manifest_name else self._dckpt.storage_options,
-                           manifest_name=manifest_name)
+                           manifest_name=manifest_name,
+                           strict=getattr(self, "_dckpt_strict", True))
         err = None
         try:
             cn.apply(self, loaded.objects)
@@ -344,6 +406,7 @@ class DckptAccelerator(Accelerator):
         self.step = int(loaded.meta.get("step", 0))
         self.project_configuration.iteration = int(loaded.meta.get("iteration", -1)) + 1
         loaded.restore_rng()
+        self._dckpt.saw(loaded.timeline, loaded.save_id)  # the next save continues it
         log.info("loaded %s%s (saved at %d ranks)", name,
                  " from the fast tier" if manifest_name else "", loaded.world_size)
 
@@ -367,6 +430,14 @@ class DckptAccelerator(Accelerator):
                     tier.drain()  # every durable copy queued (a failed one is logged)
         finally:
             super().end_training()
+
+
+def _as_path(path: str) -> Any:
+    """Stock returns a ``pathlib.Path``; a URL stays a ``str`` (a Path would fold its
+    ``//``). Pure."""
+    import pathlib
+
+    return path if is_url(path) else pathlib.Path(path)
 
 
 def _number(path: str) -> int:

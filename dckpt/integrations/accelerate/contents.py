@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...errors import CheckpointError, ManifestError, StateMismatchError
+from ...errors import ManifestError, StateMismatchError
 from ...view.open import MissingKeyError
 from ..common.states import owner
 from ..common.tree import Contents
@@ -20,17 +20,16 @@ def inner_optimizer(opt: Any) -> Any:
 
 def optimizers(acc: Any) -> list[tuple[Any, int]]:
     """(torch optimizer, index of its model) for each prepared optimizer: the model
-    holding its parameters, else the model of the same index (stock pairs optimizer i
-    with model i). Raises CheckpointError when neither exists."""
+    holding all its parameters; -1 when they span several prepared models or include
+    parameters of none (DreamBooth's one optimizer over the UNet and the text encoder,
+    a learnable scalar): keyed then across every model, and by position for the loose
+    ones (:func:`..common.states.span`). An optimizer without parameters: the model of
+    its index (stock pairs optimizer i with model i), else -1. No I/O."""
     models = list(acc._models)
     out = []
     for j, opt in enumerate(acc._optimizers):
         inner = inner_optimizer(opt)
-        i = owner(inner, models, j if j < len(models) else None)
-        if i is None:
-            raise CheckpointError(f"optimizer {j}'s parameters belong to none of the "
-                                  f"{len(models)} prepared models: prepare its model too")
-        out.append((inner, i))
+        out.append((inner, owner(inner, models, j if j < len(models) else -1)))
     return out
 
 

@@ -23,7 +23,8 @@ from ...protocol.async_save import SaveHandle, async_save
 from ...protocol.collectives import Comm, agree, on_rank0
 from ...protocol.commit import save
 from .exit import watch
-from .place import PARTIAL, is_dckpt_file, is_url, kind, local_path, place, sweep
+from ...format.manifest import MANIFEST_NAME
+from .place import PARTIAL, is_url, kind, local_path, place, sweep
 
 log = logging.getLogger(__name__)
 
@@ -59,29 +60,50 @@ def _planning_lease(folder: str) -> str:
     return path
 
 
-def _check_replaceable(path: str, markers: tuple[str, ...] = (),
-                       sidecars: tuple[str, ...] = ()) -> None:
-    """A save replaces what is at ``path`` whole (the staged folder is renamed over
-    it): allowed for nothing, a folder holding nothing but ``markers`` (a framework's
-    "save in progress" files: transformers' JIT checkpoint creates
-    ``checkpoint-N/checkpoint-is-incomplete.txt`` before it calls the save), a
-    committed dckpt checkpoint, or dckpt's own files without a manifest (a checkpoint
-    whose manifest was lost: data files, intents, and the adapter's ``sidecars``); any
-    other
-    folder or file (a user's output directory next to a tokenizer, checkpoints under
-    it, a framework's own checkpoint) is refused, never deleted. Local I/O: a stat or a
-    listing. Raises CheckpointError naming ``path``."""
+# a framework's own checkpoint in the folder at the name (Accelerate's, the Trainer's,
+# DeepSpeed's): carried into a dckpt checkpoint, its stale pickles would be loaded by the
+# stock class later, mixed with the new state. Refused instead (the user moves it away).
+STOCK_MARKERS = ("optimizer.pt", "optimizer.bin", "scheduler.pt", "scaler.pt", "rng_state.pth",
+                 "random_states_0.pkl", "pytorch_model_fsdp_0", "optimizer_0", "latest")
+
+
+def _check_replaceable(path: str) -> None:
+    """A save's staged folder is renamed over what is at ``path``, and the files there
+    that dckpt did not write move into it (:func:`.place.place` with ``adopt``): a
+    subclass's or a callback's files written into the name before the save stay. So
+    any folder is taken but one that holds a committed dckpt checkpoint below it (a
+    parent of checkpoints: the new one would swallow them) or a framework's own
+    checkpoint (:data:`STOCK_MARKERS`: its stale state would sit beside the new one);
+    a file or a link at ``path`` is refused too. Never deletes. Local I/O: a stat, a
+    listing, and a stat per entry two levels down. Raises CheckpointError naming ``path``."""
     if not os.path.lexists(path):
         return
-    if os.path.isdir(path) and not os.path.islink(path):
-        names = set(os.listdir(path)) - set(markers)
-        ours = {n for n in names if is_dckpt_file(n)}
-        if kind(path) == "dckpt" or not names or (ours and not names - ours - set(sidecars)):
-            return
-    raise CheckpointError(
-        f"{path} exists and is not a dckpt checkpoint: a save replaces its folder whole, so "
-        "it would delete what is there. Save into a new folder (or an existing dckpt "
-        "checkpoint, which is replaced atomically), or move that folder away")
+    why = None
+    if os.path.islink(path) or not os.path.isdir(path):
+        why = "is not a folder"
+    else:
+        names = os.listdir(path)
+        stock = sorted(set(names) & set(STOCK_MARKERS))
+        nested = [n for n in names if os.path.isdir(os.path.join(path, n)) and (
+            os.path.isfile(os.path.join(path, n, MANIFEST_NAME)) or any(
+                os.path.isfile(os.path.join(path, n, m, MANIFEST_NAME))
+                for m in _subdirs(os.path.join(path, n))))]
+        if stock and kind(path) != "dckpt":
+            why = f"holds a framework's own checkpoint ({', '.join(stock)})"
+        elif nested:
+            why = f"holds dckpt checkpoints ({', '.join(sorted(nested)[:3])})"
+    if why is not None:
+        raise CheckpointError(
+            f"{path} exists and {why}: a save replaces that folder, so it would mix or "
+            "swallow what is there. Save into a new folder (or an existing dckpt "
+            "checkpoint, which is replaced atomically), or move that folder away")
+
+
+def _subdirs(path: str) -> list[str]:
+    try:
+        return [e.name for e in os.scandir(path) if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return []
 
 
 class Committer:
@@ -89,7 +111,8 @@ class Committer:
     commit returns after the snapshot (the ``fence`` optimizers' next ``step()`` waits
     for the copy); the commit, placement and ``after`` run in the background and
     :meth:`finish` raises their error. ``markers``: names of files a framework puts
-    in a folder before it calls the save, which the save may replace with the folder.
+    in a folder before it calls the save, never kept in the placed checkpoint (every
+    other file found at the name is: :func:`.place.place`).
     ``sidecars``: the files the adapter writes beside dckpt's in a checkpoint (a
     folder of only dckpt's files and these, without a manifest, is replaceable).
     Raises CheckpointError on a bad option."""
@@ -109,6 +132,47 @@ class Committer:
         self._handle: SaveHandle | None = None
         self._done = threading.Event()
         self._error: BaseException | None = None
+        # the run's timeline (tiers.chooser.timeline_of): the newest time a commit of
+        # this run had on it, and that commit's save id. A commit records them, so its
+        # place follows what the run reached, whatever rank 0's clock says.
+        self._newest: float | None = None
+        self._parent: str | None = None
+
+    def __getstate__(self) -> dict:
+        # a copy (a pickled accelerator in a dataloader worker) has no save in flight
+        d = dict(self.__dict__)
+        d.update(_handle=None, _done=None, _error=None)
+        return d
+
+    def __setstate__(self, d: dict) -> None:
+        self.__dict__.update(d)
+        self._done = threading.Event()
+
+    def saw(self, timeline: float, save_id: str) -> None:
+        """A checkpoint of the run was loaded (its time on the timeline, its save id):
+        the next commit continues it, ordered after it even when this host's clock is
+        behind. No I/O."""
+        self._newest = timeline if self._newest is None else max(self._newest, timeline)
+        self._parent = save_id or self._parent
+
+    def stamp(self, tree: dict, rank: int) -> dict:
+        """``tree`` with the timeline values (``manager.after``: just past the newest
+        commit this run has seen; ``manager.parent``) on rank 0. No I/O."""
+        if rank != 0 or self._newest is None:
+            return tree
+        manager: dict = {"after": self._newest + 1e-3}
+        if self._parent:
+            manager["parent"] = self._parent
+        return {**tree, "manager": manager}
+
+    def _committed(self, save_id: str | None) -> None:
+        # this commit's timeline time is at least "after" and at most now
+        import time as _time
+
+        now = _time.time()
+        after = (self._newest + 1e-3) if self._newest is not None else now
+        self._newest = max(now, after)
+        self._parent = save_id or self._parent
 
     def plan(self, final: str) -> Plan:
         """Rank 0 decides where the save of ``final`` goes (and, locally, creates the
@@ -129,7 +193,7 @@ class Committer:
             return [final.rstrip("/"), final.rstrip("/"), False]
         path = os.path.abspath(local_path(final))
         parent, name = os.path.split(path)
-        _check_replaceable(path, self.markers, self.sidecars)
+        _check_replaceable(path)
         os.makedirs(parent, exist_ok=True)
         sweep(parent, name)
         tmp = os.path.join(parent, f".{name}{PARTIAL}{uuid.uuid4().hex[:12]}")
@@ -147,8 +211,10 @@ class Committer:
         comm = Comm()
         self.finish()
         kw = dict(storage_options=self.storage_options, compression=self.compression)
+        tree = self.stamp(tree, comm.rank)
         if not self.async_save:
-            save(tree, plan.target, **kw)
+            info = save(tree, plan.target, **kw)
+            self._committed(getattr(info, "save_id", None))
             err = None
             if comm.rank == 0:
                 try:
@@ -165,6 +231,8 @@ class Committer:
 
         def done(h: SaveHandle) -> None:
             try:
+                if h.exception() is None:
+                    self._committed(getattr(h.result(), "save_id", None))
                 if h.exception() is None and comm.rank == 0:
                     self._place(plan, after)
             except Exception as e:  # raised on every rank by the next finish()
@@ -183,9 +251,23 @@ class Committer:
                 pass
         if plan.staged:
             _faults.fault("place", 0)  # crash tests: committed, not yet renamed
-            place(plan.target, plan.final)
+            place(plan.target, plan.final, adopt=self.markers)
         if after is not None:
             after()
+
+    def unfence(self) -> None:
+        """Wait for the snapshot of the save in flight, then remove its fence's hooks
+        from the models and optimizers (the training thread's call: before they are
+        pickled, whose closures cannot be). Blocking: the snapshot copy at most. Never
+        raises (a failed copy is the save's error, raised by :meth:`finish`)."""
+        h = self._handle
+        if h is None:
+            return
+        try:
+            h.wait_snapshot()
+        except Exception as e:  # pragma: no cover - wait_snapshot raises on timeout only
+            log.debug("waiting for the snapshot of %s: %s", h.path, e)
+        h._unfence()
 
     @property
     def pending(self) -> bool:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ...protocol.collectives import Comm, on_rank0
+from ...tiers.chooser import timeline_of
 from ...tiers.local import view_name
 from . import resolve
 from .place import durable_name, remove_whole
@@ -97,8 +98,7 @@ def check_name(committer: Any, final: str) -> None:
 
     if "://" in final:
         return
-    on_rank0(Comm(), lambda: _check_replaceable(
-        durable_name(final), committer.markers, committer.sidecars), f"look at {final}")
+    on_rank0(Comm(), lambda: _check_replaceable(durable_name(final)), f"look at {final}")
 
 
 def save(tier: LocalTier, committer: Any, built: dict, final: str, step: int,
@@ -110,6 +110,7 @@ def save(tier: LocalTier, committer: Any, built: dict, final: str, step: int,
     name. Collective; blocking (synchronous: the local commit; asynchronous: the
     snapshot). Raises the local commit's CheckpointError on every rank alike."""
     final = durable_name(final)
+    built = committer.stamp(built, Comm().rank)
 
     def planner() -> list:
         made = committer.decide(final)
@@ -127,6 +128,7 @@ def save(tier: LocalTier, committer: Any, built: dict, final: str, step: int,
         return made[:3]
     tier.save(built, final, step, planner, async_=committer.async_save,
               storage_options=committer.storage_options)
+    committer._committed(None)  # on the timeline at the latest now (local commit)
     return final
 
 
@@ -202,7 +204,7 @@ def local_commits(tier: LocalTier, parent: str, pattern: Any) -> list[Committed]
         owner = str(view.meta.get("owner", ""))
         if pattern.fullmatch(owner.rstrip("/").rsplit("/", 1)[-1]) is None:
             return False
-        found[owner] = Committed(owner, float(view.created), view.save_id)
+        found[owner] = Committed(owner, timeline_of(view)[0], view.save_id)
         return True
 
     return [found[n] for n in tier.names_in(parent, 0, accept)]

@@ -26,6 +26,9 @@ from ...storage.local import _fsync_dir  # fsync of a directory entry (the renam
 
 log = logging.getLogger(__name__)
 PARTIAL = ".dckpt-partial-"
+# transformers' JIT checkpoint marks a folder "save in progress" with this file before it
+# calls the save; a placed checkpoint is complete, so the marker is never kept in it
+JIT_MARKER = "checkpoint-is-incomplete.txt"
 REMOVING = ".dckpt-removing-"
 
 
@@ -115,23 +118,64 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def place(tmp: str, final: str) -> None:
+def place(tmp: str, final: str, adopt: tuple[str, ...] | None = None) -> None:
     """Move the committed checkpoint ``tmp`` to ``final`` in one step: a rename when
     nothing is there, an atomic exchange (renameat2) with what is there (a stock
-    checkpoint, a file) and then its removal. Local paths; blocking I/O (one rename and
-    a directory fsync, plus the removal of what was replaced)."""
+    checkpoint, a file) and then its removal. ``adopt`` (the Hugging Face adapters: the
+    names never to keep, a framework's "save in progress" markers): every entry of the
+    folder that stood at ``final`` that dckpt did not write (a
+    subclass's or callback's files written into the name before the save, or after an
+    asynchronous save returned) is moved into the placed checkpoint first, unless the
+    new one holds that name (the save's own file wins): nothing dckpt did not write is
+    deleted. Local paths; blocking I/O (one rename and a directory fsync, a listing and
+    a rename per adopted entry, plus the removal of what was replaced)."""
     parent = os.path.dirname(final) or "."
     if not os.path.lexists(final):
         if not _renameat2(tmp, final, 1):  # RENAME_NOREPLACE
             os.rename(tmp, final)
     elif _renameat2(tmp, final, 2):  # RENAME_EXCHANGE: the old one is now at tmp
+        if adopt is not None:
+            adopt_entries(tmp, final, adopt)
         _rm(tmp)
     else:
         trash = os.path.join(parent, f".{os.path.basename(final)}{REMOVING}{uuid.uuid4().hex[:8]}")
         os.rename(final, trash)
         os.rename(tmp, final)
+        if adopt is not None:
+            adopt_entries(trash, final, adopt)
         _rm(trash)
     _fsync_dir(parent)
+
+
+def written_by_dckpt(name: str) -> bool:
+    """Whether an entry of a checkpoint folder is dckpt's own (a data file, an intent,
+    a manifest, a hidden dckpt leftover): never adopted from a replaced folder. Pure."""
+    return is_dckpt_file(name) or name == MANIFEST_NAME or (
+        name.startswith(".") and "dckpt" in name)
+
+
+def adopt_entries(old: str, new: str, drop: tuple[str, ...] = ()) -> list[str]:
+    """Move each entry of the folder ``old`` that dckpt did not write, that is not one
+    of ``drop`` and that ``new`` lacks into ``new``; return their names. ``old`` not a folder: nothing. An entry
+    that cannot be moved is logged and left in ``old`` (then removed with it: the
+    caller's choice); never raises for one entry. Local I/O: a listing, a rename each
+    (same file system)."""
+    if not os.path.isdir(old) or os.path.islink(old):
+        return []
+    moved = []
+    for n in sorted(os.listdir(old)):
+        if (written_by_dckpt(n) or n in drop or n == JIT_MARKER
+                or os.path.lexists(os.path.join(new, n))):
+            continue
+        try:
+            os.rename(os.path.join(old, n), os.path.join(new, n))
+            moved.append(n)
+        except OSError as e:
+            log.error("could not keep %s in the new checkpoint %s: %s", n, new, e)
+    if moved:
+        log.info("kept %s, written into %s outside dckpt's save, in the new checkpoint",
+                 moved, new)
+    return moved
 
 
 def remove_whole(path: str, storage_options: dict | None = None) -> None:
@@ -218,13 +262,17 @@ def durable_name(path: str) -> str:
 
 
 def stamp(path: str, storage_options: dict | None = None) -> list | None:
-    """[save id, commit time] of the committed dckpt checkpoint at ``path``, None when
-    none is committed there. Blocking I/O: reads and parses its manifest. Raises its
+    """[save id, time on the run's timeline] of the committed dckpt checkpoint at
+    ``path`` (its commit time, raised to the ``manager.after`` it records:
+    :func:`dckpt.tiers.chooser.timeline_of`; a host whose clock is behind changes no
+    order), None when none is committed there. Blocking I/O: reads and parses its manifest. Raises its
     CheckpointError (an unreadable or invalid manifest) or OSError."""
     if kind(path, storage_options) != "dckpt":
         return None
+    from ...tiers.chooser import timeline_of
+
     m = read_manifest(path, storage_options)
-    return [m.save_id, float(m.created)]
+    return [m.save_id, timeline_of(m)[0]]
 
 
 def read_manifest(path: str, storage_options: dict | None = None):
@@ -239,7 +287,8 @@ def read_manifest(path: str, storage_options: dict | None = None):
     return mf.parse(read_manifest_bytes(storage, root, MANIFEST_NAME), f"{path}/{MANIFEST_NAME}")
 
 
-def place_agreed(comm, target: str, final: str, staged: bool) -> None:
+def place_agreed(comm, target: str, final: str, staged: bool,
+                 adopt: tuple[str, ...] | None = None) -> None:
     """After a commit at ``target``: rank 0 moves it to ``final`` when ``staged``
     (:func:`place`), and every rank raises its error alike. Collective (one small
     all-gather); blocking I/O on rank 0."""
@@ -248,7 +297,7 @@ def place_agreed(comm, target: str, final: str, staged: bool) -> None:
     err = None
     if comm.rank == 0 and staged:
         try:
-            place(target, final)
+            place(target, final, adopt)
         except Exception as e:
             err = e
     agree(comm, err, f"move {target} to {final}")

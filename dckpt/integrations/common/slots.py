@@ -15,6 +15,7 @@ from ...format import manifest as mf
 from ...protocol.collectives import Comm
 from ...protocol.restore import MAX_MANIFEST
 from ...tiers import local as tlocal
+from ...tiers.chooser import timeline_of
 from .place import stamp
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ def mine(storage, slot: str, final: str, comm: Comm) -> list | None:
                         comm.size)
             return None
         if all(sizes.get(f.name) == f.size for f in view.files if f.rank == comm.rank):
-            return [view.save_id, float(view.created), _parent(view)]
+            return [view.save_id, timeline_of(view)[0], _parent(view)]
     except FileNotFoundError:
         pass
     except (OSError, CheckpointError) as e:
@@ -149,7 +150,7 @@ def cleanup(tier: Any, rank: int) -> None:
             try:
                 view = mf.parse(tier.storage.read_file(
                     tier.storage.join(d, tlocal.view_name(rank)), MAX_MANIFEST), d)
-                held.append((view.created, d, view))
+                held.append((timeline_of(view)[0], d, view))
             except FileNotFoundError:
                 partial.append(d)
             except (OSError, CheckpointError) as err:
@@ -189,7 +190,7 @@ def copied(tier: Any, view: Any, rank: int) -> bool:
     # or one saved since over it (a durable id other than the recorded parent); commit
     # times of two hosts are compared only for a commit without a parent
     if durable is not None and (durable[0] == view.save_id or not Held(
-            "", view.save_id, float(view.created), _parent(view)).newer_than(durable)):
+            "", view.save_id, timeline_of(view)[0], _parent(view)).newer_than(durable)):
         return True
     if owner not in tier._kept:
         tier._kept.add(owner)

@@ -273,7 +273,7 @@ class LocalTier:
                                     job.storage_options, None, self.compression)
             else:
                 stager.stage(job.commit, self.storage, target, comm, job.storage_options)
-            place_agreed(comm, target, final, staged)
+            place_agreed(comm, target, final, staged, adopt=())
             self.seen[job.final] = job.commit.save_id
             if comm.rank == 0:
                 log.info("%s copied to the durable tier (%.1f MiB)", final,

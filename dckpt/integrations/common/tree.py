@@ -22,34 +22,42 @@ import torch
 from ...errors import CheckpointError, ManifestError, NotCommittedError
 from ...protocol.collectives import Comm
 from ...protocol.restore import load as _load
+from ...tiers.chooser import timeline_of
 from . import codec, rng
-from .states import ModelState, OptimizerState
+from .states import ModelState, OptimizerState, span
 
 
 @dataclass
 class Contents:
     """What a checkpoint holds. ``models``: the prepared models; ``skip``: indices of
     models not saved or loaded (a framework hook took them over; their optimizers
-    still are). ``optimizers``: (optimizer, index of its model in ``models``). ``objects``: {name: state} (a save: rank 0's ``state_dict()`` values,
+    still are). ``optimizers``: (optimizer, index of its model in ``models``, or -1
+    when its parameters span several models or include loose ones: keyed then by
+    :func:`.states.span`). ``objects``: {name: state} (a save: rank 0's ``state_dict()`` values,
     ``{}`` on other ranks; names of ``[A-Za-z0-9_]``). ``meta``: rank 0's JSON-able
     metadata (a save)."""
 
     models: list[torch.nn.Module]
     skip: set[int] = field(default_factory=set)
-    optimizers: list[tuple[torch.optim.Optimizer, int]] = field(default_factory=list)
+    optimizers: list[tuple[torch.optim.Optimizer, int]] = field(default_factory=list)  # -1: span
     objects: dict[str, Any] = field(default_factory=dict)
     meta: dict[str, Any] | None = None
 
 
 def _check(c: Contents) -> None:
     for j, (_, i) in enumerate(c.optimizers):
-        if not (isinstance(i, int) and 0 <= i < len(c.models)):
+        if not (isinstance(i, int) and -1 <= i < len(c.models)):
             raise CheckpointError(f"optimizer {j} belongs to model {i!r}, which is not one "
                                   f"of the {len(c.models)} models: an optimizer is keyed by "
                                   "its model's parameter names")
     for name in c.objects:
         if not name or not all(ch.isalnum() or ch == "_" for ch in name):
             raise CheckpointError(f"object name {name!r}: use letters, digits and '_'")
+
+
+def _optimizer_states(c: Contents) -> dict[str, OptimizerState]:
+    return {str(j): OptimizerState(span(opt, c.models) if i == -1 else c.models[i], opt)
+            for j, (opt, i) in enumerate(c.optimizers)}
 
 
 def build(c: Contents, rank: int, meta_key: str) -> dict[str, Any]:
@@ -60,8 +68,7 @@ def build(c: Contents, rank: int, meta_key: str) -> dict[str, Any]:
     _check(c)
     tree: dict[str, Any] = {
         "models": {str(i): ModelState(m) for i, m in enumerate(c.models) if i not in c.skip},
-        "optimizers": {str(j): OptimizerState(c.models[i], opt)
-                       for j, (opt, i) in enumerate(c.optimizers)},
+        "optimizers": _optimizer_states(c),
         rng.ROOT: rng.entry(rank),
     }
     if rank == 0:
@@ -83,13 +90,16 @@ def fence_targets(c: Contents) -> list:
 @dataclass
 class Loaded:
     """A load's outcome: the checkpoint's metadata, its objects' states ({name:
-    state}), the world size it was saved at, and the RNG states to set
-    (:meth:`restore_rng`)."""
+    state}), the world size it was saved at, the RNG states to set
+    (:meth:`restore_rng`), and its place on the run's timeline (time, save id: the
+    next commit continues it, :meth:`.commit.Committer.saw`)."""
 
     meta: dict[str, Any]
     objects: dict[str, Any]
     world_size: int
     _rng: Any = None
+    timeline: float = 0.0  # its time on the run's timeline (tiers.chooser.timeline_of)
+    save_id: str = ""
 
     def restore_rng(self) -> None:
         """Set this rank's generators (the r mod N rule at another world size). Never
@@ -99,7 +109,8 @@ class Loaded:
 
 def load(path: str, c: Contents, meta_key: str, *, storage_options: dict | None = None,
          check: Callable[[dict, set], None] | None = None,
-         ignore: tuple[str, ...] = (), manifest_name: str | None = None) -> Loaded:
+         ignore: tuple[str, ...] = (), manifest_name: str | None = None,
+         strict: bool = True) -> Loaded:
     """Fill ``c``'s models and optimizers from the checkpoint at ``path`` (reshards:
     any world size, any parallelism) and return its metadata and objects (decoded, not
     applied). ``check(meta, object names)`` runs on every rank before any byte is read
@@ -109,14 +120,16 @@ def load(path: str, c: Contents, meta_key: str, *, storage_options: dict | None 
     IntegrityError/ManifestError, StateMismatchError (names, shapes, dtypes), what
     ``check`` raises. ``ignore``: key prefixes of the checkpoint not loaded and not
     reported as unexpected (``("optimizers.",)``: the models only). ``manifest_name``:
-    the manifest each rank reads (a fast-tier slot: this rank's view)."""
+    the manifest each rank reads (a fast-tier slot: this rank's view). ``strict=False``
+    (stock ``load_state_dict(strict=False)``): keys the models lack or the checkpoint
+    lacks are left alone (the models' own load decides); the optimizers still match.
+    A model buffer whose saved shape differs from the live one is handed to the model's
+    own ``load_state_dict`` at the saved shape (a buffer that grows with the data)."""
     _check(c)
     rank = Comm().rank
-    target: dict[str, Any] = {
-        "models": {str(i): ModelState(m) for i, m in enumerate(c.models) if i not in c.skip},
-        "optimizers": {str(j): OptimizerState(c.models[i], opt)
-                       for j, (opt, i) in enumerate(c.optimizers)},
-    }
+    models = {str(i): ModelState(m, strict) for i, m in enumerate(c.models) if i not in c.skip}
+    optimizers = _optimizer_states(c)
+    target: dict[str, Any] = {"models": models, "optimizers": optimizers}
     skipped = tuple(f"models.{i}." for i in sorted(c.skip))
     found: dict[str, Any] = {}
 
@@ -134,7 +147,9 @@ def load(path: str, c: Contents, meta_key: str, *, storage_options: dict | None 
         names = codec.names(m, "objects")
         if check is not None:
             check(meta, names)
+        _shape_targets(m, models, optimizers)
         found["meta"], found["world"] = meta, m.world_size
+        found["timeline"] = timeline_of(m), m.save_id
         objs = {n: codec.target(m, f"objects.{n}") for n in sorted(names)}
         found["objects"] = objs
         out: dict[str, Any] = {"objects": objs} if objs else {}
@@ -145,12 +160,37 @@ def load(path: str, c: Contents, meta_key: str, *, storage_options: dict | None 
 
     try:
         _load(target, path, storage_options=storage_options, strict=True, extra=extra,
-              ignore_prefixes=(rng.ROOT + ".", meta_key) + skipped + tuple(ignore),
-              manifest_name=manifest_name)
+              ignore_prefixes=(rng.ROOT + ".", meta_key) + skipped + tuple(ignore)
+              + (() if strict else ("models.",)),
+              manifest_name=manifest_name, allow_missing=not strict)
     except CheckpointError as e:  # extra()'s own error, the same on every rank: its type
         cause = e.__cause__
         if isinstance(cause, CheckpointError) and type(cause) is not type(e):
             raise type(cause)(str(cause)) from None
         raise
     objects = {n: codec.decode(t, f"{path}: objects.{n}") for n, t in found["objects"].items()}
-    return Loaded(found["meta"], objects, found["world"], found.get("rng"))
+    return Loaded(found["meta"], objects, found["world"], found.get("rng"),
+                  found["timeline"][0][0], found["timeline"][1])
+
+
+def _shape_targets(m: Any, models: dict[str, ModelState],
+                   optimizers: dict[str, OptimizerState]) -> None:
+    """Before a load matches: whether each optimizer's saved entry holds state (a
+    fresh optimizer is initialised only then, and a saved fresh one loads fresh), and
+    which model buffers must be handed over at their saved shape. Pure over the
+    manifest's keys: O(keys)."""
+    has_state = set()
+    for keys in (m.tensors, m.values):
+        for k in keys:
+            if k.startswith("optimizers."):
+                parts = k.split(".", 3)
+                if len(parts) == 4 and parts[2] == "state":
+                    has_state.add(parts[1])
+    for j, o in optimizers.items():
+        o.saved_has_state = j in has_state
+    for i, ms in models.items():
+        prefix = f"models.{i}."
+        saved = {k[len(prefix):]: tuple(e.shape) for k, e in m.tensors.items()
+                 if k.startswith(prefix)}
+        ms.resize = ms.buffers_to_resize(saved) if saved else {}
+
