@@ -223,6 +223,22 @@ def flatten(state: Any, *, target: bool = False, blobs: bool = False) -> Flat:
     return flat
 
 
+def load_into(obj: Any, sd: Any, key: str) -> None:
+    """``obj.load_state_dict(sd)``. Its own error that is neither a CheckpointError
+    nor an OSError (an IndexError, a RuntimeError of torch's: the state does not fit
+    the object) is a StateMismatchError naming ``key``: the caller's mismatch, the
+    same on any checkpoint, never damage that a fallback to an older one would cure."""
+    from ..errors import CheckpointError
+
+    try:
+        obj.load_state_dict(sd)
+    except (CheckpointError, OSError):
+        raise
+    except Exception as e:
+        raise StateMismatchError(f"{key or 'the state'}: load_state_dict of "
+                                 f"{type(obj).__name__} raised {type(e).__name__}: {e}") from e
+
+
 def fill(state: Any, get: Callable[[str, Any], Any],
          stateful: dict[str, tuple[Any, Any]] | None = None, *, sort: bool = False,
          whole: Container[str] = ()) -> Any:
@@ -243,7 +259,7 @@ def fill(state: Any, get: Callable[[str, Any], Any],
             return get(key, obj)
         if key in stateful and stateful[key][0] is obj:
             sd = walk(stateful[key][1], key)
-            obj.load_state_dict(sd)
+            load_into(obj, sd, key)
             return obj
         if key in whole:
             return get(key, obj)

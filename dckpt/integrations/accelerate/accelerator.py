@@ -400,8 +400,11 @@ class DckptAccelerator(Accelerator):
         err = None
         try:
             cn.apply(self, loaded.objects)
-        except Exception as e:
+        except (CheckpointError, OSError) as e:
             err = e
+        except Exception as e:  # the object's own mismatch, not damage: no fallback
+            err = StateMismatchError(f"{path}: loading its objects raised "
+                                     f"{type(e).__name__}: {e}")
         agree(comm, err, f"load the objects of {path}")
         self.step = int(loaded.meta.get("step", 0))
         self.project_configuration.iteration = int(loaded.meta.get("iteration", -1)) + 1
