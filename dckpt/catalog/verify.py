@@ -12,7 +12,8 @@ from ..format.dtypes import ITEMSIZE
 from ..format.checksum import crc32
 from ..progress import Progress
 from ..engine.openfiles import OpenFiles as _Files
-from ..engine.reader import ChunkReader, file_path, find_stored, stored_name
+from ..engine.reader import ChunkReader, file_path, stored_name
+from ..format.chunknames import checked_stored
 from ..storage.fsspec_storage import make_storage
 
 log = logging.getLogger(__name__)
@@ -146,6 +147,7 @@ def _verify(storage, root: str, m, file_indices, report: VerifyReport,
             report.problems.append(str(e))
         log.info("verified %d/%d files", n + 1, len(wanted))
     for key, t in m.tensors.items():
+        count = Counter(fi for _, fi in placed[key])  # the key's chunks per file
         for ci, fi in placed[key]:  # a fast-tier view's chunks of other nodes: not here
             if t.encoded(ci) is not None:
                 _check_encoded(reader, t, ci, report)
@@ -155,7 +157,11 @@ def _verify(storage, root: str, m, file_indices, report: VerifyReport,
             except (CheckpointError, OSError):
                 continue  # already reported above
             offs, want = t.chunks.box(ci)
-            st = find_stored(tensors, key, offs)  # key@offsets: strided
+            try:  # key@offsets: strided; the offsets the file records must be these
+                st = checked_stored(tensors, key, offs, _name(m.files[fi]), count[fi])
+            except CheckpointError as e:
+                report.problems.append(str(e))
+                continue
             if st is None or st.shape != want or st.dtype != t.dtype:
                 report.problems.append(f"tensor {key!r} chunk {ci}: not in {m.files[fi].name} "
                                        "as the manifest says")

@@ -18,6 +18,7 @@ from ..progress import Progress
 from ..state.tensors import LocalPiece
 # the names of several chunks of one tensor in one file; public here for the writers
 from ..format.chunknames import find_stored, stored_name, stored_names  # noqa: F401
+from ..format.chunknames import checked_stored
 from .openfiles import OpenFiles as _Files
 # what a load plans before its first read; public here, as before
 from .readplan import plan_pieces, plan_reads  # noqa: F401
@@ -78,6 +79,7 @@ class ChunkReader:
     def __init__(self, storage, root: str, manifest: mf.Manifest) -> None:
         self.storage, self.root, self.m = storage, root, manifest
         self.headers: dict[int, tuple[dict[str, shards.StoredTensor], int]] = {}
+        self._cells: dict[tuple[int, str], int] = {}  # (file, key) -> chunks there
 
     def _path(self, f: mf.FileEntry) -> str:
         return file_path(self.storage, self.root, f)
@@ -105,14 +107,34 @@ class ChunkReader:
         self.headers[fi] = shards.parse_header(head, path, size)
         return self.headers[fi]
 
+    def find(self, fi: int, key: str, offsets,
+             entry: mf.TensorEntry | None = None) -> shards.StoredTensor | None:
+        """The stored tensor of ``key``'s chunk at ``offsets`` in file ``fi`` (its
+        header read and cached), checked to be that chunk (:func:`checked_stored`: the
+        offsets its header records; for a file that records none, that the manifest
+        puts one chunk of ``key`` there when the bare key holds it). None when the file
+        holds no such name. ``entry``: the manifest's entry of ``key`` (looked up when
+        not given). O(ndim); for a file without offsets, once per (file, key),
+        ``Chunks.in_file``. Raises IntegrityError naming the file and key."""
+        tensors, _ = self.header(fi)
+        return checked_stored(tensors, key, offsets, _shown(self.m.files[fi]),
+                              lambda: self._count(fi, key, entry))
+
+    def _count(self, fi: int, key: str, entry: mf.TensorEntry | None) -> int:
+        n = self._cells.get((fi, key))
+        if n is None:
+            t = entry if entry is not None else self.m.tensors.get(key)
+            n = self._cells[(fi, key)] = 0 if t is None else len(t.chunks.in_file(fi))
+        return n
+
     def stored_bytes(self, fi: int, key: str, off: int, n: int, files: "_Files",
                      offsets=()) -> memoryview:
         """Bytes ``[off, off + n)`` of the entry of ``key``'s chunk at ``offsets`` in
         file ``fi`` (see :func:`find_stored`), read with their checksum blocks and
         verified. Blocking I/O; raises IntegrityError naming the file and key."""
-        tensors, block = self.header(fi)
+        _, block = self.header(fi)
         f = self.m.files[fi]
-        st = find_stored(tensors, key, offsets)
+        st = self.find(fi, key, offsets)
         what = f"shard file {_shown(f)}, tensor {key!r}"
         if st is None or off + n > st.nbytes:
             raise IntegrityError(f"{what}: the file does not hold the block the manifest "
@@ -131,9 +153,8 @@ class ChunkReader:
         file ``fi``, NOT verified: for decisions that a verified read confirms later
         (whether a delta may pay), never for data. Blocking I/O; raises IntegrityError
         when the file does not hold the range."""
-        tensors, _ = self.header(fi)
         f = self.m.files[fi]
-        st = find_stored(tensors, key, offsets)
+        st = self.find(fi, key, offsets)
         what = f"shard file {_shown(f)}, tensor {key!r}"
         if st is None or off + n > st.nbytes:
             raise IntegrityError(f"{what}: the file does not hold bytes {off}..{off + n}")
@@ -214,9 +235,8 @@ class ChunkReader:
         return t.nbytes
 
     def stored(self, key: str, entry: mf.TensorEntry, item: ReadItem) -> shards.StoredTensor:
-        tensors, _ = self.header(item.file)
         offsets, want = entry.chunks.box(item.chunk)
-        st = find_stored(tensors, key, offsets)
+        st = self.find(item.file, key, offsets, entry)
         if st is None or st.dtype != entry.dtype or st.shape != want:
             raise IntegrityError(f"shard file {self.m.files[item.file].name} does not hold "
                                  f"chunk {item.chunk} of {key!r} as the manifest says")

@@ -1,12 +1,14 @@
 """Names of chunks in shard files. A file's only chunk of a tensor is stored under the
 tensor's key; when a file holds several chunks of one tensor (a strided DTensor's local
 tensor is several boxes of the global tensor), each is stored as ``key@o0,o1,...``, its
-global offsets. Pure; see docs/FORMAT.md."""
+global offsets. Every chunk's global offsets are also recorded in its file's header
+(``at:<name>``), and :func:`checked_stored` holds what a manifest names against them.
+Pure; see docs/FORMAT.md."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
-from ..errors import UnsupportedValueError
+from ..errors import IntegrityError, UnsupportedValueError
 
 if TYPE_CHECKING:
     from .shards import StoredTensor
@@ -49,6 +51,37 @@ def find_stored(tensors: dict, key: str, offsets) -> "StoredTensor | None":
     """The stored tensor of the chunk of ``key`` at ``offsets`` in a parsed shard
     header: ``key`` when its file holds that chunk only, else named
     :func:`stored_name` (:func:`stored_names` makes the two unambiguous). O(1) for a
-    key's only chunk, O(ndim) otherwise."""
+    key's only chunk, O(ndim) otherwise. The name lookup only: what reads a chunk for
+    a manifest uses :func:`checked_stored`, which also checks where the chunk belongs."""
     st = tensors.get(key)
     return st if st is not None else tensors.get(stored_name(key, offsets))
+
+
+def checked_stored(tensors: dict, key: str, offsets, file: str,
+                   cells: "int | Callable[[], int]") -> "StoredTensor | None":
+    """:func:`find_stored`, and a check that the stored tensor is the chunk of ``key``
+    at ``offsets`` (those a manifest names) and no other: its header's recorded
+    offsets (``StoredTensor.at``) must be ``offsets``. A file written before offsets
+    were recorded cannot say; there, a chunk stored under the bare key is refused
+    when the manifest assigns ``cells`` >= 2 chunks of ``key`` to the file (its
+    writer named each ``key@offsets`` then: the file and manifest disagree, and the
+    bare name could be any of them). ``cells``: that count, or a function returning it
+    (called only for such a file). None when the file holds no such name. O(ndim)
+    (plus ``cells()``). Raises IntegrityError naming the tensor key and ``file``."""
+    st = find_stored(tensors, key, offsets)
+    if st is None:
+        return None
+    if st.at is not None:
+        want = tuple(int(x) for x in offsets)
+        if st.at != want:
+            raise IntegrityError(
+                f"shard file {file}, tensor {key!r}: the file holds the chunk at offsets "
+                f"{list(st.at)}, the manifest names the chunk at {list(want)} there (a "
+                "manifest that points the chunk at the wrong file)")
+    elif st.name == key and (cells() if callable(cells) else cells) > 1:
+        raise IntegrityError(
+            f"shard file {file}, tensor {key!r}: the manifest puts several chunks of the "
+            "tensor in this file, which holds one under the bare key and records no "
+            "offsets (a file written before dckpt recorded them): which chunk it holds "
+            "is ambiguous")
+    return st

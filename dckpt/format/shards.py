@@ -2,7 +2,9 @@
 
 Layout of a file: ``u64 header length | header JSON (space padded to 8) | data``. The
 header's ``__metadata__`` holds ``dckpt.block`` (block size in bytes) and, per tensor,
-``crc32:<name>``: 8 hex digits per block of that tensor's bytes. The manifest records the
+``crc32:<name>``: 8 hex digits per block of that tensor's bytes, and ``at:<name>``: the
+global offsets of the chunk it holds (decimal, joined by ``,``; files written before
+have none, see :mod:`.chunknames`). The manifest records the
 length and CRC32 of the header, so every byte of a file is covered by a checksum, and a
 partial read can be verified block by block. Any safetensors reader loads the file.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,6 +29,13 @@ BLOCK = 256 << 10  # bytes per checksum: a partial read widens a region by < 2 b
 MAX_BLOCK = 16 << 20
 MAX_HEADER = 100 << 20  # as safetensors: refuse absurd headers before allocating
 _U64 = struct.Struct("<Q")
+MAX_DIMS = 64  # as the manifest: a tensor has at most 64 dims
+# An ``at:<name>`` value: at most MAX_DIMS decimal offsets below 2**63 (19 digits), no
+# leading zeros, joined by ",". Checked by length first, then by this bounded pattern:
+# linear in the (bounded) value, whatever bytes a hostile header holds.
+_AT_CHARS = MAX_DIMS * 20
+_AT = re.compile(r"(?:0|[1-9][0-9]{0,18})(?:,(?:0|[1-9][0-9]{0,18})){0,%d}" % (MAX_DIMS - 1))
+_I63 = 1 << 63
 
 
 @dataclass(frozen=True)
@@ -38,6 +48,9 @@ class StoredTensor:
     start: int  # absolute byte offset in the file
     nbytes: int
     crcs: np.ndarray  # uint32, one per block
+    # the global offsets of the chunk it holds, as its header records them (``at:``);
+    # None in a file written before offsets were recorded
+    at: tuple[int, ...] | None = None
 
 
 def block_crcs(buf: memoryview, block: int = BLOCK) -> list[int]:
@@ -46,15 +59,20 @@ def block_crcs(buf: memoryview, block: int = BLOCK) -> list[int]:
 
 
 def header_json(entries, crcs: list[list[int]] | None = None, block: int = BLOCK,
-                align: int = 8, length: int | None = None) -> bytes:
+                align: int = 8, length: int | None = None,
+                at: dict[str, tuple[int, ...]] | None = None) -> bytes:
     """The header JSON (no length prefix) of ``entries`` in file order, padded. Without
-    ``crcs``: plain safetensors (``__metadata__`` only ``{"format": "pt"}``)."""
+    ``crcs``: plain safetensors (``__metadata__`` only ``{"format": "pt"}``). ``at``:
+    {stored name: the global offsets of its chunk}, recorded as ``at:<name>`` (with
+    ``crcs`` only; every entry must have one). Pure, O(header)."""
     meta = {"format": "pt"} if crcs is None else {"format": "pt", "dckpt.block": str(block)}
     body: dict = {}
     pos = 0
     for i, (name, dtype, shape, nbytes) in enumerate(entries):
         if crcs is not None:
             meta["crc32:" + name] = "".join(f"{x:08x}" for x in crcs[i])
+            if at is not None:
+                meta["at:" + name] = ",".join(str(int(x)) for x in at[name])
         body[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
         pos += nbytes
     raw = json.dumps({"__metadata__": meta, **body}, separators=(",", ":")).encode()
@@ -77,8 +95,8 @@ def order_entries(entries: list[tuple[str, str, tuple[int, ...], int]]) -> list[
 
 
 def write_shard(writer, entries: list[tuple[str, str, tuple[int, ...], int]],
-                buffers: list, random_write: bool,
-                block: int = BLOCK) -> tuple[int, int, int]:
+                buffers: list, random_write: bool, block: int = BLOCK,
+                at: dict[str, tuple[int, ...]] | None = None) -> tuple[int, int, int]:
     """Write one shard file through ``writer`` (a storage Writer, not yet committed).
 
     ``entries[i] = (name, dtype, shape, nbytes)`` in file order, ``buffers[i]`` its bytes.
@@ -91,12 +109,16 @@ def write_shard(writer, entries: list[tuple[str, str, tuple[int, ...], int]],
     the header, reserved for the bounds, is padded to the reservation. Or a streamed
     source (``len()`` and ``blocks(multiple)``, see dckpt.engine.devstream): its bytes
     arrive a bounded block at a time and are checksummed as they are written (twice
-    produced for a streaming writer, which needs the checksums first)."""
+    produced for a streaming writer, which needs the checksums first).
+
+    ``at``: {name: global offsets of the chunk} for every entry, recorded in the header
+    (``at:<name>``) so that a reader can tell which chunk a file holds; dckpt's writers
+    always pass it (None writes a file as dckpt did before offsets were recorded)."""
     if any(callable(b) for b in buffers):
-        return _write_lazy(writer, entries, buffers, random_write, block)
+        return _write_lazy(writer, entries, buffers, random_write, block, at)
     align = getattr(writer, "alignment", 8)
     placeholder = [[0] * max(1, -(-n // block)) for (_, _, _, n) in entries]
-    hlen = len(header_json(entries, placeholder, block, align))
+    hlen = len(header_json(entries, placeholder, block, align, at=at))
     data_start = 8 + hlen
     if random_write:
         with ThreadPoolExecutor(1) as pool, ThreadPoolExecutor(1) as side:
@@ -110,12 +132,12 @@ def write_shard(writer, entries: list[tuple[str, str, tuple[int, ...], int]],
                     writer.pwrite(b, pos)
                 pos += len(b)
             crcs = [f if isinstance(f, list) else f.result() for f in futs]
-        head = _U64.pack(hlen) + header_json(entries, crcs, block, align)
+        head = _U64.pack(hlen) + header_json(entries, crcs, block, align, at=at)
         writer.pwrite(head, 0)
     else:
         crcs = [_streamed_crcs(b, block) if is_streamed(b) else block_crcs(b, block)
                 for b in buffers]
-        head = _U64.pack(hlen) + header_json(entries, crcs, block, align)
+        head = _U64.pack(hlen) + header_json(entries, crcs, block, align, at=at)
         writer.write(head)
         pos = data_start
         for b in buffers:
@@ -148,18 +170,19 @@ def _streamed_crcs(src, block: int) -> list[int]:
     return [c for v in src.blocks(block) for c in block_crcs(v, block)] or [0]
 
 
-def _write_lazy(writer, entries, buffers, random_write: bool, block: int) -> tuple[int, int, int]:
+def _write_lazy(writer, entries, buffers, random_write: bool, block: int,
+                at: dict | None) -> tuple[int, int, int]:
     entries = list(entries)
     if not random_write:  # a stream: the header goes first, so everything is made first
         bufs = [b() if callable(b) else b for b in buffers]
         for i, b in enumerate(bufs):
             if callable(buffers[i]):
                 entries[i] = (entries[i][0], entries[i][1], (len(b),), len(b))
-        return write_shard(writer, entries, [memoryview(b) for b in bufs], False, block)
+        return write_shard(writer, entries, [memoryview(b) for b in bufs], False, block, at)
     align = getattr(writer, "alignment", 8)
     # Upper bounds give the longest header: as many CRCs, offsets with as many digits.
     bound = [[0xFFFFFFFF] * max(1, -(-n // block)) for (_, _, _, n) in entries]
-    hlen = len(header_json(entries, bound, block, align))
+    hlen = len(header_json(entries, bound, block, align, at=at))
     pos = 8 + hlen
     crcs: list = []
     with ThreadPoolExecutor(2) as pool:
@@ -174,7 +197,7 @@ def _write_lazy(writer, entries, buffers, random_write: bool, block: int) -> tup
             writer.pwrite(b, pos)
             pos += len(b)
         crcs = [f.result() for f in crcs]
-    head = _U64.pack(hlen) + header_json(entries, crcs, block, align, hlen)
+    head = _U64.pack(hlen) + header_json(entries, crcs, block, align, hlen, at)
     writer.pwrite(head, 0)
     return pos, hlen, crc32(head)
 
@@ -220,7 +243,8 @@ def parse_header(head: bytes, file: str, size: int) -> tuple[dict[str, StoredTen
     Returns ({name: StoredTensor}, block). Pure, O(header). Raises IntegrityError naming
     ``file`` (and the tensor where one is at fault) for a malformed header, and for a
     block size over MAX_BLOCK or not a multiple of a tensor's item size (even where
-    every checksum matches: reads of such blocks cannot be served)."""
+    every checksum matches: reads of such blocks cannot be served), and for recorded
+    offsets (``at:<name>``) that are malformed, or recorded for some tensors only."""
     try:
         (hlen,) = _U64.unpack_from(head, 0)
         doc = load_json(head[8:8 + hlen])
@@ -246,10 +270,37 @@ def parse_header(head: bytes, file: str, size: int) -> tuple[dict[str, StoredTen
             crcs = np.array([int(hexs[i:i + 8], 16) for i in range(0, len(hexs), 8)], np.uint32)
             if len(crcs) != max(1, -(-nbytes // block)):
                 raise ValueError(f"tensor {name!r} has {len(crcs)} checksums")
-            out[name] = StoredTensor(name, dtype, shape, start, nbytes, crcs)
+            at = meta.get("at:" + name)
+            out[name] = StoredTensor(name, dtype, shape, start, nbytes, crcs,
+                                     None if at is None else parse_offsets(at, name))
+        _all_or_none_at(meta, out)
         return out, block
     except (ValueError, KeyError, TypeError, struct.error) as e:
         raise IntegrityError(f"shard file {file}: unreadable header ({e})") from None
+
+
+def parse_offsets(value, name: str) -> tuple[int, ...]:
+    """The global offsets an ``at:<name>`` value records (``"512,0"``; ``""`` for a
+    scalar). Pure; the value is untrusted: its length is bounded before it is matched
+    (O(MAX_DIMS) at most). Raises ValueError naming the tensor for anything but at
+    most MAX_DIMS canonical decimal integers in ``[0, 2**63)`` joined by ``,``."""
+    if not isinstance(value, str) or len(value) > _AT_CHARS or \
+            (value and _AT.fullmatch(value) is None):
+        raise ValueError(f"tensor {name!r}: malformed recorded offsets (at:{name})")
+    out = tuple(int(x) for x in value.split(",")) if value else ()
+    if any(x >= _I63 for x in out):
+        raise ValueError(f"tensor {name!r}: a recorded offset is over 2**63 - 1")
+    return out
+
+
+def _all_or_none_at(meta: dict, tensors: dict[str, StoredTensor]) -> None:
+    """A header records offsets for every tensor or for none (a file written before
+    they were recorded), never for names it does not hold. O(metadata keys). Raises
+    ValueError."""
+    n = sum(1 for k in meta if k.startswith("at:"))
+    if n and (n != len(tensors) or any(st.at is None for st in tensors.values())):
+        raise ValueError("recorded offsets (at:<name>) for some tensors only, or for "
+                         "tensors the file does not hold")
 
 
 def verify(buf: memoryview, first_block: int, crcs: np.ndarray, block: int,

@@ -247,6 +247,8 @@ def write_file(storage, root: str, name: str, rank: int, pieces: list,
                      if plain and devstream.streams(p.local) else as_bytes(p.local)
                      for p in pieces]
     names = stored_names(pieces)  # a key's several boxes in one file: distinct names
+    # each chunk's global offsets, recorded in the header: a reader checks them
+    at = {n: tuple(int(x) for x in p.box.offsets) for n, p in zip(names, pieces)}
     if enc is not None and pieces:
         with ThreadPoolExecutor(2, thread_name_prefix="dckpt-encode") as pool:
             plans = encode.plan_pieces(pieces, buffers, enc, pool)
@@ -257,19 +259,19 @@ def write_file(storage, root: str, name: str, rank: int, pieces: list,
                        (names[i], pieces[i].dtype, pieces[i].box.sizes, len(buffers[i]))
                        for i in keep]
             vote = _write_entries(storage, root, name, rank, entries,
-                                  [plans[i].produce or buffers[i] for i in keep])
+                                  [plans[i].produce or buffers[i] for i in keep], at)
             # after the writes: the producers fill the block tables
             reports = [pl.report.to_json() for pl in plans]
     else:
         entries = [(n, p.dtype, p.box.sizes, len(b)) for n, p, b in zip(names, pieces, buffers)]
-        vote = _write_entries(storage, root, name, rank, entries, buffers)
+        vote = _write_entries(storage, root, name, rank, entries, buffers, at)
     if reports is not None:
         vote["chunks"] = reports
     return vote
 
 
 def _write_entries(storage, root: str, name: str, rank: int, entries: list,
-                   buffers: list) -> dict:
+                   buffers: list, at: dict[str, tuple[int, ...]]) -> dict:
     if not entries:
         return {"file": None}
     order = shards.order_entries(entries)
@@ -281,7 +283,8 @@ def _write_entries(storage, root: str, name: str, rank: int, entries: list,
         progress = Progress(f"save {root} (rank {rank})", sum(e[3] for e in entries), log)
         writer = CountingWriter(_faults.wrap_writer(writer, rank), progress)
         size, hlen, crc = shards.write_shard(writer, [entries[i] for i in order],
-                                             [buffers[i] for i in order], storage.random_write)
+                                             [buffers[i] for i in order], storage.random_write,
+                                             at=at)
         writer.commit()
     except BaseException:
         writer.abort()

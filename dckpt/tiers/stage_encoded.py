@@ -38,7 +38,7 @@ import torch
 from .. import _faults
 from ..format import codec, shards
 from ..format import manifest as mf
-from ..format.chunknames import find_stored
+from ..format.chunknames import checked_stored
 from ..engine.encode import Encoding
 from ..errors import CheckpointError
 from ..layout import plan as gplan
@@ -141,9 +141,10 @@ class LocalPieces:
         tensors, block = shards.parse_header(head, path, entry.size)
         for key, t in m.tensors.items():
             c = t.chunks
-            for ci in c.in_file(fi).tolist():  # by rule: no rank expands every chunk
+            held = c.in_file(fi).tolist()  # by rule: no rank expands every chunk
+            for ci in held:
                 offsets, sizes = c.box(ci)
-                st = find_stored(tensors, key, offsets)
+                st = checked_stored(tensors, key, offsets, path, len(held))
                 if st is None or st.nbytes != t.chunk_nbytes(ci):
                     raise CheckpointError(f"{path}: no stored tensor for {key!r} at {offsets} "
                                           "(the local file and its manifest disagree)")

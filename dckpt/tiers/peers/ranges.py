@@ -30,7 +30,7 @@ import torch
 from ...errors import CheckpointError, IntegrityError
 from ...format import shards
 from ...format.checksum import crc32
-from ...format.chunknames import find_stored
+from ...format.chunknames import checked_stored
 from .xfer import _DATA, _FAIL, _HEAD, _MAX_CTL, _OK, _U64, PIECE, _Link, stream
 
 Chunk = tuple[str, tuple[int, ...]]
@@ -38,6 +38,20 @@ Chunk = tuple[str, tuple[int, ...]]
 
 def _what(key: str, offsets) -> str:
     return f"chunk {key!r} at offsets {tuple(int(o) for o in offsets)}"
+
+
+def _find(tensors: dict, path: str, key: str, offsets, chunks: list[Chunk]):
+    """The stored tensor of chunk (key, offsets) of ``chunks`` in the parsed header of
+    ``path``, checked against the offsets the file records (:func:`checked_stored`;
+    for a file that records none, the requested chunks of ``key`` there are the count:
+    two or more are refused, and the load that reads them checks the manifest's).
+    O(ndim) (O(len(chunks)) for such a file). Raises CheckpointError when the file
+    holds no such chunk, IntegrityError when it holds another."""
+    st = checked_stored(tensors, key, offsets, path,
+                        lambda: sum(1 for k, _ in chunks if k == key))
+    if st is None:
+        raise CheckpointError(f"shard file {path} holds no {_what(key, offsets)}")
+    return st
 
 
 def _coalesce(spans: list[tuple[int, int]]) -> list[list[int]]:
@@ -76,9 +90,7 @@ def send_ranges(group: Any, storage, path: str, chunks: list[Chunk], dst: int,
         tensors, _ = shards.parse_header(storage.read(path, 0, 8 + hlen), path, size)
         spans = [(0, 8 + hlen)]
         for key, offsets in chunks:
-            st = find_stored(tensors, key, offsets)
-            if st is None:
-                raise CheckpointError(f"shard file {path} holds no {_what(key, offsets)}")
+            st = _find(tensors, path, key, offsets, chunks)
             spans.append((st.start, st.nbytes))
         ranges = _coalesce(spans)
         head = json.dumps({"name": os.path.basename(path), "size": size, "piece": piece,
@@ -248,9 +260,7 @@ def _verify(fd: int, path: str, entry, chunks: list[Chunk], ranges: list, step: 
     step = max(block, step // block * block)
     starts = [a for a, _ in ranges]
     for key, offsets in chunks:
-        st = find_stored(tensors, key, offsets)
-        if st is None:
-            raise CheckpointError(f"shard file {path} holds no {_what(key, offsets)}")
+        st = _find(tensors, path, key, offsets, chunks)
         i = bisect.bisect_right(starts, st.start) - 1
         if st.nbytes and (i < 0 or st.start + st.nbytes > sum(ranges[i])):
             raise CheckpointError(f"{_what(key, offsets)} of {path} was not sent (the "
