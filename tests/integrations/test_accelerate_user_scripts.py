@@ -96,7 +96,7 @@ def test_a_fresh_optimizer_saved_loads_back_fresh(tmp_path, kind):
     first = params(m)
     steps(acc, m, o, 2)
     acc.load_state(str(tmp_path / "fresh"))
-    assert not any(o.optimizer.state.values())  # fresh: no entry holds state
+    assert not o.optimizer.state and o.optimizer.state_dict()["state"] == {}
     steps(acc, m, o, 2)
     assert all(torch.equal(a, b) for a, b in zip(first, params(m)))
 
@@ -361,3 +361,15 @@ def test_a_host_whose_clock_is_behind_resumes_the_newest_and_rotation_keeps_it(
     acc.load_state()
     assert acc.project_configuration.iteration == 4
     assert all(torch.equal(a, b) for a, b in zip(want, params(m)))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_load_state_checks_map_location_as_stock(tmp_path, kind):
+    acc = accelerator(kind)
+    m = nn.Linear(2, 2)
+    m, o = acc.prepare(m, torch.optim.SGD(m.parameters(), lr=0.1))
+    acc.save_state(str(tmp_path / "ck"))
+    with pytest.raises(TypeError, match="Unsupported optimizer map location"):
+        acc.load_state(str(tmp_path / "ck"), map_location="invalid")
+    for where in ("cpu", "on_device", None):
+        acc.load_state(str(tmp_path / "ck"), map_location=where)

@@ -273,6 +273,13 @@ class DckptAccelerator(Accelerator):
         ``load_model_func_kwargs``): the models' missing and unexpected keys are left to
         their own ``load_state_dict(strict=False)``, as stock."""
         self._dckpt_usable()
+        map_location = load_model_func_kwargs.pop("map_location", None)
+        if map_location not in (None, "cpu", "on_device"):  # stock's check and error
+            raise TypeError("Unsupported optimizer map location passed, please choose one "
+                            "of `None`, `'cpu'`, or `'on_device'`")
+        # a dckpt load reads in place into the live tensors (each on its own device), so
+        # every location stock allows ends as stock's: the optimizer's state beside its
+        # parameters (torch's load_state_dict moves it there anyway)
         strict = load_model_func_kwargs.get("strict", True)
         if not isinstance(strict, bool):
             raise CheckpointError(f"load_state: strict must be a bool, got {strict!r}")

@@ -144,6 +144,9 @@ class OptimizerState:
             else:
                 set_optimizer_state_dict(self.module, self.optimizer,
                                          optim_state_dict=sd, options=_options())
+        if self.saved_has_state is False:  # torch's load leaves {} per parameter
+            for p in [p for p, v in self.optimizer.state.items() if not v]:
+                del self.optimizer.state[p]
         by_index = {int(i): h for i, h in saved_empty}
         for i, g in removed:  # back in place, with the saved hyperparameters
             for k, v in by_index.get(i, {}).items():
