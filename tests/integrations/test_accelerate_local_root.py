@@ -65,7 +65,7 @@ def test_saves_are_copied_rotated_and_the_newest_loads(tmp_path, async_save):
         train(acc, m, o)
         where = acc.save_state()
         saved.append(state(m))
-    assert where == os.path.join(proj, "checkpoints", "checkpoint_2")
+    assert str(where) == os.path.join(proj, "checkpoints", "checkpoint_2")
     acc.end_training()  # waits for the copies
     assert names(tmp_path / "p" / "checkpoints") == ["checkpoint_1", "checkpoint_2"]
     for n in ("checkpoint_1", "checkpoint_2"):

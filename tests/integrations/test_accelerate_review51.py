@@ -1,7 +1,7 @@
 """An adversarial review of DckptAccelerator (issue 51's fixes), one process, CPU, real
 Accelerate, next to the stock ``accelerate.Accelerator`` where stock has the behaviour.
 Each test pins a defect found by running the adapter as users' scripts do; marked
-``xfail(strict=True)`` until it is fixed (a stock parametrisation runs and passes)."""
+fixed with its test (a stock parametrisation runs and passes beside it)."""
 from __future__ import annotations
 
 import os
@@ -47,8 +47,9 @@ def params(m) -> list[torch.Tensor]:
 
 
 def kinds(reason: str) -> list:
-    """stock (passes: the behaviour a drop-in must keep) and dckpt (xfail: the defect)."""
-    return ["stock", pytest.param("dckpt", marks=pytest.mark.xfail(strict=True, reason=reason))]
+    """stock (the behaviour a drop-in must keep) and dckpt; ``reason``: the defect
+    the dckpt run pinned before its fix."""
+    return ["stock", "dckpt"]
 
 
 # ----------------------------------------------- a parameter that never had a gradient
@@ -141,10 +142,6 @@ def test_a_file_written_into_the_folder_save_state_returned_lands_in_the_checkpo
 
 
 # ------------------------------------------------------------------------ a rewind
-@pytest.mark.xfail(strict=True, reason=(
-    "after load_state(<an older checkpoint_i>) under automatic naming, iteration is "
-    "i + 1, which names an existing checkpoint: the next save_state() raises ValueError "
-    "(the automatic load goes past every name present; the explicit one does not)"))
 def test_a_rewind_to_an_older_checkpoint_then_save_state_saves_and_resumes_it(tmp_path):
     def make():
         acc = accelerator("dckpt", tmp_path / "p")
@@ -166,11 +163,6 @@ def test_a_rewind_to_an_older_checkpoint_then_save_state_saves_and_resumes_it(tm
     assert float(m.weight.detach()[0, 0]) == 7.0  # the run's newest, not the abandoned branch
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "after a rewind (load_state of an older checkpoint) on a host whose clock is behind, "
-    "new commits are ordered just after the loaded one, not after every checkpoint "
-    "present (the manager's rule): a resume takes the abandoned newer checkpoint and "
-    "total_limit deletes the run's own new ones"))
 def test_a_rewind_on_a_host_whose_clock_is_behind_resumes_and_keeps_the_new_saves(
         tmp_path, monkeypatch):
     def make():
@@ -233,10 +225,6 @@ def _killed_save(tmp_path, env: dict) -> pathlib.Path:
     return out
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a SIGKILL after the placement's exchange and before the adoption leaves the user's "
-    "files in the hidden replaced folder, which the next save's sweep deletes: files "
-    "dckpt did not write are lost (stock writes in place and keeps them)"))
 def test_a_kill_in_the_placement_never_loses_the_users_files_at_the_name(tmp_path):
     out = _killed_save(tmp_path, {"KILL_IN_ADOPTION": "1"})
     acc = accelerator("dckpt")
@@ -245,11 +233,6 @@ def test_a_kill_in_the_placement_never_loses_the_users_files_at_the_name(tmp_pat
     assert (out / "tokenizer.json").exists(), sorted(out.parent.rglob("tokenizer.json"))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "killed between the commit and the placement with a user's file at the name: "
-    "load_state(name) hands the folder to stock's loader and a raw FileNotFoundError "
-    "(pytorch_model.bin) comes back, though the name's own save sits committed beside "
-    "it; a CheckpointError (NotCommittedError) naming the unfinished save is due"))
 def test_a_load_of_a_name_whose_save_was_killed_before_placement_raises_checkpointerror(
         tmp_path):
     out = _killed_save(tmp_path, {"DCKPT_FAULT": "place:0:kill"})

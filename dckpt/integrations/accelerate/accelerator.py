@@ -43,8 +43,8 @@ class DckptAccelerator(Accelerator):
     (None, "zstd", "lz4"), ``local_root`` (a node-local fast tier: a save commits
     there and its copy to the checkpoint's name runs in the background, see
     :mod:`.fast`), ``keep_last_local`` (the slots each node keeps there) and
-    ``save_arrival_timeout`` (seconds a rank in ``save_state`` waits for the others
-    before it fails: ``save_state`` is a collective, so calling it on the main
+    ``save_arrival_timeout`` (seconds a rank in ``save_state`` or ``load_state`` waits
+    for the others before it fails: both are collectives, so calling one on the main
     process only raises a CheckpointError on it instead of hanging). Raises
     CheckpointError on a bad option, and for DeepSpeed, Megatron-LM and XLA (their
     engines write their own checkpoints: keep ``accelerate.Accelerator``)."""
@@ -72,6 +72,7 @@ class DckptAccelerator(Accelerator):
         self._dckpt_agreed: Any = None
         self._dckpt_warned = False
         self._dckpt_arrival = arrival
+        self._dckpt_load_arrival = Arrival("DckptAccelerator", save_arrival_timeout)
         self._dckpt_strict = True  # load_state(strict=...) of the load in progress
         self._dckpt_copy = False  # an unpickled copy (see __getstate__)
 
@@ -273,6 +274,7 @@ class DckptAccelerator(Accelerator):
         ``load_model_func_kwargs``): the models' missing and unexpected keys are left to
         their own ``load_state_dict(strict=False)``, as stock."""
         self._dckpt_usable()
+        self._dckpt_load_arrival.check("load_state")
         map_location = load_model_func_kwargs.pop("map_location", None)
         if map_location not in (None, "cpu", "on_device"):  # stock's check and error
             raise TypeError("Unsupported optimizer map location passed, please choose one "
@@ -286,6 +288,8 @@ class DckptAccelerator(Accelerator):
         self._dckpt_strict = strict
         try:
             self._load_state(input_dir, load_kwargs, **load_model_func_kwargs)
+            if self.project_configuration.automatic_checkpoint_naming:
+                self._continue_run(Comm())
         except (MissingKeyError, StateMismatchError) as e:
             # the core's hint names its own keyword; load_state takes stock's
             msg = str(e).replace("allow_missing=True", "strict=False")
@@ -317,15 +321,18 @@ class DckptAccelerator(Accelerator):
                 if k == "none" and not is_url(input_dir):
                     # dckpt's files without a manifest: a save that never committed (or
                     # lost its manifest), not a stock checkpoint to hand to Accelerate
-                    return "uncommitted" if dckpt_leftover(input_dir) else "stock"
+                    if dckpt_leftover(input_dir) or not _stock_files(input_dir):
+                        return "uncommitted"
+                    return "stock"
                 return k
             found = on_rank0(comm, look, f"look up {input_dir}")
             if found == "missing":
                 raise ValueError(f"Tried to find {input_dir} but folder does not exist")
             if found == "uncommitted":
                 raise NotCommittedError(
-                    f"{input_dir} holds dckpt data files but no manifest: a save that never "
-                    "committed (or whose manifest was lost); nothing there can be loaded")
+                    f"{input_dir} holds no committed checkpoint (no dckpt manifest) and no "
+                    "Accelerate checkpoint: a save that never committed or was killed "
+                    "before its placement; nothing there can be loaded")
             if found == "stock":
                 log.info("%s is not a dckpt checkpoint: loading it with Accelerate's own "
                          "load_state", input_dir)
@@ -367,6 +374,32 @@ class DckptAccelerator(Accelerator):
             self.project_configuration.iteration = 1 + max(_number(s) for s in stock)
             return
         raise NotCommittedError(f"no committed checkpoint under {parent}")
+
+    def _continue_run(self, comm: Comm) -> None:
+        """After a load with automatic naming: the next ``checkpoint_<i>`` is past every
+        name present (a rewind to an older one saves under a new name, never over a
+        newer one), and the next commit orders after every checkpoint present on the
+        run's timeline (after a rewind on a host whose clock is behind, rotation keeps
+        the new saves and a resume takes them, not the abandoned branch). Collective
+        (one broadcast); blocking I/O on rank 0 (a listing, a manifest read each)."""
+        parent = self._checkpoints_dir()
+        opts = self._dckpt.storage_options
+
+        def look() -> list:
+            try:
+                got = resolve.committed_in(parent, NAME, opts)
+            except Exception as e:  # the store is down (the fast tier loaded): go on
+                log.warning("cannot list %s after the load (%s)", parent, e)
+                got = []
+            times = [c.created for c in got if c.created != float("inf")]
+            numbers = [_number(c.path) for c in got]
+            numbers += [_number(p) for p in resolve.stock_in(parent, NAME)]
+            return [max(numbers, default=-1), max(times, default=None)]
+        top, newest = on_rank0(comm, look, f"list {parent}")
+        pc = self.project_configuration
+        pc.iteration = max(pc.iteration, top + 1)
+        if newest is not None:
+            self._dckpt.saw(float(newest), "")
 
     def _load_choices(self, comm: Comm, choices: list) -> None:
         """Load the newest of ``choices`` (:class:`.fast.Choice`, oldest first) that
@@ -440,6 +473,18 @@ class DckptAccelerator(Accelerator):
                     tier.drain()  # every durable copy queued (a failed one is logged)
         finally:
             super().end_training()
+
+
+def _stock_files(folder: str) -> bool:
+    """Whether the local ``folder`` holds what stock ``save_state`` writes (weights,
+    optimizer, RNG or sampler files). Local I/O: one listing."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return False
+    return any(re.match(r"(model|pytorch_model|optimizer|scheduler|random_states|sampler|"
+                        r"scaler|custom_checkpoint)[_.0-9a-z-]*\.(bin|safetensors|pkl|pt)$", n)
+               or n.startswith(("pytorch_model_fsdp", "optimizer_")) for n in names)
 
 
 def _as_path(path: str) -> Any:

@@ -24,7 +24,7 @@ from ...protocol.collectives import Comm, agree, on_rank0
 from ...protocol.commit import save
 from .exit import watch
 from ...format.manifest import MANIFEST_NAME
-from .place import PARTIAL, is_url, kind, local_path, place, sweep
+from .place import PARTIAL, is_url, local_path, place, sweep
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,11 @@ def _check_replaceable(path: str) -> None:
             os.path.isfile(os.path.join(path, n, MANIFEST_NAME)) or any(
                 os.path.isfile(os.path.join(path, n, m, MANIFEST_NAME))
                 for m in _subdirs(os.path.join(path, n))))]
-        if stock and kind(path) != "dckpt":
+        ours = MANIFEST_NAME in names and _is_dckpt_manifest(path)
+        if MANIFEST_NAME in names and not ours:
+            why = (f"holds a {MANIFEST_NAME} that is not a dckpt manifest (a save would "
+                   "replace it)")
+        elif stock and not ours:
             why = f"holds a framework's own checkpoint ({', '.join(stock)})"
         elif nested:
             why = f"holds dckpt checkpoints ({', '.join(sorted(nested)[:3])})"
@@ -97,6 +101,18 @@ def _check_replaceable(path: str) -> None:
             f"{path} exists and {why}: a save replaces that folder, so it would mix or "
             "swallow what is there. Save into a new folder (or an existing dckpt "
             "checkpoint, which is replaced atomically), or move that folder away")
+
+
+def _is_dckpt_manifest(path: str) -> bool:
+    """Whether ``path``'s manifest file parses as a dckpt manifest. Local I/O: one read
+    (bounded by the manifest reader's cap)."""
+    from .place import read_manifest
+
+    try:
+        read_manifest(path)
+        return True
+    except Exception:
+        return False
 
 
 def _subdirs(path: str) -> list[str]:
@@ -227,6 +243,15 @@ class Committer:
         self._error = None
         handle = async_save(tree, plan.target, fence=fence or None, **kw)
         self._handle = handle
+        made = False
+        if plan.staged and comm.rank == 0 and not os.path.lexists(plan.final):
+            # the name a save returns exists at once, as stock's (a script writes into
+            # it); the placement keeps what is written there (place's adoption)
+            try:
+                os.makedirs(plan.final)
+                made = True
+            except OSError as e:
+                log.warning("cannot create %s before its placement: %s", plan.final, e)
         watch(self)  # a failed save nobody waits for fails the process at exit
 
         def done(h: SaveHandle) -> None:
@@ -239,6 +264,11 @@ class Committer:
                 log.error("after the commit of %s: %s", plan.final, e)
                 self._error = e
             finally:
+                if made and h.exception() is not None:
+                    try:  # the folder made for the script, if it wrote nothing there
+                        os.rmdir(plan.final)
+                    except OSError:
+                        pass
                 self._done.set()
 
         handle.add_done_callback(done)
@@ -294,8 +324,8 @@ class Committer:
         if h is None:
             return None
         e = h.exception()
+        self._done.wait(60.0)  # its callback's cleanup too (the folder made for it)
         if e is None:
-            self._done.wait()
             e, self._error = self._error, None
         return e
 

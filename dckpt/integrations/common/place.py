@@ -29,6 +29,7 @@ PARTIAL = ".dckpt-partial-"
 # transformers' JIT checkpoint marks a folder "save in progress" with this file before it
 # calls the save; a placed checkpoint is complete, so the marker is never kept in it
 JIT_MARKER = "checkpoint-is-incomplete.txt"
+REPLACED = ".dckpt-replaced"  # in the folder a placement replaces (see place)
 REMOVING = ".dckpt-removing-"
 
 
@@ -74,7 +75,15 @@ def sweep(parent: str, name: str) -> None:
     for e in entries:
         if e.startswith(".") and (REMOVING in e or (PARTIAL in e and not _in_use(
                 os.path.join(parent, e)))):
-            _rm(os.path.join(parent, e))
+            folder = os.path.join(parent, e)
+            if os.path.isfile(os.path.join(folder, REPLACED)):
+                # what stood at a name when a placement died before adopting its files
+                owner = os.path.join(parent, e[1:].split(REMOVING)[0].split(PARTIAL)[0])
+                if not os.path.isdir(owner) or os.path.islink(owner):
+                    log.warning("kept %s: it holds files of %s, which is gone", folder, owner)
+                    continue
+                adopt_entries(folder, owner)
+            _rm(folder)
 
 
 def _in_use(path: str) -> bool:
@@ -130,6 +139,12 @@ def place(tmp: str, final: str, adopt: tuple[str, ...] | None = None) -> None:
     deleted. Local paths; blocking I/O (one rename and a directory fsync, a listing and
     a rename per adopted entry, plus the removal of what was replaced)."""
     parent = os.path.dirname(final) or "."
+    if adopt is not None and os.path.isdir(final) and not os.path.islink(final):
+        # marks the folder that stood at the name: if this process dies between the
+        # exchange and the adoption, the sweep finds the marker in the hidden folder
+        # and moves what dckpt did not write into the name (:func:`sweep`)
+        with open(os.path.join(final, REPLACED), "w"):
+            pass
     if not os.path.lexists(final):
         if not _renameat2(tmp, final, 1):  # RENAME_NOREPLACE
             os.rename(tmp, final)

@@ -108,6 +108,33 @@ class OptimizerState:
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.module, self.optimizer = module, optimizer
         self.saved_has_state: bool | None = None
+        # a load target: the checkpoint's "state.<fqn>.<name>" keys of this optimizer
+        self.saved_state_keys: set[str] = set()
+
+    def _stateless(self) -> list[tuple[torch.Tensor, str]]:
+        """(parameter, name) of this optimizer's parameters the checkpoint holds no
+        state for (one that never had a gradient: AdamW keeps nothing for it). A load
+        leaves them without state, as stock's ``load_state_dict``. O(parameters)."""
+        from torch.distributed.checkpoint.state_dict import _get_fqns
+
+        # every dotted prefix of the saved "<fqn>.<name>" keys: a parameter has state
+        # when its fqn is one (a set lookup each: linear in the keys' length)
+        have: set[str] = set()
+        for k in self.saved_state_keys:
+            rest = k.split(".", 1)[1]
+            i = rest.find(".")
+            while i != -1:
+                have.add(rest[:i])
+                i = rest.find(".", i + 1)
+        mine = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        out = []
+        for name, p in self.module.named_parameters():
+            if id(p) not in mine:
+                continue
+            fqns = _get_fqns(self.module, name)
+            if not any(f in have for f in fqns):
+                out.extend((p, f) for f in fqns)
+        return out
 
     def _empty(self) -> list[int]:
         return [i for i, g in enumerate(self.optimizer.param_groups) if not g["params"]]
@@ -119,6 +146,10 @@ class OptimizerState:
         with _without_groups(self.optimizer, empty) as removed:
             if self.saved_has_state:
                 sd = get_optimizer_state_dict(self.module, self.optimizer, options=_options())
+                # a target: no state where the checkpoint holds none for a parameter
+                gone = tuple(f"state.{f}." for _, f in self._stateless())
+                if gone:
+                    sd = {k: v for k, v in sd.items() if not k.startswith(gone)}
             else:
                 with _no_init():
                     sd = get_optimizer_state_dict(self.module, self.optimizer,
@@ -136,6 +167,9 @@ class OptimizerState:
         saved_empty = json.loads(sd.pop(EMPTY_GROUPS, "[]"))
         if self.saved_has_state is False:
             self.optimizer.state.clear()
+        else:  # torch would fill a stateless parameter's live state names with {}
+            for p, _ in self._stateless():
+                self.optimizer.state.pop(p, None)
         with _without_groups(self.optimizer, self._empty()) as removed:
             if self.saved_has_state is False:
                 with _no_init():
@@ -144,7 +178,7 @@ class OptimizerState:
             else:
                 set_optimizer_state_dict(self.module, self.optimizer,
                                          optim_state_dict=sd, options=_options())
-        if self.saved_has_state is False:  # torch's load leaves {} per parameter
+        if self.saved_has_state is not None:  # torch's load leaves {} per parameter
             for p in [p for p, v in self.optimizer.state.items() if not v]:
                 del self.optimizer.state[p]
         by_index = {int(i): h for i, h in saved_empty}

@@ -179,15 +179,16 @@ def _shape_targets(m: Any, models: dict[str, ModelState],
     fresh optimizer is initialised only then, and a saved fresh one loads fresh), and
     which model buffers must be handed over at their saved shape. Pure over the
     manifest's keys: O(keys)."""
-    has_state = set()
+    saved: dict[str, set[str]] = {}  # optimizer -> its saved "state.<fqn>.<name>" keys
     for keys in (m.tensors, m.values):
         for k in keys:
             if k.startswith("optimizers."):
-                parts = k.split(".", 3)
-                if len(parts) == 4 and parts[2] == "state":
-                    has_state.add(parts[1])
+                parts = k.split(".", 2)
+                if len(parts) == 3 and parts[2].startswith("state."):
+                    saved.setdefault(parts[1], set()).add(parts[2])
     for j, o in optimizers.items():
-        o.saved_has_state = j in has_state
+        o.saved_has_state = j in saved
+        o.saved_state_keys = saved.get(j, set())
     for i, ms in models.items():
         prefix = f"models.{i}."
         saved = {k[len(prefix):]: tuple(e.shape) for k, e in m.tensors.items()
