@@ -15,7 +15,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from ...errors import IntegrityError, NotCommittedError, StateMismatchError
 from ...protocol.collectives import Comm
 from ..common import resolve
-from ..common.place import dckpt_leftover, kind, read_manifest
+from ...format.manifest import MANIFEST_NAME
+from ..common.place import dckpt_leftover, is_dckpt_file, kind, read_manifest
 from ..common.verify import verify_shared
 
 log = logging.getLogger(__name__)
@@ -190,12 +191,15 @@ def sweep_resume_folders(root: str) -> None:
             shutil.rmtree(os.path.join(root, n), ignore_errors=True)
 
 
-def materialize(root: str, slot: str, view: str, name: str) -> str:
+def materialize(root: str, slot: str, view: str, name: str, extras: str | None = None) -> str:
     """Write the trainer_state.json of the fast-tier commit ``slot`` (this rank's
     ``view``) into a folder of its own under ``root`` named as the checkpoint ``name``
-    (the Trainer reads the file from the folder it is told to resume), and return that
-    folder. Each rank writes its own. Local I/O; raises OSError, what
-    :func:`state_json` raises."""
+    (the Trainer reads the file from the folder it is told to resume), link there each
+    entry of ``extras`` (what the save's chain wrote beside the slot: a subclass's
+    state file, the model folder; on the node of the rank that wrote it), or when
+    that is gone of the durable copy ``name`` (but dckpt's own files), and return
+    that folder. Each rank writes its own. Local I/O: a file and a link per entry;
+    raises OSError, what :func:`state_json` raises."""
     import socket
     import uuid
 
@@ -210,6 +214,18 @@ def materialize(root: str, slot: str, view: str, name: str) -> str:
     os.makedirs(folder)
     with open(os.path.join(folder, STATE_FILE), "w", encoding="utf-8") as f:
         f.write(state_json(m, slot))
+    src, entries = extras, []
+    for src in (extras, name):  # beside the slot; once its copy landed, the copy
+        try:
+            entries = [n for n in os.listdir(src) if n != MANIFEST_NAME
+                       and not is_dckpt_file(n)] if src is not None else []
+        except OSError:  # none on this node
+            entries = []
+        if entries:
+            break
+    for n in entries:
+        if n != STATE_FILE:  # the checksummed copy above is the one read
+            os.symlink(os.path.join(src, n), os.path.join(folder, n))
     return folder
 
 
@@ -253,7 +269,10 @@ def pick(tier, choices: list) -> tuple[str | None, tuple[str, str | None] | None
     c = by[key]
     if c.manifest_name is None:
         return c.path, (c.path, None)
-    folder = materialize(tier.root, c.path, c.manifest_name, c.name)
+    from ..common.fast import extras_dir
+
+    folder = materialize(tier.root, c.path, c.manifest_name, c.name,
+                         extras_dir(tier, c.name))
     if Comm().rank == 0:
         log.info("resuming %s from the fast tier %s", c.name, c.path)
     return os.path.abspath(folder), (c.path, c.manifest_name)

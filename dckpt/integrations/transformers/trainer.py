@@ -4,52 +4,43 @@ hidden name, placed only once committed, so ``get_last_checkpoint`` never sees a
 one), sharded (no gather), without pickle, rotated in commit order after the commit, and
 resumed from the newest *committed* checkpoint at any world size.
 
+dckpt is the terminal step of the Trainer's own chains, not a replacement of them: a
+save runs the base class's whole ``_save_checkpoint`` (a subclass's override, stock's
+``save_model``, ``trainer_state.json``, the callbacks' states) into the staging folder
+and commits what it wrote with the checkpoint; a resume runs a subclass's load
+overrides, whose ``super()`` reaches dckpt's load (:mod:`.chain`).
+
 The Trainer's own save writes each file in place into ``checkpoint-N`` and its resume
 takes the highest number with a folder, complete or not; see docs/HF.md.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 from typing import Any
 
-from transformers import Trainer
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ...errors import CheckpointError, StateMismatchError
+from ...errors import CheckpointError
 from ...protocol.collectives import Comm, agree
 from ...protocol.settings import agree_settings
-from ...view.open import MissingKeyError
 from ..common import resolve, tree
 from ..common import fast
 from ..common.commit import Committer
-from ..common.place import durable_name, is_url, kind, read_manifest, remove_whole
+from ..common.place import durable_name, is_url, kind, remove_whole
 from ..common.rotation import to_remove
 from ..common.tier import LocalTier
 from ..common.verify import verify_shared
 from . import export
 from . import resume as rs
+from .chain import (DckptChainEnd, drop_landed_extras, fix_best, inner, settle,
+                    with_chain_end)
 from .resume import JIT_SENTINEL, META_KEY, NAME, STATE_FILE
 
 log = logging.getLogger(__name__)
 ARGS_FILE = "training_args.json"
-
-
-def _inner(opt: Any) -> Any:
-    return getattr(opt, "optimizer", opt)
-
-
-def _manifest(path: str, view: str | None) -> Any:
-    """The parsed manifest at ``path`` (``view``: a fast-tier rank's). Blocking I/O."""
-    if view is None:
-        return read_manifest(path)
-    from ...format import manifest as mf
-    from ...protocol.restore import read_manifest_bytes
-    from ...storage.fsspec_storage import make_storage
-
-    storage, root = make_storage(path)
-    return mf.parse(read_manifest_bytes(storage, root, view), f"{path}/{view}")
 
 
 class DckptTrainerMixin:
@@ -100,52 +91,94 @@ class DckptTrainerMixin:
         self._dckpt_agreed: Any = None  # the process group the settings were agreed on
         self._dckpt_resume: str | None = None  # the dckpt checkpoint train() resumes
         self._dckpt_loaded: Any = None  # its load (the RNG, set at _load_rng_state)
+        self._dckpt_stage: str | None = None  # while dckpt saves: the chain's run_dir
+        self._dckpt_push = False  # the chain asked for a push (run once placed)
+        self._dckpt_state_json: str | None = None  # trainer_state.json of the save
+        self._dckpt_extras: set[str] = set()  # names whose chain files sit beside a slot
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # dckpt's load and the skipped stock pickles sit just above Trainer, so that a
+        # subclass's overrides between this mixin and Trainer run whole (see .chain)
+        super().__init_subclass__(**kwargs)
+        with_chain_end(cls)
 
     # ------------------------------------------------------------------ saving
+    def _get_output_dir(self, trial: Any) -> str:
+        """Stock's run directory; while dckpt saves, the hidden staging folder (the
+        chain's ``run_dir``: it writes ``<staging>/checkpoint-N``). No I/O."""
+        stage = getattr(self, "_dckpt_stage", None)
+        return stage if stage is not None else super()._get_output_dir(trial)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """Stock's push; asked for by the chain while dckpt saves, deferred until the
+        commit has placed the folder (:meth:`_save_checkpoint`). No I/O then."""
+        if getattr(self, "_dckpt_stage", None) is not None:
+            self._dckpt_push = True
+            return
+        super()._push_from_checkpoint(checkpoint_folder)
+
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        """Save the model and optimizer (sharded as trained: FSDP2, FSDP1, DDP or one
-        process), the lr_scheduler, the scaler, each rank's RNG, ``trainer_state.json``,
-        ``config.json`` and ``training_args.json`` as one dckpt commit placed at
-        ``{run_dir}/checkpoint-{global_step}`` once committed; ``save_only_model``: the
-        model only. Then, on rank 0, ``save_total_limit`` removes the oldest committed
-        checkpoints (commit order, never the new one nor ``best_model_checkpoint``).
-        Collective; blocking I/O (each rank writes its own shards; rank 0 the JSON
-        files, one rename and the removals; with ``async_save`` all but the snapshot
-        run in the background, after waiting for the save before). Raises the same
-        CheckpointError on every rank (nothing is placed then), UnsupportedValueError
-        for a scheduler value that cannot be stored."""
+        """Run the base class's whole ``_save_checkpoint`` (a subclass's override;
+        stock's ``save_model(_internal_call=True)``, so a ``save_model``/``_save``
+        override runs and the model folder is written; ``trainer_state.json``; the
+        stateful callbacks' states) into a hidden staging folder, then commit it with
+        the model and optimizer (sharded as trained: FSDP2, FSDP1, DDP or one process),
+        the lr_scheduler, the scaler and each rank's RNG as one dckpt commit placed at
+        ``{run_dir}/checkpoint-{global_step}``; ``save_only_model``: the model only.
+        Then, on rank 0, ``save_total_limit`` removes the oldest committed checkpoints
+        (commit order, never the new one nor ``best_model_checkpoint``), and a push the
+        chain asked for runs on the placed folder. Collective; blocking I/O (each rank
+        writes its own shards; rank 0 the chain's files, renames and the removals; with
+        ``async_save`` all but the chain and the snapshot run in the background, after
+        waiting for the save before). Raises the same CheckpointError on every rank
+        (nothing is placed then; a failing chain's error included),
+        UnsupportedValueError for a scheduler value that cannot be stored."""
         comm = Comm()
         self._dckpt_agree(comm)
         folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        if self.hp_search_backend is None and trial is None:
-            self.store_flos()
         run_dir = self._get_output_dir(trial=trial)
         output_dir = os.path.join(run_dir, folder)
+        final = os.path.abspath(output_dir)
         tier = self._dckpt_tier
-        plan = self._dckpt.plan(output_dir) if tier is None else None
-        if tier is not None:
+        plan = None
+        if tier is None:
+            plan = self._dckpt.plan(output_dir)
+            stage = plan.target
+        else:
             self._dckpt_rotation_fast.flush()
             fast.check_name(self._dckpt, output_dir)
-        final = os.path.abspath(output_dir)
-        if (self.args.save_strategy in [SaveStrategy.STEPS, SaveStrategy.EPOCH,
-                                        SaveStrategy.BEST] and self.state.best_global_step):
-            best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
-            if os.path.abspath(best) == final or os.path.exists(best):
-                self.state.best_model_checkpoint = best
-        built, err, files = None, None, {}
+            stage = fast.prepare_extras(tier, output_dir)  # travels with the copy
+            self._dckpt_extras.add(final)
+        built, err, files, self._dckpt_push = None, None, {}, False
+        self._dckpt_stage = stage
         try:
-            if comm.rank == 0:
-                files = self._dckpt_json_files()
-                for name, text in files.items() if plan is not None else ():
-                    with open(os.path.join(plan.target, name), "w", encoding="utf-8") as f:
-                        f.write(text)
-            c = self._dckpt_contents(comm.rank, files.get(STATE_FILE))
-            built = tree.build(c, comm.rank, META_KEY)
+            # stock's model folder creates it; not written under FSDP sharded state
+            os.makedirs(os.path.join(stage, folder), exist_ok=True)
+            super()._save_checkpoint(model, trial)
+        except Exception as e:  # agreed below: every rank raises it, none hangs
+            err = e
+        finally:
+            self._dckpt_stage = None
+        try:
+            if err is None:
+                fix_best(self, run_dir, final, os.path.join(stage, folder))
+                if comm.rank == 0:
+                    settle(stage, folder)
+                    files = self._dckpt_json_files(stage)
+                self._dckpt_state_json = files.get(STATE_FILE)
+                c = self._dckpt_contents(comm.rank)
+                built = tree.build(c, comm.rank, META_KEY)
         except Exception as e:
             err = e
-        agree(comm, err, f"collect the state to save to {output_dir}")
-        if tier is not None:  # the fast tier: its copy writes the JSON files when it begins
-            fast.save(tier, self._dckpt, built, output_dir, self.state.global_step, files)
+        try:
+            agree(comm, err, f"collect the state to save to {output_dir}")
+        except BaseException:
+            if plan is not None and comm.rank == 0:
+                shutil.rmtree(plan.target, ignore_errors=True)  # ours, never placed
+            raise
+        if tier is not None:  # the fast tier: its copy takes the chain's files along
+            fast.save(tier, self._dckpt, built, output_dir, self.state.global_step, files,
+                      extras=stage)
             limit = self.args.save_total_limit
             if limit is not None and limit > 0:
                 best = self.state.best_model_checkpoint
@@ -155,7 +188,11 @@ class DckptTrainerMixin:
         else:
             self._dckpt.commit(built, plan, fence=tree.fence_targets(c),
                                after=self._dckpt_rotation(run_dir, plan.final))
-        if self.args.push_to_hub:
+        if self._dckpt_push:  # the push reads the folder: once it is placed whole
+            self._dckpt_push = False
+            self._dckpt.finish()
+            if tier is not None:
+                tier.drain()
             self._push_from_checkpoint(output_dir)
 
     def _dckpt_agree(self, comm: Comm) -> None:
@@ -180,34 +217,33 @@ class DckptTrainerMixin:
                        None, "DckptTrainer")
         self._dckpt_agreed = world
 
-    def _dckpt_json_files(self) -> dict[str, str]:
-        """Rank 0: the stateful callbacks' states into ``self.state`` (as stock), then
-        {file name: text} of trainer_state.json (as ``TrainerState.save_to_json``
-        writes it), training_args.json and the model's config.json: written beside
-        dckpt's files, they appear with the checkpoint. No I/O."""
+    def _dckpt_json_files(self, stage: str) -> dict[str, str]:
+        """Rank 0, after the chain: {file name: text} of trainer_state.json (as
+        ``TrainerState.save_to_json`` writes it; the chain's copy rewritten, naming the
+        final folders), training_args.json and, when the chain wrote none (FSDP sharded
+        state: no model folder), the model's config.json; each written into ``stage``.
+        The stateful callbacks' states are the chain's (never appended again). Local
+        I/O: up to three small files. Raises OSError."""
         import dataclasses
-        import json
 
-        from transformers.trainer_callback import ExportableState
-
-        for cb in [c for c in self.callback_handler.callbacks + [self.control]
-                   if isinstance(c, ExportableState)]:
-            name = cb.__class__.__name__
-            if isinstance(self.state.stateful_callbacks.get(name), list):
-                self.state.stateful_callbacks[name].append(cb.state())
-            else:
-                self.state.stateful_callbacks[name] = cb.state()
         files = {STATE_FILE: json.dumps(dataclasses.asdict(self.state), indent=2,
                                         sort_keys=True) + "\n",
                  ARGS_FILE: self.args.to_json_string()}
         config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
-        if config is not None and hasattr(config, "to_json_string"):
+        if (config is not None and hasattr(config, "to_json_string")
+                and not os.path.exists(os.path.join(stage, "config.json"))):
             files["config.json"] = config.to_json_string()
+        for name, text in files.items():
+            with open(os.path.join(stage, name), "w", encoding="utf-8") as f:
+                f.write(text)
         return files
 
-    def _dckpt_contents(self, rank: int, state_json: str | None = None) -> tree.Contents:
+    def _dckpt_contents(self, rank: int) -> tree.Contents:
+        """What a save commits: the model, the optimizer (not with save_only_model),
+        and on rank 0 the scheduler, the scaler and the metadata (trainer_state.json
+        again, :attr:`_dckpt_state_json`). No I/O."""
         only = bool(self.args.save_only_model)
-        opts = [] if only or self.optimizer is None else [(_inner(self.optimizer), 0)]
+        opts = [] if only or self.optimizer is None else [(inner(self.optimizer), 0)]
         objects: dict[str, Any] = {}
         meta = None
         if rank == 0:
@@ -222,7 +258,7 @@ class DckptTrainerMixin:
                     "global_step": int(self.state.global_step), "model_only": only,
                     # trainer_state.json again, checksummed with the manifest: what a
                     # resume from the fast tier (no such file there) hands the Trainer
-                    "trainer_state": state_json,
+                    "trainer_state": getattr(self, "_dckpt_state_json", None),
                     "scheduler": "scheduler" in objects, "scaler": "scaler" in objects}
         # FSDP: self.model is the prepared (sharded) model; else the unwrapped one, whose
         # parameters are the optimizer's (DDP's own prefix never enters the keys)
@@ -252,10 +288,16 @@ class DckptTrainerMixin:
         """``Trainer.save_model``. Under FSDP with ``SHARDED_STATE_DICT`` (where stock
         writes no weights): HF safetensors + ``config.json`` (+ generation config,
         processing class, ``training_args.json``) that ``from_pretrained`` loads,
-        without gathering the model on any rank (:mod:`.export`). Collective there;
-        blocking I/O. Any other setup: stock. Raises CheckpointError on every rank."""
+        without gathering the model on any rank (:mod:`.export`); the checkpoint
+        chain's internal call writes nothing there (dckpt's shards hold the weights: no
+        gather, no export per checkpoint; a ``save_model`` override of a class after
+        this mixin is not run then). Collective there; blocking I/O. Any other setup:
+        stock (inside a checkpoint: the model folder into its staging folder). Raises
+        CheckpointError on every rank."""
         if not export.sharded(self):
             return super().save_model(output_dir, _internal_call)
+        if _internal_call and getattr(self, "_dckpt_stage", None) is not None:
+            return
         export.save_sharded_model(self, output_dir if output_dir is not None
                                   else str(self.args.output_dir))
         if self.args.push_to_hub and not _internal_call:
@@ -321,80 +363,9 @@ class DckptTrainerMixin:
         if tier is not None:
             self._dckpt_rotation_fast.flush()
             tier.drain()  # every durable copy queued (a failed one is logged, stays local)
+            drop_landed_extras(tier, self._dckpt_extras)
+            self._dckpt_extras = set()
         return result
-
-    def _dckpt_ours(self, checkpoint: str | None) -> bool:
-        return (checkpoint is not None and self._dckpt_resume is not None
-                and os.path.abspath(checkpoint) == self._dckpt_resume)
-
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        """A dckpt resume: nothing here (the model loads with the optimizer, after the
-        Trainer has prepared both: :meth:`_load_optimizer_and_scheduler`); else stock."""
-        if self._dckpt_ours(resume_from_checkpoint):
-            return
-        return super()._load_from_checkpoint(resume_from_checkpoint, model)
-
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """A dckpt resume: load the model, optimizer (resharded to this world size and
-        parallelism), lr_scheduler and scaler from ``checkpoint``; else stock.
-        Collective; blocking I/O. Raises on every rank alike: IntegrityError,
-        StateMismatchError (another model, another framework's checkpoint),
-        MissingKeyError (a scheduler the checkpoint lacks)."""
-        if not self._dckpt_ours(checkpoint):
-            return super()._load_optimizer_and_scheduler(checkpoint)
-        comm = Comm()
-        spath, view = self._dckpt_src or (checkpoint, None)
-        has_opt = resolve.listed(lambda: any(k.startswith("optimizers.") for k in
-                                             _manifest(spath, view).tensors),
-                                 f"read the manifest of {spath}")
-        opts = [(_inner(self.optimizer), 0)] if has_opt and self.optimizer is not None else []
-        c = tree.Contents([self.model], set(), opts)
-        loaded = tree.load(spath, c, META_KEY, check=self._dckpt_check(spath),
-                           ignore=() if opts else ("optimizers.",), manifest_name=view)
-        err = None
-        try:
-            if not loaded.meta.get("model_only"):
-                if self.lr_scheduler is not None:
-                    self.lr_scheduler.load_state_dict(loaded.objects["scheduler"])
-                scaler = getattr(self.accelerator, "scaler", None)
-                if scaler is not None and "scaler" in loaded.objects:
-                    scaler.load_state_dict(loaded.objects["scaler"])
-        except Exception as e:
-            err = e
-        agree(comm, err, f"load the scheduler and scaler of {checkpoint}")
-        self._dckpt_loaded = None if loaded.meta.get("model_only") else loaded
-        if loaded.meta.get("model_only") and not self.args.save_only_model and comm.rank == 0:
-            log.warning("%s holds the model only (saved with save_only_model=True): the "
-                        "optimizer, lr_scheduler, scaler and RNG start fresh in this run",
-                        checkpoint)
-        if comm.rank == 0:
-            log.info("loaded %s (saved at %d ranks, global step %s)", checkpoint,
-                     loaded.world_size, loaded.meta.get("global_step"))
-
-    def _dckpt_check(self, path: str):
-        def run(meta: dict, names: set) -> None:
-            if meta.get("framework") != "transformers":
-                raise StateMismatchError(f"{path} is a dckpt checkpoint of "
-                                         f"{meta.get('framework')!r}, not of the Trainer")
-            if (not meta.get("model_only") and self.lr_scheduler is not None
-                    and "scheduler" not in names):
-                raise MissingKeyError(f"checkpoint {path} holds no lr_scheduler state")
-        return run
-
-    def _load_scaler(self, checkpoint: str | None) -> None:
-        """A dckpt resume: loaded with the optimizer; else stock."""
-        if self._dckpt_ours(checkpoint):
-            return
-        return super()._load_scaler(checkpoint)
-
-    def _load_rng_state(self, checkpoint: str | None) -> None:
-        """A dckpt resume: this rank's saved generators (rank r >= the saved world size
-        N: a stream derived from rank r mod N's and r); a model-only checkpoint holds
-        none (as stock). Never raises. Else stock."""
-        if not self._dckpt_ours(checkpoint):
-            return super()._load_rng_state(checkpoint)
-        if self._dckpt_loaded is not None:
-            self._dckpt_loaded.restore_rng()
 
     def _load_best_model(self) -> None:
         """``load_best_model_at_end``: a dckpt ``best_model_checkpoint`` loads the model
@@ -421,7 +392,7 @@ class DckptTrainerMixin:
             log.info("loaded the best model from %s (score: %s)", best, self.state.best_metric)
 
 
-class DckptTrainer(DckptTrainerMixin, Trainer):
+class DckptTrainer(DckptTrainerMixin, DckptChainEnd):
     """``transformers.Trainer`` with dckpt checkpoints:
     ``from dckpt.integrations.transformers import DckptTrainer as Trainer``. See
     :class:`DckptTrainerMixin`."""

@@ -90,7 +90,7 @@ class Job(Base):
                    os.path.join(refs, f"save-{self.state.global_step}-r{rank}.pt"))
 
     def _save_optimizer_and_scheduler(self, output_dir):
-        if a.kill_at == self.state.global_step:
+        if a.kill_at == self.state.global_step and a.impl == "stock":
             os.kill(os.getpid(), signal.SIGKILL)  # stock: the model is written
         super()._save_optimizer_and_scheduler(output_dir)
 

@@ -1,0 +1,235 @@
+"""The Trainer's checkpoint chains with dckpt as their terminal step.
+
+A Trainer subclass (TRL's trainers, a user's) overrides ``_save_checkpoint``,
+``_load_optimizer_and_scheduler`` or ``_load_from_checkpoint`` and calls ``super()``: the
+stock ``Trainer`` method is the end of that chain. :class:`DckptChainEnd` sits just above
+``transformers.Trainer`` in the MRO of every class made with ``DckptTrainerMixin``
+(``DckptTrainerMixin.__init_subclass__`` puts it there), so a subclass's override runs
+whole and its ``super()`` call reaches dckpt's load (a dckpt checkpoint) or the stock one
+(any other folder), and the stock writes of optimizer, scheduler, scaler and RNG pickles
+are skipped while dckpt saves (its commit holds them).
+
+The save side: the mixin runs the stock ``_save_checkpoint`` with ``_get_output_dir``
+answering a hidden staging folder ``S``; the chain writes ``S/checkpoint-N`` (model
+folder, ``trainer_state.json``, a subclass's files), and :func:`settle` moves what it
+wrote up into ``S``, the folder dckpt commits and places under ``checkpoint-N``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from transformers import Trainer
+
+from ...errors import StateMismatchError
+from ...protocol.collectives import Comm, agree
+from ...view.open import MissingKeyError
+from ..common import resolve, tree
+from .resume import META_KEY
+
+log = logging.getLogger(__name__)
+
+
+def inner(opt: Any) -> Any:
+    """The torch optimizer under Accelerate's wrapper. Pure."""
+    return getattr(opt, "optimizer", opt)
+
+
+def manifest(path: str, view: str | None) -> Any:
+    """The parsed manifest at ``path`` (``view``: a fast-tier rank's). Blocking I/O."""
+    from ..common.place import read_manifest
+
+    if view is None:
+        return read_manifest(path)
+    from ...format import manifest as mf
+    from ...protocol.restore import read_manifest_bytes
+    from ...storage.fsspec_storage import make_storage
+
+    storage, root = make_storage(path)
+    return mf.parse(read_manifest_bytes(storage, root, view), f"{path}/{view}")
+
+
+# stock ``_save`` pickles the TrainingArguments (torch.save) beside the model; a dckpt
+# checkpoint holds no pickle: training_args.json (written by the mixin) stands for it
+ARGS_PICKLE = "training_args.bin"  # transformers.trainer.TRAINING_ARGS_NAME
+
+
+def settle(stage: str, folder: str) -> None:
+    """Rank 0, after the chain wrote ``stage/folder``: move each of its entries up into
+    ``stage`` (what dckpt commits; a name already there is kept: dckpt's own files are
+    never replaced) and remove the emptied folder; stock's ``training_args.bin`` pickle
+    is dropped (``training_args.json`` holds the same arguments). Local I/O: a listing
+    and a rename per entry (same file system). Raises OSError."""
+    src = os.path.join(stage, folder)
+    if not os.path.isdir(src) or os.path.islink(src):
+        return
+    for n in os.listdir(src):
+        if n == ARGS_PICKLE:
+            os.remove(os.path.join(src, n))
+            continue
+        dst = os.path.join(stage, n)
+        if os.path.lexists(dst):  # never over dckpt's intent or a file of the same name
+            log.warning("the checkpoint chain wrote %s, which dckpt also holds: kept dckpt's",
+                        os.path.join(src, n))
+            continue
+        os.rename(os.path.join(src, n), dst)
+    try:
+        os.rmdir(src)
+    except OSError:  # a leftover entry: it stays (hidden, committed with the checkpoint)
+        pass
+
+
+def fix_best(trainer: Any, run_dir: str, final: str, hidden: str) -> None:
+    """``trainer.state.best_model_checkpoint`` as stock sets it for the real
+    ``run_dir``: the chain ran with the staging folder as its run_dir, so a best that
+    is this save (``final``) was named by its ``hidden`` path, and an older best was
+    not looked up. Local I/O: a stat (every rank, as stock)."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
+
+    state = trainer.state
+    if state.best_model_checkpoint is not None and \
+            os.path.abspath(state.best_model_checkpoint) == os.path.abspath(hidden):
+        state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(final))
+    if trainer.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH,
+                                      SaveStrategy.BEST) and state.best_global_step:
+        best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}")
+        if os.path.abspath(best) == final or os.path.exists(best):
+            state.best_model_checkpoint = best
+
+
+class DckptChainEnd(Trainer):
+    """The terminal step of the Trainer's checkpoint chains under dckpt (see the module
+    docstring). Only meaningful in a class made with ``DckptTrainerMixin``, whose state
+    it reads (``_dckpt_stage``: a dckpt save is running; ``_dckpt_resume``: the dckpt
+    checkpoint being resumed)."""
+
+    # ------------------------------------------------------------ the save chain's leaves
+    def _dckpt_saving(self) -> bool:
+        return getattr(self, "_dckpt_stage", None) is not None
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """A dckpt save: nothing (its commit holds them); else stock."""
+        if not self._dckpt_saving():
+            super()._save_optimizer_and_scheduler(output_dir)
+
+    def _save_scaler(self, output_dir: str) -> None:
+        """A dckpt save: nothing (its commit holds it); else stock."""
+        if not self._dckpt_saving():
+            super()._save_scaler(output_dir)
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        """A dckpt save: nothing (its commit holds every rank's); else stock."""
+        if not self._dckpt_saving():
+            super()._save_rng_state(output_dir)
+
+    # ------------------------------------------------------------ the load chain's end
+    def _dckpt_ours(self, checkpoint: str | None) -> bool:
+        resume = getattr(self, "_dckpt_resume", None)
+        return checkpoint is not None and resume is not None and \
+            os.path.abspath(checkpoint) == resume
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """A dckpt resume: nothing here (the model loads with the optimizer, after the
+        Trainer has prepared both: :meth:`_load_optimizer_and_scheduler`); else stock."""
+        if not self._dckpt_ours(resume_from_checkpoint):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """A dckpt resume: load the model, optimizer (resharded to this world size and
+        parallelism), lr_scheduler and scaler from ``checkpoint``; else stock.
+        Collective; blocking I/O. Raises on every rank alike: IntegrityError,
+        StateMismatchError (another model, another framework's checkpoint),
+        MissingKeyError (a scheduler the checkpoint lacks)."""
+        if not self._dckpt_ours(checkpoint):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        comm = Comm()
+        spath, view = self._dckpt_src or (checkpoint, None)
+        has_opt = resolve.listed(lambda: any(k.startswith("optimizers.") for k in
+                                             manifest(spath, view).tensors),
+                                 f"read the manifest of {spath}")
+        opts = [(inner(self.optimizer), 0)] if has_opt and self.optimizer is not None else []
+        c = tree.Contents([self.model], set(), opts)
+        loaded = tree.load(spath, c, META_KEY, check=self._dckpt_check(spath),
+                           ignore=() if opts else ("optimizers.",), manifest_name=view)
+        err = None
+        try:
+            if not loaded.meta.get("model_only"):
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.load_state_dict(loaded.objects["scheduler"])
+                scaler = getattr(self.accelerator, "scaler", None)
+                if scaler is not None and "scaler" in loaded.objects:
+                    scaler.load_state_dict(loaded.objects["scaler"])
+        except Exception as e:
+            err = e
+        agree(comm, err, f"load the scheduler and scaler of {checkpoint}")
+        self._dckpt_loaded = None if loaded.meta.get("model_only") else loaded
+        if loaded.meta.get("model_only") and not self.args.save_only_model and comm.rank == 0:
+            log.warning("%s holds the model only (saved with save_only_model=True): the "
+                        "optimizer, lr_scheduler, scaler and RNG start fresh in this run",
+                        checkpoint)
+        if comm.rank == 0:
+            log.info("loaded %s (saved at %d ranks, global step %s)", checkpoint,
+                     loaded.world_size, loaded.meta.get("global_step"))
+
+    def _dckpt_check(self, path: str):
+        """The check of a checkpoint's metadata before its load (a Trainer's; holding a
+        scheduler when one is trained). Raises StateMismatchError, MissingKeyError."""
+        def run(meta: dict, names: set) -> None:
+            if meta.get("framework") != "transformers":
+                raise StateMismatchError(f"{path} is a dckpt checkpoint of "
+                                         f"{meta.get('framework')!r}, not of the Trainer")
+            if (not meta.get("model_only") and self.lr_scheduler is not None
+                    and "scheduler" not in names):
+                raise MissingKeyError(f"checkpoint {path} holds no lr_scheduler state")
+        return run
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        """A dckpt resume: loaded with the optimizer; else stock."""
+        if not self._dckpt_ours(checkpoint):
+            super()._load_scaler(checkpoint)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        """A dckpt resume: this rank's saved generators (rank r >= the saved world size
+        N: a stream derived from rank r mod N's and r); a model-only checkpoint holds
+        none (as stock). Never raises. Else stock."""
+        if not self._dckpt_ours(checkpoint):
+            return super()._load_rng_state(checkpoint)
+        if self._dckpt_loaded is not None:
+            self._dckpt_loaded.restore_rng()
+
+
+def with_chain_end(cls: type) -> None:
+    """Put :class:`DckptChainEnd` just above ``transformers.Trainer`` in ``cls``'s MRO
+    (``cls`` made with ``DckptTrainerMixin``): a direct ``Trainer`` base is replaced by
+    it, else it is added as the last base (C3 places it after every other subclass of
+    ``Trainer``). Nothing when it is already there or ``cls`` is no Trainer. Raises
+    TypeError when the MRO cannot take it (a base order C3 refuses)."""
+    if DckptChainEnd in cls.__mro__ or Trainer not in cls.__mro__:
+        return
+    if Trainer in cls.__bases__:
+        cls.__bases__ = tuple(DckptChainEnd if b is Trainer else b for b in cls.__bases__)
+    else:
+        cls.__bases__ = cls.__bases__ + (DckptChainEnd,)
+
+
+def drop_landed_extras(tier: Any, names: set[str]) -> None:
+    """At the end of ``train()`` (every copy drained): remove this node's chain folder
+    (:func:`..common.fast.extras_dir`) of each of ``names`` whose durable copy is
+    committed (it holds those files now; a resume from the fast tier links them from
+    there) or whose slot is gone (rotated). A name whose copy failed keeps its folder:
+    the fast tier is then its only copy. Local I/O on each node's local rank 0: a stat
+    and a manifest check per name; never raises."""
+    import shutil
+
+    from ..common.fast import extras_dir
+    from ..common.place import kind
+
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        return
+    for name in names:
+        try:
+            if kind(name) == "dckpt" or not os.path.isdir(tier.slot(name)):
+                shutil.rmtree(extras_dir(tier, name), ignore_errors=True)
+        except OSError as e:  # a leftover folder costs disk only
+            log.warning("could not remove the chain folder of %s: %s", name, e)
