@@ -385,21 +385,20 @@ class DckptAccelerator(Accelerator):
         parent = self._checkpoints_dir()
         opts = self._dckpt.storage_options
 
-        def look() -> list:
+        def look() -> int:
             try:
-                got = resolve.committed_in(parent, NAME, opts)
+                names = resolve.checkpoint_names(parent, NAME, opts)
             except Exception as e:  # the store is down (the fast tier loaded): go on
                 log.warning("cannot list %s after the load (%s)", parent, e)
-                got = []
-            times = [c.created for c in got if c.created != float("inf")]
-            numbers = [_number(c.path) for c in got]
-            numbers += [_number(p) for p in resolve.stock_in(parent, NAME)]
-            return [max(numbers, default=-1), max(times, default=None)]
-        top, newest = on_rank0(comm, look, f"list {parent}")
+                names = []
+            return max([_number(p) for p in names], default=-1)
+        top = on_rank0(comm, look, f"list {parent}")
         pc = self.project_configuration
         pc.iteration = max(pc.iteration, top + 1)
-        if newest is not None:
-            self._dckpt.saw(float(newest), "")
+        if comm.rank == 0:  # only rank 0's timeline values are recorded
+            newest = resolve.newest_time(parent, NAME, opts)
+            if newest is not None:
+                self._dckpt.saw(newest, "")
 
     def _load_choices(self, comm: Comm, choices: list) -> None:
         """Load the newest of ``choices`` (:class:`.fast.Choice`, oldest first) that

@@ -29,6 +29,30 @@ def committed_in(directory: str, pattern: "re.Pattern[str]",
     then reports its damage and falls back past it with a warning; retention keeps it).
     Blocking I/O: a listing and one manifest read per match; [] when the folder is
     missing."""
+    names = _listing(directory, storage_options)
+    out = []
+    for base, path in names:
+        if base.startswith(".") or not pattern.fullmatch(base):
+            continue
+        if kind(path, storage_options) != "dckpt":
+            continue
+        sid, created = "", UNKNOWN
+        for attempt in range(2):
+            try:
+                sid, created = stamp(path, storage_options)
+                break
+            except (CheckpointError, OSError, TypeError, ValueError) as e:
+                if attempt:
+                    log.warning("cannot read the manifest of %s (%s): its commit time is "
+                                "unknown, so it is taken as the newest", path, e)
+                    sid, created = "", UNKNOWN
+        out.append(Committed(path, float(created), str(sid)))
+    return commit_order(out)
+
+
+def _listing(directory: str, storage_options: dict | None) -> list[tuple[str, str]]:
+    """(base name, path) of ``directory``'s entries, spelled as the caller spells the
+    folder. Blocking I/O: one listing; [] when the folder is missing."""
     names: list[tuple[str, str]] = []
     if is_url(directory):
         fs, p = fresh_fs(directory, storage_options)
@@ -48,24 +72,30 @@ def committed_in(directory: str, pattern: "re.Pattern[str]",
             names = [(n, os.path.join(d, n)) for n in os.listdir(d)]
         except OSError:
             return []
-    out = []
-    for base, path in names:
-        if base.startswith(".") or not pattern.fullmatch(base):
-            continue
-        if kind(path, storage_options) != "dckpt":
-            continue
-        sid, created = "", UNKNOWN
-        for attempt in range(2):
-            try:
-                sid, created = stamp(path, storage_options)
-                break
-            except (CheckpointError, OSError, TypeError, ValueError) as e:
-                if attempt:
-                    log.warning("cannot read the manifest of %s (%s): its commit time is "
-                                "unknown, so it is taken as the newest", path, e)
-                    sid, created = "", UNKNOWN
-        out.append(Committed(path, float(created), str(sid)))
-    return commit_order(out)
+    return names
+
+
+def checkpoint_names(directory: str, pattern: "re.Pattern[str]",
+                     storage_options: dict | None = None) -> list[str]:
+    """Every entry of ``directory`` whose name ``pattern`` fullmatches (committed or
+    not, dckpt's or a framework's; hidden ones never). Blocking I/O: one listing."""
+    return [p for b, p in _listing(directory, storage_options)
+            if not b.startswith(".") and pattern.fullmatch(b)]
+
+
+def newest_time(directory: str, pattern: "re.Pattern[str]",
+                storage_options: dict | None = None) -> float | None:
+    """The newest time on the run's timeline of the committed checkpoints of
+    ``directory`` (None: none, or the folder cannot be listed: logged). After a load, a
+    run's next commit is ordered after it (:meth:`.commit.Committer.saw`): a rewind on
+    a host whose clock is behind never leaves the abandoned branch "newest". Not
+    collective; blocking I/O: a listing and a manifest read per checkpoint."""
+    try:
+        got = committed_in(directory, pattern, storage_options)
+    except Exception as e:  # the durable store is down (a fast-tier load): go on
+        log.warning("cannot list %s after the load (%s)", directory, e)
+        return None
+    return max((c.created for c in got if c.created != UNKNOWN), default=None)
 
 
 def stock_in(directory: str, pattern: "re.Pattern[str]") -> list[str]:

@@ -26,7 +26,7 @@ from ...errors import StateMismatchError
 from ...protocol.collectives import Comm, agree
 from ...view.open import MissingKeyError
 from ..common import resolve, tree
-from .resume import META_KEY
+from .resume import META_KEY, NAME
 
 log = logging.getLogger(__name__)
 
@@ -145,9 +145,11 @@ class DckptChainEnd(Trainer):
             return super()._load_optimizer_and_scheduler(checkpoint)
         comm = Comm()
         spath, view = self._dckpt_src or (checkpoint, None)
-        has_opt = resolve.listed(lambda: any(k.startswith("optimizers.") for k in
-                                             manifest(spath, view).tensors),
-                                 f"read the manifest of {spath}")
+        def holds_optimizer() -> bool:  # tensors, or only values (SGD: its groups)
+            m = manifest(spath, view)
+            return any(k.startswith("optimizers.") for keys in (m.tensors, m.values)
+                       for k in keys)
+        has_opt = resolve.listed(holds_optimizer, f"read the manifest of {spath}")
         opts = [(inner(self.optimizer), 0)] if has_opt and self.optimizer is not None else []
         c = tree.Contents([self.model], set(), opts)
         loaded = tree.load(spath, c, META_KEY, check=self._dckpt_check(spath),
@@ -164,6 +166,13 @@ class DckptChainEnd(Trainer):
             err = e
         agree(comm, err, f"load the scheduler and scaler of {checkpoint}")
         self._dckpt_loaded = None if loaded.meta.get("model_only") else loaded
+        # the next commit continues this one, after every checkpoint present on the
+        # run's timeline (only rank 0's values are recorded)
+        self._dckpt.saw(loaded.timeline, loaded.save_id)
+        if comm.rank == 0:
+            newest = resolve.newest_time(str(self.args.output_dir), NAME)
+            if newest is not None:
+                self._dckpt.saw(newest, "")
         if loaded.meta.get("model_only") and not self.args.save_only_model and comm.rank == 0:
             log.warning("%s holds the model only (saved with save_only_model=True): the "
                         "optimizer, lr_scheduler, scaler and RNG start fresh in this run",
