@@ -40,3 +40,32 @@ def training_args(out, **kw):
                 disable_tqdm=True, logging_steps=1000)
     base.update(kw)
     return TrainingArguments(**base)
+
+
+def accelerator(kind: str, project_dir=None, **kw):
+    """A fresh ``accelerate.Accelerator`` (``kind="stock"``) or ``DckptAccelerator`` on
+    CPU; with ``project_dir``, a ProjectConfiguration there (``auto``: automatic
+    naming; ``total_limit``). dckpt-only keywords are dropped for stock."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import ProjectConfiguration
+
+    from dckpt.integrations.accelerate import DckptAccelerator
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    pc = {}
+    auto, limit = kw.pop("auto", False), kw.pop("total_limit", None)
+    if project_dir is not None:
+        pc["project_config"] = ProjectConfiguration(
+            project_dir=str(project_dir), automatic_checkpoint_naming=auto,
+            total_limit=limit)
+    if kind == "stock":
+        kw.pop("async_save", None)
+        return Accelerator(cpu=True, **pc, **kw)
+    return DckptAccelerator(cpu=True, **pc, **kw)
+
+
+def params(m) -> list[torch.Tensor]:
+    """Copies of ``m``'s parameters."""
+    return [p.detach().clone() for p in m.parameters()]

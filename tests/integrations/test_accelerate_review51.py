@@ -17,33 +17,15 @@ from torch import nn
 
 pytest.importorskip("accelerate")
 
+from .hf_helpers import accelerator as _accelerator, params  # noqa: E402
 from .hf_helpers import fresh_accelerate_state  # noqa: E402,F401 (autouse)
 
 import dckpt  # noqa: E402
 
 
 def accelerator(kind: str, project_dir=None, **kw):
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
-    from accelerate.utils import ProjectConfiguration
-
-    from dckpt.integrations.accelerate import DckptAccelerator
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    pc = {}
-    if project_dir is not None:
-        pc["project_config"] = ProjectConfiguration(
-            project_dir=str(project_dir), automatic_checkpoint_naming=True,
-            total_limit=kw.pop("total_limit", None))
-    if kind == "stock":
-        kw.pop("async_save", None)
-        return Accelerator(cpu=True, **pc, **kw)
-    return DckptAccelerator(cpu=True, **pc, **kw)
-
-
-def params(m) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in m.parameters()]
+    """:func:`.hf_helpers.accelerator`, with automatic naming under a project_dir."""
+    return _accelerator(kind, project_dir, auto=project_dir is not None, **kw)
 
 
 def kinds(reason: str) -> list:

@@ -14,29 +14,10 @@ from torch import nn
 
 pytest.importorskip("accelerate")
 
+from .hf_helpers import accelerator as _accelerator, params  # noqa: E402
 from .hf_helpers import fresh_accelerate_state  # noqa: E402,F401 (autouse)
 
 import dckpt  # noqa: E402
-
-
-def accelerator(kind: str, project_dir=None, **kw):
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
-    from accelerate.utils import ProjectConfiguration
-
-    from dckpt.integrations.accelerate import DckptAccelerator
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    pc = {}
-    if project_dir is not None:
-        pc["project_config"] = ProjectConfiguration(
-            project_dir=str(project_dir), automatic_checkpoint_naming=kw.pop("auto", False),
-            total_limit=kw.pop("total_limit", None))
-    if kind == "stock":
-        kw.pop("async_save", None)
-        return Accelerator(cpu=True, **pc, **kw)
-    return DckptAccelerator(cpu=True, **pc, **kw)
 
 
 def steps(acc, model, opt, n, seed=0):
@@ -53,10 +34,7 @@ def model_in(m) -> int:
     return next(p for p in m.parameters() if p.dim() == 2).shape[1]
 
 
-def params(m) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in m.parameters()]
-
-
+accelerator = _accelerator
 KINDS = ["stock", "dckpt"]
 
 
