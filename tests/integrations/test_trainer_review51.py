@@ -3,7 +3,7 @@ users write them (Trainer subclasses that override a piece of the load chain, a 
 placed after the base, a subclass that picks its own run directory, two jobs on one
 ``local_root``, a chain writing a file named as dckpt's), each beside the stock class
 where the stock class has the behaviour. One process, CPU, the tiny Llama of
-hf_helpers. Each test fails now (``xfail(strict=True)``) until the owner fixes it."""
+hf_helpers. Each test failed on the reviewed commit and passes since its fix."""
 from __future__ import annotations
 
 import copy
@@ -19,9 +19,10 @@ pytest.importorskip("accelerate")
 from .hf_helpers import fresh_accelerate_state, tiny_llama, training_args  # noqa: E402,F401
 
 def both(reason: str):
-    """Run with the stock class (passes) and with dckpt's (fails until fixed)."""
+    """Run with the stock class and with dckpt's; ``reason``: the defect the dckpt run
+    pinned before its fix."""
     return pytest.mark.parametrize("use_dckpt", [
-        False, pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=reason))],
+        False, True],
         ids=["stock", "dckpt"])
 
 
@@ -105,8 +106,6 @@ def test_a_subclass_load_best_model_override_runs_at_the_end(tmp_path, use_dckpt
 
 
 # ------------------------------------------------------------------ class layouts
-@pytest.mark.xfail(strict=True, reason="class T(Trainer, DckptTrainerMixin) (the mixin not "
-                   "first) silently saves stock pickled checkpoints: no error, no dckpt")
 def test_the_mixin_after_the_trainer_is_refused_or_saves_dckpt(tmp_path):
     from transformers import Trainer
 
@@ -125,10 +124,6 @@ def test_the_mixin_after_the_trainer_is_refused_or_saves_dckpt(tmp_path):
 
 
 # -------------------------------------------------- a subclass with its own run folder
-@pytest.mark.xfail(strict=True, reason="a subclass overriding _get_output_dir below the "
-                   "mixin makes the chain write into the real checkpoint-N and run stock "
-                   "rotation there before dckpt commits: a failed commit has already "
-                   "deleted the previous checkpoint")
 def test_a_subclass_run_dir_override_never_loses_the_previous_checkpoint(tmp_path,
                                                                          monkeypatch):
     from dckpt.integrations.common import tree
@@ -160,9 +155,6 @@ def test_a_subclass_run_dir_override_never_loses_the_previous_checkpoint(tmp_pat
 
 
 # ----------------------------------------------------- a file named as dckpt's own
-@pytest.mark.xfail(strict=True, reason="a manifest.json written by the checkpoint chain "
-                   "fails the save with 'already holds a committed checkpoint; pass "
-                   "overwrite=True' naming the hidden staging folder")
 def test_a_chain_file_named_manifest_json_gets_an_error_naming_it(tmp_path):
     from transformers import Trainer
 
@@ -204,9 +196,6 @@ def test_a_trainer_with_local_root_deep_copies_as_stock(tmp_path, use_dckpt):
     copy.deepcopy(t)
 
 
-@pytest.mark.xfail(strict=True, reason="fast._sweep_extras removes every '<slot>.extras' of "
-                   "local_root whose slot does not exist yet, another job's save in "
-                   "progress included: that job's checkpoint loses its chain's files")
 def test_a_second_job_on_the_local_root_never_removes_the_first_jobs_chain_files(tmp_path):
     """Two jobs (own output_dir) on one local_root. Job A's save is in its chain (the
     model folder written into its ``<slot>.extras``, its slot not committed yet) when job

@@ -30,6 +30,7 @@ from ...tiers.local import view_name
 from . import resolve
 from .place import durable_name, remove_whole
 from .rotation import UNKNOWN, Committed, commit_order, to_remove
+from .slots import job_prefix
 from .tier import LocalTier
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ def prepare_extras(tier: LocalTier, final: str) -> str:
     final = durable_name(final)
     tier._make_room(final)
     folder = extras_dir(tier, final)
-    _sweep_extras(tier)
+    _sweep_extras(tier, job_prefix(final))
 
     def clean() -> None:
         shutil.rmtree(folder, ignore_errors=True)
@@ -78,15 +79,17 @@ def prepare_extras(tier: LocalTier, final: str) -> str:
     return folder
 
 
-def _sweep_extras(tier: LocalTier) -> None:
-    """Remove the hook folders whose slot no longer exists (retention or rotation
-    took it). Local I/O; never raises."""
+def _sweep_extras(tier: LocalTier, prefix: str) -> None:
+    """Remove this job's hook folders (slot names under ``prefix``, the job's
+    directory: :func:`.slots.job_prefix`) whose slot no longer exists (retention or
+    rotation took it). Another job's on the same local root are never touched (one
+    in progress has no slot yet). Local I/O; never raises."""
     try:
         names = set(os.listdir(tier.root))
     except OSError:
         return
     for n in names:
-        if n.endswith(EXTRAS) and n[:-len(EXTRAS)] not in names:
+        if n.startswith(prefix) and n.endswith(EXTRAS) and n[:-len(EXTRAS)] not in names:
             shutil.rmtree(os.path.join(tier.root, n), ignore_errors=True)
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from transformers import Trainer
 
-from ...errors import StateMismatchError
+from ...errors import CheckpointError, StateMismatchError
 from ...protocol.collectives import Comm, agree
 from ...view.open import MissingKeyError
 from ..common import resolve, tree
@@ -64,7 +64,14 @@ def settle(stage: str, folder: str) -> None:
     src = os.path.join(stage, folder)
     if not os.path.isdir(src) or os.path.islink(src):
         return
+    from ...format.manifest import MANIFEST_NAME
+
     for n in os.listdir(src):
+        if n == MANIFEST_NAME:  # dckpt's commit point: a file of that name cannot stay
+            raise CheckpointError(
+                f"the Trainer's checkpoint chain (a subclass or callback) wrote "
+                f"{MANIFEST_NAME} into {folder}: dckpt's commit writes that name; give "
+                "the file another name")
         if n == ARGS_PICKLE:
             os.remove(os.path.join(src, n))
             continue
@@ -130,41 +137,29 @@ class DckptChainEnd(Trainer):
             os.path.abspath(checkpoint) == resume
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        """A dckpt resume: nothing here (the model loads with the optimizer, after the
-        Trainer has prepared both: :meth:`_load_optimizer_and_scheduler`); else stock."""
+        """A dckpt resume: the model's weights (resharded to this world size and
+        parallelism; where stock loads them, so a subclass that skips the optimizer's
+        load still resumes its weights), and the checkpoint's objects and RNG kept for
+        the steps after it; else stock. Collective; blocking I/O. Raises on every rank
+        alike: IntegrityError, StateMismatchError (another model, another framework's
+        checkpoint), MissingKeyError (a scheduler the checkpoint lacks)."""
         if not self._dckpt_ours(resume_from_checkpoint):
-            super()._load_from_checkpoint(resume_from_checkpoint, model)
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        self._dckpt_model_loaded = self._dckpt_load(resume_from_checkpoint, optimizer=False)
 
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """A dckpt resume: load the model, optimizer (resharded to this world size and
-        parallelism), lr_scheduler and scaler from ``checkpoint``; else stock.
-        Collective; blocking I/O. Raises on every rank alike: IntegrityError,
-        StateMismatchError (another model, another framework's checkpoint),
-        MissingKeyError (a scheduler the checkpoint lacks)."""
-        if not self._dckpt_ours(checkpoint):
-            return super()._load_optimizer_and_scheduler(checkpoint)
+    def _dckpt_load(self, checkpoint: str, optimizer: bool) -> Any:
+        """Load ``checkpoint``'s model (``optimizer``: its optimizer instead, the model
+        being loaded already) and return the load (objects, RNG, metadata). Also sets
+        the RNG to restore and the run's timeline. Collective; blocking I/O."""
         comm = Comm()
         spath, view = self._dckpt_src or (checkpoint, None)
-        def holds_optimizer() -> bool:  # tensors, or only values (SGD: its groups)
-            m = manifest(spath, view)
-            return any(k.startswith("optimizers.") for keys in (m.tensors, m.values)
-                       for k in keys)
-        has_opt = resolve.listed(holds_optimizer, f"read the manifest of {spath}")
-        opts = [(inner(self.optimizer), 0)] if has_opt and self.optimizer is not None else []
-        c = tree.Contents([self.model], set(), opts)
+        if optimizer:
+            c = tree.Contents([self.model], {0}, [(inner(self.optimizer), 0)])
+            ignore: tuple[str, ...] = ()
+        else:
+            c, ignore = tree.Contents([self.model]), ("optimizers.",)
         loaded = tree.load(spath, c, META_KEY, check=self._dckpt_check(spath),
-                           ignore=() if opts else ("optimizers.",), manifest_name=view)
-        err = None
-        try:
-            if not loaded.meta.get("model_only"):
-                if self.lr_scheduler is not None:
-                    self.lr_scheduler.load_state_dict(loaded.objects["scheduler"])
-                scaler = getattr(self.accelerator, "scaler", None)
-                if scaler is not None and "scaler" in loaded.objects:
-                    scaler.load_state_dict(loaded.objects["scaler"])
-        except Exception as e:
-            err = e
-        agree(comm, err, f"load the scheduler and scaler of {checkpoint}")
+                           ignore=ignore, manifest_name=view)
         self._dckpt_loaded = None if loaded.meta.get("model_only") else loaded
         # the next commit continues this one, after every checkpoint present on the
         # run's timeline (only rank 0's values are recorded)
@@ -173,13 +168,76 @@ class DckptChainEnd(Trainer):
             newest = resolve.newest_time(str(self.args.output_dir), NAME)
             if newest is not None:
                 self._dckpt.saw(newest, "")
-        if loaded.meta.get("model_only") and not self.args.save_only_model and comm.rank == 0:
-            log.warning("%s holds the model only (saved with save_only_model=True): the "
-                        "optimizer, lr_scheduler, scaler and RNG start fresh in this run",
-                        checkpoint)
-        if comm.rank == 0:
-            log.info("loaded %s (saved at %d ranks, global step %s)", checkpoint,
-                     loaded.world_size, loaded.meta.get("global_step"))
+            log.info("loaded the %s of %s (saved at %d ranks, global step %s)",
+                     "optimizer" if optimizer else "model", checkpoint, loaded.world_size,
+                     loaded.meta.get("global_step"))
+        return loaded
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """A dckpt resume: the optimizer (resharded to this world size and
+        parallelism), lr_scheduler and scaler from ``checkpoint`` (the model was loaded
+        by :meth:`_load_from_checkpoint`; a subclass that skipped it: loaded here);
+        else stock. Collective; blocking I/O. Raises on every rank alike:
+        IntegrityError, StateMismatchError, MissingKeyError."""
+        if not self._dckpt_ours(checkpoint):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        comm = Comm()
+        loaded = getattr(self, "_dckpt_model_loaded", None)
+        if loaded is None:  # a subclass's _load_from_checkpoint did not reach dckpt's
+            loaded = self._dckpt_model_loaded = self._dckpt_load(checkpoint, optimizer=False)
+        if loaded.meta.get("model_only"):
+            if not self.args.save_only_model and comm.rank == 0:
+                log.warning("%s holds the model only (saved with save_only_model=True): "
+                            "the optimizer, lr_scheduler, scaler and RNG start fresh in "
+                            "this run", checkpoint)
+            return
+        spath, view = self._dckpt_src or (checkpoint, None)
+
+        def holds_optimizer() -> bool:  # tensors, or only values (SGD: its groups)
+            m = manifest(spath, view)
+            return any(k.startswith("optimizers.") for keys in (m.tensors, m.values)
+                       for k in keys)
+        if self.optimizer is not None and resolve.listed(
+                holds_optimizer, f"read the manifest of {spath}"):
+            self._dckpt_load(checkpoint, optimizer=True)
+        err = None
+        try:
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.load_state_dict(loaded.objects["scheduler"])
+            scaler = getattr(self.accelerator, "scaler", None)
+            if scaler is not None and "scaler" in loaded.objects:
+                scaler.load_state_dict(loaded.objects["scaler"])
+        except (CheckpointError, OSError) as e:
+            err = e
+        except Exception as e:  # the object's own mismatch, not damage: no fallback
+            err = StateMismatchError(f"{checkpoint}: loading its lr_scheduler or scaler "
+                                     f"raised {type(e).__name__}: {e}")
+        agree(comm, err, f"load the scheduler and scaler of {checkpoint}")
+
+    def _load_best_model(self) -> None:
+        """The end of ``load_best_model_at_end``'s chain: a dckpt
+        ``best_model_checkpoint`` loads the model only (resharded; with a fast tier,
+        its node-local commit or its durable copy); else stock. Collective; blocking
+        I/O."""
+        from ..common import fast
+        from ..common.place import kind
+
+        best = self.state.best_model_checkpoint
+        tier = getattr(self, "_dckpt_tier", None)
+        choices = [] if best is None or tier is None else fast.one(tier, best, None)
+        if choices:  # the fast tier's commit of it, or its durable copy
+            by = {c.shown(): c for c in choices}
+            resolve.load_newest(list(by), lambda k: tree.load(
+                by[k].path, tree.Contents([self.model]), META_KEY,
+                check=self._dckpt_check(by[k].path), ignore=("optimizers.",),
+                manifest_name=by[k].manifest_name))
+        elif best is None or resolve.listed(lambda: kind(best), f"look up {best}") != "dckpt":
+            return super()._load_best_model()
+        else:
+            tree.load(best, tree.Contents([self.model]), META_KEY,
+                      check=self._dckpt_check(best), ignore=("optimizers.",))
+        if Comm().rank == 0:
+            log.info("loaded the best model from %s (score: %s)", best, self.state.best_metric)
 
     def _dckpt_check(self, path: str):
         """The check of a checkpoint's metadata before its load (a Trainer's; holding a

@@ -21,6 +21,7 @@ import os
 import shutil
 from typing import Any
 
+from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ...errors import CheckpointError
@@ -91,6 +92,8 @@ class DckptTrainerMixin:
         self._dckpt_agreed: Any = None  # the process group the settings were agreed on
         self._dckpt_resume: str | None = None  # the dckpt checkpoint train() resumes
         self._dckpt_loaded: Any = None  # its load (the RNG, set at _load_rng_state)
+        self._dckpt_model_loaded: Any = None  # its model's load (objects, metadata)
+        self._dckpt_copy = False  # a deep copy or unpickled copy (see __getstate__)
         self._dckpt_stage: str | None = None  # while dckpt saves: the chain's run_dir
         self._dckpt_push = False  # the chain asked for a push (run once placed)
         self._dckpt_state_json: str | None = None  # trainer_state.json of the save
@@ -100,15 +103,38 @@ class DckptTrainerMixin:
         # dckpt's load and the skipped stock pickles sit just above Trainer, so that a
         # subclass's overrides between this mixin and Trainer run whole (see .chain)
         super().__init_subclass__(**kwargs)
+        mro = cls.__mro__
+        if Trainer in mro and mro.index(Trainer) < mro.index(DckptTrainerMixin):
+            # Trainer.__init__ would never reach the mixin's: stock checkpoints, silently
+            raise TypeError(f"{cls.__name__}: DckptTrainerMixin must come before every "
+                            "Trainer class in the bases, e.g. "
+                            "class MySFT(DckptTrainerMixin, trl.SFTTrainer)")
         with_chain_end(cls)
 
-    # ------------------------------------------------------------------ saving
-    def _get_output_dir(self, trial: Any) -> str:
-        """Stock's run directory; while dckpt saves, the hidden staging folder (the
-        chain's ``run_dir``: it writes ``<staging>/checkpoint-N``). No I/O."""
-        stage = getattr(self, "_dckpt_stage", None)
-        return stage if stage is not None else super()._get_output_dir(trial)
+    def __getstate__(self) -> dict:
+        """Stock Trainers deep-copy and pickle where their objects do: so does this one.
+        The copy has no save in flight, no process group and no fast tier (its threads
+        and leases belong to this process): a save or resume through a copy made with
+        ``local_root`` raises CheckpointError. Waits for the snapshot of an
+        asynchronous save in flight (its fence's hooks do not pickle)."""
+        self._dckpt.unfence()
+        d = dict(self.__dict__)
+        d["_dckpt_agreed"] = None
+        d["_dckpt_rotation_fast"] = None
+        if d.get("_dckpt_tier") is not None:
+            d["_dckpt_tier"], d["_dckpt_copy"] = None, True
+        return d
 
+    def __setstate__(self, d: dict) -> None:
+        self.__dict__.update(d)
+        self._dckpt_rotation_fast = fast.Rotation()
+
+    def _dckpt_usable(self) -> None:
+        if getattr(self, "_dckpt_copy", False):
+            raise CheckpointError("this DckptTrainer is a copy of one with local_root: its "
+                                  "fast tier belongs to the original; save and resume there")
+
+    # ------------------------------------------------------------------ saving
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         """Stock's push; asked for by the chain while dckpt saves, deferred until the
         commit has placed the folder (:meth:`_save_checkpoint`). No I/O then."""
@@ -133,6 +159,7 @@ class DckptTrainerMixin:
         waiting for the save before). Raises the same CheckpointError on every rank
         (nothing is placed then; a failing chain's error included),
         UnsupportedValueError for a scheduler value that cannot be stored."""
+        self._dckpt_usable()
         comm = Comm()
         self._dckpt_agree(comm)
         folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
@@ -151,6 +178,10 @@ class DckptTrainerMixin:
             self._dckpt_extras.add(final)
         built, err, files, self._dckpt_push = None, None, {}, False
         self._dckpt_stage = stage
+        # the chain's run_dir is the hidden staging folder (it writes
+        # <staging>/checkpoint-N). An instance attribute: it wins over any subclass's
+        # _get_output_dir override too, whose answer (run_dir above) is the real one
+        self.__dict__["_get_output_dir"] = lambda trial=None: stage
         try:
             # stock's model folder creates it; not written under FSDP sharded state
             os.makedirs(os.path.join(stage, folder), exist_ok=True)
@@ -159,6 +190,7 @@ class DckptTrainerMixin:
             err = e
         finally:
             self._dckpt_stage = None
+            self.__dict__.pop("_get_output_dir", None)
         try:
             if err is None:
                 fix_best(self, run_dir, final, os.path.join(stage, folder))
@@ -321,6 +353,7 @@ class DckptTrainerMixin:
         ``output_dir`` holds no checkpoint (as stock). ``async_save``: waits for the
         save in flight first and for the last one before returning (raising its error
         on every rank); after a failure of the training, waits without a collective."""
+        self._dckpt_usable()
         call = dict(trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
         self._dckpt.finish()  # an earlier train()'s save in flight (none: no collective)
         tier = self._dckpt_tier
@@ -347,6 +380,7 @@ class DckptTrainerMixin:
                 path = rs.named(p)
         if path is not None:
             self._dckpt_resume, self._dckpt_loaded = path, None
+            self._dckpt_model_loaded = None
             self._dckpt_src = src or (path, None)
         try:
             result = super().train(resume_from_checkpoint if path is None else path, **call)
@@ -357,6 +391,7 @@ class DckptTrainerMixin:
             raise
         finally:
             self._dckpt_resume = self._dckpt_loaded = self._dckpt_src = None
+            self._dckpt_model_loaded = None
             if src is not None and src[1] is not None and path is not None:
                 shutil.rmtree(os.path.dirname(path), ignore_errors=True)
         self._dckpt.finish()  # the last asynchronous save: placed, or its error raised
@@ -368,28 +403,15 @@ class DckptTrainerMixin:
         return result
 
     def _load_best_model(self) -> None:
-        """``load_best_model_at_end``: a dckpt ``best_model_checkpoint`` loads the model
-        only (resharded); else stock. Collective; blocking I/O."""
-        self._dckpt.finish()  # the best may be the save in flight
+        """``load_best_model_at_end``: waits for the save in flight and the fast tier's
+        copies (the best may be either), then the base chain (a subclass's override
+        runs; its ``super()`` reaches dckpt's load of a dckpt best:
+        :meth:`.chain.DckptChainEnd._load_best_model`). Collective; blocking I/O."""
+        self._dckpt.finish()
         if self._dckpt_tier is not None:
             self._dckpt_rotation_fast.flush()
-            self._dckpt_tier.drain()  # ... or a copy still queued
-        best = self.state.best_model_checkpoint
-        choices = [] if best is None or self._dckpt_tier is None else fast.one(
-            self._dckpt_tier, best, None)
-        if choices:  # the fast tier's commit of it, or its durable copy
-            by = {c.shown(): c for c in choices}
-            resolve.load_newest(list(by), lambda k: tree.load(
-                by[k].path, tree.Contents([self.model]), META_KEY,
-                check=self._dckpt_check(by[k].path), ignore=("optimizers.",),
-                manifest_name=by[k].manifest_name))
-        elif best is None or resolve.listed(lambda: kind(best), f"look up {best}") != "dckpt":
-            return super()._load_best_model()
-        else:
-            tree.load(best, tree.Contents([self.model]), META_KEY,
-                      check=self._dckpt_check(best), ignore=("optimizers.",))
-        if Comm().rank == 0:
-            log.info("loaded the best model from %s (score: %s)", best, self.state.best_metric)
+            self._dckpt_tier.drain()
+        return super()._load_best_model()
 
 
 class DckptTrainer(DckptTrainerMixin, DckptChainEnd):
