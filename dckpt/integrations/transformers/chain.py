@@ -87,6 +87,35 @@ def settle(stage: str, folder: str) -> None:
         pass
 
 
+def rotation(trainer: Any, run_dir: str, just_saved: str):
+    """The after-commit step of a save under ``save_total_limit`` (None without one):
+    rank 0 removes the oldest committed ``checkpoint-N`` of ``run_dir`` on the run's
+    timeline, whole, never ``just_saved`` nor ``best_model_checkpoint`` (stock's rule:
+    with a limit of 1 and an older best, 2 remain). Blocking I/O when it runs: a
+    listing, a manifest read per checkpoint, the removals."""
+    from ..common.place import durable_name, remove_whole
+    from ..common.rotation import to_remove
+
+    limit = trainer.args.save_total_limit
+    if limit is None or limit <= 0:
+        return None
+    best = trainer.state.best_model_checkpoint
+    best = durable_name(best) if best else None
+
+    def rotate() -> None:
+        from ... import _faults
+
+        entries = resolve.committed_in(run_dir, NAME)
+        keep_best = best is not None and best != just_saved and any(
+            c.path == best for c in entries)
+        pool = [c for c in entries if not (keep_best and c.path == best)]
+        for path in to_remove(pool, max(1, limit - int(keep_best)), just_saved):
+            _faults.fault("rotate", 0)  # crash tests: a kill between removals
+            remove_whole(path)
+            log.info("save_total_limit=%d: removed %s", limit, path)
+    return rotate
+
+
 def fix_best(trainer: Any, run_dir: str, final: str, hidden: str) -> None:
     """``trainer.state.best_model_checkpoint`` as stock sets it for the real
     ``run_dir``: the chain ran with the staging folder as its run_dir, so a best that

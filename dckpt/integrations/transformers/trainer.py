@@ -30,13 +30,12 @@ from ...protocol.settings import agree_settings
 from ..common import resolve, tree
 from ..common import fast
 from ..common.commit import Committer
-from ..common.place import durable_name, is_url, kind, remove_whole
-from ..common.rotation import to_remove
+from ..common.place import durable_name, is_url
 from ..common.tier import LocalTier
 from ..common.verify import verify_shared
 from . import export
 from . import resume as rs
-from .chain import (DckptChainEnd, drop_landed_extras, fix_best, inner, settle,
+from .chain import (DckptChainEnd, drop_landed_extras, fix_best, inner, rotation, settle,
                     with_chain_end)
 from .resume import JIT_SENTINEL, META_KEY, NAME, STATE_FILE
 
@@ -219,7 +218,7 @@ class DckptTrainerMixin:
                     durable_name(best) if best else None)
         else:
             self._dckpt.commit(built, plan, fence=tree.fence_targets(c),
-                               after=self._dckpt_rotation(run_dir, plan.final))
+                               after=rotation(self, run_dir, plan.final))
         if self._dckpt_push:  # the push reads the folder: once it is placed whole
             self._dckpt_push = False
             self._dckpt.finish()
@@ -295,26 +294,6 @@ class DckptTrainerMixin:
         # FSDP: self.model is the prepared (sharded) model; else the unwrapped one, whose
         # parameters are the optimizer's (DDP's own prefix never enters the keys)
         return tree.Contents([self.model], set(), opts, objects, meta)
-
-    def _dckpt_rotation(self, run_dir: str, just_saved: str):
-        limit = self.args.save_total_limit
-        if limit is None or limit <= 0:
-            return None
-        best = self.state.best_model_checkpoint
-        best = durable_name(best) if best else None
-
-        def rotate() -> None:
-            from ... import _faults
-
-            entries = resolve.committed_in(run_dir, NAME)
-            keep_best = best is not None and best != just_saved and any(
-                c.path == best for c in entries)
-            pool = [c for c in entries if not (keep_best and c.path == best)]
-            for path in to_remove(pool, max(1, limit - int(keep_best)), just_saved):
-                _faults.fault("rotate", 0)  # crash tests: a kill between removals
-                remove_whole(path)
-                log.info("save_total_limit=%d: removed %s", limit, path)
-        return rotate
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """``Trainer.save_model``. Under FSDP with ``SHARDED_STATE_DICT`` (where stock
