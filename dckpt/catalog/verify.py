@@ -13,6 +13,7 @@ from ..format.checksum import crc32
 from ..progress import Progress
 from ..engine.openfiles import OpenFiles as _Files
 from ..engine.reader import ChunkReader, file_path, stored_name
+from ..format.chunknames import bare
 from ..format.chunknames import checked_stored
 from ..storage.fsspec_storage import make_storage
 
@@ -127,7 +128,8 @@ def _verify(storage, root: str, m, file_indices, report: VerifyReport,
         several = {fi for fi, k in Counter(fi for _, fi in placed[key]).items() if k > 1}
         for ci, fi in placed[key]:
             offs = t.chunks.box(ci)[0]
-            where[(fi, stored_name(key, offs) if fi in several else key)] = (offs, t.shape, key)
+            named = key if bare(key, 2 if fi in several else 1) else stored_name(key, offs)
+            where[(fi, named)] = (offs, t.shape, key)
     for n, fi in enumerate(wanted):
         f = m.files[fi]
         report.files += 1
@@ -165,6 +167,7 @@ def _verify(storage, root: str, m, file_indices, report: VerifyReport,
             if st is None or st.shape != want or st.dtype != t.dtype:
                 report.problems.append(f"tensor {key!r} chunk {ci}: not in {m.files[fi].name} "
                                        "as the manifest says")
+
 
 
 def _name(f) -> str:

@@ -1,7 +1,8 @@
 """Names of chunks in shard files. A file's only chunk of a tensor is stored under the
 tensor's key; when a file holds several chunks of one tensor (a strided DTensor's local
 tensor is several boxes of the global tensor), each is stored as ``key@o0,o1,...``, its
-global offsets. Every chunk's global offsets are also recorded in its file's header
+global offsets, and so is every chunk of a key holding ``@`` (which could otherwise spell
+another key's chunk name). Every chunk's global offsets are also recorded in its file's header
 (``at:<name>``), and :func:`checked_stored` holds what a manifest names against them.
 Pure; see docs/FORMAT.md."""
 from __future__ import annotations
@@ -21,6 +22,13 @@ def stored_name(key: str, offsets) -> str:
     return f"{key}@{','.join(str(int(x)) for x in offsets)}"
 
 
+def bare(key: str, count: int) -> bool:
+    """Whether a file's chunk of ``key`` is stored under the key itself: its only chunk
+    there, and a key without ``@`` (a key holding ``@`` could spell another key's
+    ``key@offsets`` name: it is always stored with its offsets). Pure."""
+    return count == 1 and "@" not in key
+
+
 def stored_names(pieces: list) -> list[str]:
     """The names ``pieces`` get in one shard file: the key for a key's only piece,
     :func:`stored_name` for each of several. Pure, O(pieces). Raises
@@ -30,7 +38,8 @@ def stored_names(pieces: list) -> list[str]:
     count: dict[str, int] = {}
     for p in pieces:
         count[p.key] = count.get(p.key, 0) + 1
-    names = [p.key if count[p.key] == 1 else stored_name(p.key, p.box.offsets) for p in pieces]
+    names = [p.key if bare(p.key, count[p.key]) else stored_name(p.key, p.box.offsets)
+             for p in pieces]
     held = set(names)
     if len(held) != len(names):
         taken = sorted(set(n for n in names if names.count(n) > 1))[0]
@@ -53,6 +62,14 @@ def find_stored(tensors: dict, key: str, offsets) -> "StoredTensor | None":
     :func:`stored_name` (:func:`stored_names` makes the two unambiguous). O(1) for a
     key's only chunk, O(ndim) otherwise. The name lookup only: what reads a chunk for
     a manifest uses :func:`checked_stored`, which also checks where the chunk belongs."""
+    if "@" in key:
+        # stored with its offsets; bare only in a file written before offsets were
+        # recorded (a bare name holding '@' in a newer file is another key's chunk)
+        st = tensors.get(stored_name(key, offsets))
+        if st is not None:
+            return st
+        st = tensors.get(key)
+        return st if st is not None and st.at is None else None
     st = tensors.get(key)
     return st if st is not None else tensors.get(stored_name(key, offsets))
 
