@@ -31,10 +31,11 @@ def bare(key: str, count: int) -> bool:
 
 def stored_names(pieces: list) -> list[str]:
     """The names ``pieces`` get in one shard file: the key for a key's only piece,
-    :func:`stored_name` for each of several. Pure, O(pieces). Raises
-    UnsupportedValueError when a name so made is also another tensor's key, or when a
-    key stored as several chunks is also the name of another piece (either would make
-    :func:`find_stored` ambiguous: only keys holding ``@`` can do this)."""
+    :func:`stored_name` for each of several and for every chunk of a key holding ``@``
+    (see :func:`bare`): a bare name holds no ``@`` and an offset name splits at its last
+    ``@``, so no name stands for two chunks. Pure, O(pieces). Raises
+    UnsupportedValueError if two names still coincide (a guard; not reachable by the
+    rule above)."""
     count: dict[str, int] = {}
     for p in pieces:
         count[p.key] = count.get(p.key, 0) + 1
@@ -46,13 +47,6 @@ def stored_names(pieces: list) -> list[str]:
         raise UnsupportedValueError(
             f"tensor key {taken!r} is also the name dckpt gives a box of a strided tensor "
             "in its shard file; rename that key")
-    # A lookup tries the key first: a key stored as several chunks must name none.
-    shadow = sorted(k for k, c in count.items() if c > 1 and k in held)
-    if shadow:
-        raise UnsupportedValueError(
-            f"tensor key {shadow[0]!r} is stored as several boxes (a strided tensor) and "
-            "is also the name dckpt gives a box of another strided tensor in its shard "
-            "file; rename that key")
     return names
 
 

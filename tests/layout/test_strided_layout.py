@@ -373,11 +373,9 @@ def test_c_order_grids_are_recognised_without_a_sort(steps, data):
 
 
 def test_chunk_names_in_a_file():
-    """A key's only chunk in a file is named by the key; several are key@offsets; a
-    generated name that is also a key is refused, naming it, and so is a key stored
-    as several chunks that is also another piece's name; lookups try the key (a
-    file's only chunk, files of older saves) and then the offset name."""
-    from dckpt.errors import UnsupportedValueError
+    """A key's only chunk in a file is named by the key; several are key@offsets, and
+    so is every chunk of a key holding '@' (no name stands for two chunks); lookups try
+    the key (a file's only chunk, files of older saves) and then the offset name."""
     from dckpt.format.chunknames import find_stored, stored_names
     from dckpt.state.tensors import LocalPiece
 
@@ -386,19 +384,21 @@ def test_chunk_names_in_a_file():
 
     names = stored_names([piece("w", (0, 0)), piece("b", (0, 0)), piece("w", (4, 0))])
     assert names == ["w@0,0", "b", "w@4,0"]
-    with pytest.raises(UnsupportedValueError, match="'w@4,0'"):
-        stored_names([piece("w", (0, 0)), piece("w", (4, 0)), piece("w@4,0", (0, 0))])
+    # a key holding '@' is always stored with its offsets: it can never spell another
+    # key's box name (w's box at (4, 0) and the key "w@4,0" stay apart)
+    assert stored_names([piece("w", (0, 0)), piece("w", (4, 0)), piece("w@4,0", (0, 0))]) \
+        == ["w@0,0", "w@4,0", "w@4,0@0,0"]
     header = {"w@0,0": "first", "w@4,0": "second", "b": "bias"}
     assert find_stored(header, "w", (4, 0)) == "second"
     assert find_stored(header, "b", (0, 0)) == "bias"
     assert find_stored({"w": "only"}, "w", (4, 0)) == "only"
     assert find_stored(header, "x", (0, 0)) is None
     # a key's only chunk is found by its key even beside a key that looks like a box
-    assert stored_names([piece("w", (0, 0)), piece("w@0,0", (0, 0))]) == ["w", "w@0,0"]
+    assert stored_names([piece("w", (0, 0)), piece("w@0,0", (0, 0))]) == ["w", "w@0,0@0,0"]
     assert find_stored({"w": "mine", "w@0,0": "other"}, "w", (0, 0)) == "mine"
-    with pytest.raises(UnsupportedValueError, match="'a@0,0' is stored as several"):
-        stored_names([piece("a@0,0", (0, 0)), piece("a@0,0", (4, 0)),
-                      piece("a", (0, 0)), piece("a", (4, 0))])
+    assert stored_names([piece("a@0,0", (0, 0)), piece("a@0,0", (4, 0)),
+                         piece("a", (0, 0)), piece("a", (4, 0))]) \
+        == ["a@0,0@0,0", "a@0,0@4,0", "a@0,0", "a@4,0"]
 
 
 def test_key_that_looks_like_a_box_name_loads_its_own_values(tmp_path):

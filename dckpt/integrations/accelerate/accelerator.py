@@ -60,6 +60,8 @@ class DckptAccelerator(Accelerator):
         committer = Committer(storage_options, async_save, compression)  # validates
         tier = None if local_root is None else LocalTier(
             local_root, keep_last_local, storage_options, compression)
+        if tier is not None:
+            tier.adopt = ()  # a copy keeps what scripts wrote at the name, as a direct save
         super().__init__(*args, **kwargs)
         dt = getattr(self.distributed_type, "name", str(self.distributed_type))
         if dt in REFUSED:

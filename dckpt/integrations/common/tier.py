@@ -119,6 +119,10 @@ class LocalTier:
         self.storage, self.root = make_storage(os.path.abspath(str(root).removeprefix("file://")))
         self.keep = keep_last_local
         self.storage_options, self.compression = storage_options, compression
+        # what a copy's placement keeps of the folder it replaces (place's ``adopt``):
+        # None, nothing (Lightning); the Hugging Face adapters set () (every file dckpt
+        # did not write, as their direct saves)
+        self.adopt: tuple[str, ...] | None = None
         self.pool = StagingPool()
         self._lock = threading.Lock()
         self._jobs: list[CopyJob] = []  # queued or running, in order
@@ -273,7 +277,7 @@ class LocalTier:
                                     job.storage_options, None, self.compression)
             else:
                 stager.stage(job.commit, self.storage, target, comm, job.storage_options)
-            place_agreed(comm, target, final, staged, adopt=())
+            place_agreed(comm, target, final, staged, adopt=self.adopt)
             self.seen[job.final] = job.commit.save_id
             if comm.rank == 0:
                 log.info("%s copied to the durable tier (%.1f MiB)", final,

@@ -74,6 +74,8 @@ class DckptTrainerMixin:
             raise CheckpointError(f"keep_last_local must be an int >= 1, got {keep_last_local!r}")
         tier = None if local_root is None else LocalTier(local_root, keep_last_local, None,
                                                          compression)
+        if tier is not None:
+            tier.adopt = ()  # a copy keeps what scripts wrote at the name, as a direct save
         super().__init__(*args, **kwargs)
         if async_save and self.args.push_to_hub:
             raise CheckpointError("DckptTrainer: async_save=True with push_to_hub: the push "
