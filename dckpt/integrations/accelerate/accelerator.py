@@ -438,15 +438,7 @@ class DckptAccelerator(Accelerator):
                            storage_options=None if manifest_name else self._dckpt.storage_options,
                            manifest_name=manifest_name,
                            strict=getattr(self, "_dckpt_strict", True))
-        err = None
-        try:
-            cn.apply(self, loaded.objects)
-        except (CheckpointError, OSError) as e:
-            err = e
-        except Exception as e:  # the object's own mismatch, not damage: no fallback
-            err = StateMismatchError(f"{path}: loading its objects raised "
-                                     f"{type(e).__name__}: {e}")
-        agree(comm, err, f"load the objects of {path}")
+        tree.apply_agreed(lambda: cn.apply(self, loaded.objects), f"load the objects of {path}")
         self.step = int(loaded.meta.get("step", 0))
         self.project_configuration.iteration = int(loaded.meta.get("iteration", -1)) + 1
         loaded.restore_rng()

@@ -173,6 +173,25 @@ def load(path: str, c: Contents, meta_key: str, *, storage_options: dict | None 
                   found["timeline"][0][0], found["timeline"][1])
 
 
+def apply_agreed(apply: Callable[[], None], what: str) -> None:
+    """Run ``apply()`` (the frameworks' objects' ``load_state_dict``: schedulers, a
+    scaler, registered objects) and raise its error on every rank alike: a
+    CheckpointError or OSError as it is, any other as a StateMismatchError naming
+    ``what`` (the object's own mismatch, the same on any checkpoint: never damage that a
+    fallback to an older checkpoint would cure). Collective (one all-gather)."""
+    from ...errors import StateMismatchError
+    from ...protocol.collectives import agree
+
+    err: BaseException | None = None
+    try:
+        apply()
+    except (CheckpointError, OSError) as e:
+        err = e
+    except Exception as e:
+        err = StateMismatchError(f"{what}: {type(e).__name__}: {e}")
+    agree(Comm(), err, what)
+
+
 def _shape_targets(m: Any, models: dict[str, ModelState],
                    optimizers: dict[str, OptimizerState]) -> None:
     """Before a load matches: whether each optimizer's saved entry holds state (a

@@ -23,7 +23,7 @@ from typing import Any
 from transformers import Trainer
 
 from ...errors import CheckpointError, StateMismatchError
-from ...protocol.collectives import Comm, agree
+from ...protocol.collectives import Comm
 from ...view.open import MissingKeyError
 from ..common import resolve, tree
 from .resume import META_KEY, NAME
@@ -229,19 +229,13 @@ class DckptChainEnd(Trainer):
         if self.optimizer is not None and resolve.listed(
                 holds_optimizer, f"read the manifest of {spath}"):
             self._dckpt_load(checkpoint, optimizer=True)
-        err = None
-        try:
+        def apply() -> None:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.load_state_dict(loaded.objects["scheduler"])
             scaler = getattr(self.accelerator, "scaler", None)
             if scaler is not None and "scaler" in loaded.objects:
                 scaler.load_state_dict(loaded.objects["scaler"])
-        except (CheckpointError, OSError) as e:
-            err = e
-        except Exception as e:  # the object's own mismatch, not damage: no fallback
-            err = StateMismatchError(f"{checkpoint}: loading its lr_scheduler or scaler "
-                                     f"raised {type(e).__name__}: {e}")
-        agree(comm, err, f"load the scheduler and scaler of {checkpoint}")
+        tree.apply_agreed(apply, f"load the scheduler and scaler of {checkpoint}")
 
     def _load_best_model(self) -> None:
         """The end of ``load_best_model_at_end``'s chain: a dckpt
