@@ -128,14 +128,10 @@ class Committer:
     for the copy); the commit, placement and ``after`` run in the background and
     :meth:`finish` raises their error. ``markers``: names of files a framework puts
     in a folder before it calls the save, never kept in the placed checkpoint (every
-    other file found at the name is: :func:`.place.place`).
-    ``sidecars``: the files the adapter writes beside dckpt's in a checkpoint (a
-    folder of only dckpt's files and these, without a manifest, is replaceable).
-    Raises CheckpointError on a bad option."""
+    other file found at the name is: :func:`.place.place`). Raises CheckpointError on a bad option."""
 
     def __init__(self, storage_options: dict | None = None, async_save: bool = False,
-                 compression: str | None = None, markers: tuple[str, ...] = (),
-                 sidecars: tuple[str, ...] = ()) -> None:
+                 compression: str | None = None, markers: tuple[str, ...] = ()) -> None:
         if storage_options is not None and not isinstance(storage_options, dict):
             raise CheckpointError(f"storage_options must be a dict, got {storage_options!r}")
         if compression not in (None, "zstd", "lz4"):
@@ -144,7 +140,6 @@ class Committer:
             raise CheckpointError(f"async_save must be a bool, got {async_save!r}")
         self.storage_options, self.async_save = storage_options, async_save
         self.compression, self.markers = compression, tuple(markers)
-        self.sidecars = tuple(sidecars)
         self._handle: SaveHandle | None = None
         self._done = threading.Event()
         self._error: BaseException | None = None

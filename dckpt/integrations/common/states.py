@@ -85,8 +85,9 @@ class ModelState:
         if not names:
             return out
         for k, v in self.state_dict().items():
-            if (k in saved and _is_buffer(k, names) and type(v) is torch.Tensor
-                    and tuple(v.shape) != tuple(saved[k])):
+            # the shape test first: only a mismatched key pays for the buffer lookup
+            if (k in saved and type(v) is torch.Tensor
+                    and tuple(v.shape) != tuple(saved[k]) and _is_buffer(k, names)):
                 out[k] = tuple(saved[k])
         return out
 

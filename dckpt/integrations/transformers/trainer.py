@@ -67,8 +67,7 @@ class DckptTrainerMixin:
                                   "supported (the Trainer's checkpoints live on a local "
                                   "output_dir; use local_root for a node-local fast tier)")
         committer = Committer(None, async_save, compression,  # validates both
-                              markers=(JIT_SENTINEL,),
-                              sidecars=(STATE_FILE, ARGS_FILE, "config.json"))
+                              markers=(JIT_SENTINEL,))
         if isinstance(keep_last_local, bool) or not isinstance(keep_last_local, int) \
                 or keep_last_local < 1:
             raise CheckpointError(f"keep_last_local must be an int >= 1, got {keep_last_local!r}")
