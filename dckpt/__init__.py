@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 # The API is imported at first use (PEP 562), not with the package: the CLI's ls,
 # inspect, du and history read JSON only and must not pay for importing torch.
 _LAZY = {"save": ".protocol.commit", "CheckpointInfo": ".protocol.commit",
+         "SideFile": ".protocol.commit",
          "load": ".protocol.restore", "SaveHandle": ".protocol.async_save",
          "async_save": ".protocol.async_save", "prepare_async_save": ".protocol.async_save",
          "CheckpointManager": ".manager.core",
@@ -25,7 +26,7 @@ _LAZY = {"save": ".protocol.commit", "CheckpointInfo": ".protocol.commit",
          "load_hf": ".interop.hf_load", "HFLoadInfo": ".interop.hf_load"}
 
 if TYPE_CHECKING:
-    from .protocol.commit import CheckpointInfo, save
+    from .protocol.commit import CheckpointInfo, SideFile, save
     from .protocol.restore import load
     from .protocol.async_save import SaveHandle, async_save, prepare_async_save
     from .manager.core import CheckpointManager
@@ -63,7 +64,8 @@ from .errors import (  # noqa: E402
 )
 
 __all__ = [
-    "save", "load", "async_save", "prepare_async_save", "SaveHandle", "CheckpointInfo", "TrainingState",
+    "save", "load", "async_save", "prepare_async_save", "SaveHandle", "CheckpointInfo", "SideFile",
+    "TrainingState",
     "CheckpointManager",
     # not "open": `from dckpt import *` must not shadow the builtin open()
     "export", "ExportInfo", "import_checkpoint", "load_hf", "HFLoadInfo", "Checkpoint", "diff", "DiffResult", "KeyDiff",

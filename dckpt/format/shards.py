@@ -60,12 +60,16 @@ def block_crcs(buf: memoryview, block: int = BLOCK) -> list[int]:
 
 def header_json(entries, crcs: list[list[int]] | None = None, block: int = BLOCK,
                 align: int = 8, length: int | None = None,
-                at: dict[str, tuple[int, ...]] | None = None) -> bytes:
+                at: dict[str, tuple[int, ...]] | None = None, prefix: str = "") -> bytes:
     """The header JSON (no length prefix) of ``entries`` in file order, padded. Without
     ``crcs``: plain safetensors (``__metadata__`` only ``{"format": "pt"}``). ``at``:
     {stored name: the global offsets of its chunk}, recorded as ``at:<name>`` (with
-    ``crcs`` only; every entry must have one). Pure, O(header)."""
+    ``crcs`` only; every entry must have one). ``prefix``: the key prefix every stored
+    name lacks (a side file: a model folder's names), recorded as ``dckpt.prefix`` (with
+    ``crcs`` only). Pure, O(header)."""
     meta = {"format": "pt"} if crcs is None else {"format": "pt", "dckpt.block": str(block)}
+    if prefix and crcs is not None:
+        meta["dckpt.prefix"] = prefix
     body: dict = {}
     pos = 0
     for i, (name, dtype, shape, nbytes) in enumerate(entries):
@@ -96,7 +100,8 @@ def order_entries(entries: list[tuple[str, str, tuple[int, ...], int]]) -> list[
 
 def write_shard(writer, entries: list[tuple[str, str, tuple[int, ...], int]],
                 buffers: list, random_write: bool, block: int = BLOCK,
-                at: dict[str, tuple[int, ...]] | None = None) -> tuple[int, int, int]:
+                at: dict[str, tuple[int, ...]] | None = None,
+                prefix: str = "") -> tuple[int, int, int]:
     """Write one shard file through ``writer`` (a storage Writer, not yet committed).
 
     ``entries[i] = (name, dtype, shape, nbytes)`` in file order, ``buffers[i]`` its bytes.
@@ -113,12 +118,13 @@ def write_shard(writer, entries: list[tuple[str, str, tuple[int, ...], int]],
 
     ``at``: {name: global offsets of the chunk} for every entry, recorded in the header
     (``at:<name>``) so that a reader can tell which chunk a file holds; dckpt's writers
-    always pass it (None writes a file as dckpt did before offsets were recorded)."""
+    always pass it (None writes a file as dckpt did before offsets were recorded).
+    ``prefix``: see :func:`header_json` (entries are named without it)."""
     if any(callable(b) for b in buffers):
-        return _write_lazy(writer, entries, buffers, random_write, block, at)
+        return _write_lazy(writer, entries, buffers, random_write, block, at, prefix)
     align = getattr(writer, "alignment", 8)
     placeholder = [[0] * max(1, -(-n // block)) for (_, _, _, n) in entries]
-    hlen = len(header_json(entries, placeholder, block, align, at=at))
+    hlen = len(header_json(entries, placeholder, block, align, at=at, prefix=prefix))
     data_start = 8 + hlen
     if random_write:
         with ThreadPoolExecutor(1) as pool, ThreadPoolExecutor(1) as side:
@@ -132,12 +138,12 @@ def write_shard(writer, entries: list[tuple[str, str, tuple[int, ...], int]],
                     writer.pwrite(b, pos)
                 pos += len(b)
             crcs = [f if isinstance(f, list) else f.result() for f in futs]
-        head = _U64.pack(hlen) + header_json(entries, crcs, block, align, at=at)
+        head = _U64.pack(hlen) + header_json(entries, crcs, block, align, at=at, prefix=prefix)
         writer.pwrite(head, 0)
     else:
         crcs = [_streamed_crcs(b, block) if is_streamed(b) else block_crcs(b, block)
                 for b in buffers]
-        head = _U64.pack(hlen) + header_json(entries, crcs, block, align, at=at)
+        head = _U64.pack(hlen) + header_json(entries, crcs, block, align, at=at, prefix=prefix)
         writer.write(head)
         pos = data_start
         for b in buffers:
@@ -171,7 +177,7 @@ def _streamed_crcs(src, block: int) -> list[int]:
 
 
 def _write_lazy(writer, entries, buffers, random_write: bool, block: int,
-                at: dict | None) -> tuple[int, int, int]:
+                at: dict | None, prefix: str = "") -> tuple[int, int, int]:
     entries = list(entries)
     if not random_write:  # a stream: the header goes first, so everything is made first
         bufs = [b() if callable(b) else b for b in buffers]
@@ -182,7 +188,7 @@ def _write_lazy(writer, entries, buffers, random_write: bool, block: int,
     align = getattr(writer, "alignment", 8)
     # Upper bounds give the longest header: as many CRCs, offsets with as many digits.
     bound = [[0xFFFFFFFF] * max(1, -(-n // block)) for (_, _, _, n) in entries]
-    hlen = len(header_json(entries, bound, block, align, at=at))
+    hlen = len(header_json(entries, bound, block, align, at=at, prefix=prefix))
     pos = 8 + hlen
     crcs: list = []
     with ThreadPoolExecutor(2) as pool:
@@ -197,7 +203,7 @@ def _write_lazy(writer, entries, buffers, random_write: bool, block: int,
             writer.pwrite(b, pos)
             pos += len(b)
         crcs = [f.result() for f in crcs]
-    head = _U64.pack(hlen) + header_json(entries, crcs, block, align, hlen, at)
+    head = _U64.pack(hlen) + header_json(entries, crcs, block, align, hlen, at, prefix)
     writer.pwrite(head, 0)
     return pos, hlen, crc32(head)
 
@@ -238,6 +244,11 @@ def load_json(raw: bytes, what: str = "the header") -> dict:
     return doc
 
 
+# The longest key prefix a side file's header may record (dckpt.prefix): a model's
+# prefix in a training tree is a few words.
+MAX_PREFIX = 1024
+
+
 def parse_header(head: bytes, file: str, size: int) -> tuple[dict[str, StoredTensor], int]:
     """Parse a shard header (``head`` = the first 8+hlen bytes, already checksummed).
     Returns ({name: StoredTensor}, block). Pure, O(header). Raises IntegrityError naming
@@ -257,6 +268,9 @@ def parse_header(head: bytes, file: str, size: int) -> tuple[dict[str, StoredTen
         if block > MAX_BLOCK:
             raise ValueError(f"block size {block} is over {MAX_BLOCK} bytes (dckpt writes "
                              f"{BLOCK}): every read would widen to such blocks")
+        prefix = meta.get("dckpt.prefix", "")
+        if not isinstance(prefix, str) or len(prefix) > MAX_PREFIX:
+            raise ValueError(f"dckpt.prefix is not a string of at most {MAX_PREFIX} characters")
         out = {}
         data_start = 8 + hlen
         for name, t in doc.items():
@@ -271,8 +285,10 @@ def parse_header(head: bytes, file: str, size: int) -> tuple[dict[str, StoredTen
             if len(crcs) != max(1, -(-nbytes // block)):
                 raise ValueError(f"tensor {name!r} has {len(crcs)} checksums")
             at = meta.get("at:" + name)
-            out[name] = StoredTensor(name, dtype, shape, start, nbytes, crcs,
-                                     None if at is None else parse_offsets(at, name))
+            # a side file stores its chunks without the key prefix it records: held
+            # here under the names every reader looks up (prefix + stored name)
+            out[prefix + name] = StoredTensor(prefix + name, dtype, shape, start, nbytes, crcs,
+                                              None if at is None else parse_offsets(at, name))
         _all_or_none_at(meta, out)
         return out, block
     except (ValueError, KeyError, TypeError, struct.error) as e:

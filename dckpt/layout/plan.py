@@ -306,19 +306,31 @@ def decode_writes(data: bytes, rank: int) -> np.ndarray:
 
 
 def to_manifest(gp: GlobalPlan, files: Sequence[mf.FileEntry], save_id: str, world: int,
-                meta: dict | None = None, missing_ok: bool = False) -> mf.Manifest:
+                meta: dict | None = None, missing_ok: bool = False,
+                side: tuple[str, dict[int, int]] | None = None) -> mf.Manifest:
     """Assemble the manifest from the plan and the files the ranks reported
     (``files[i].rank`` wrote file i; a :class:`dckpt.format.manifest.FileTable` or any
     sequence of FileEntry). Pure, O(chunks + files) numpy (reused tensor entries: O(files)).
     With ``missing_ok``, a chunk whose writer reported no file gets file -1 (an
-    incremental save referenced it: :func:`dckpt.layout.delta.attach` fills it in)."""
+    incremental save referenced it: :func:`dckpt.layout.delta.attach` fills it in).
+    ``side``: (key prefix, {rank: index of its side file in ``files``}): the chunks of
+    keys under the prefix are in their writer's side file, the others in its data file."""
     if not isinstance(files, mf.FileTable):
         files = mf.FileTable.from_entries(files, save_id)
     index = np.full(world, -1, np.int64)
-    index[files.rank] = np.arange(len(files))  # a rank's last file, as a loop would
-    tensors = _reused_entries(gp, index, missing_ok)
-    if tensors is None:
-        tensors = _entries(gp, index, missing_ok)
+    if side is None:
+        index[files.rank] = np.arange(len(files))  # a rank's last file, as a loop would
+        tensors = _reused_entries(gp, index, missing_ok)
+        if tensors is None:
+            tensors = _entries(gp, index, missing_ok)
+    else:
+        main = np.ones(len(files), bool)
+        main[list(side[1].values())] = False
+        index[files.rank[main]] = np.flatnonzero(main)
+        sindex = np.full(world, -1, np.int64)
+        for r, i in side[1].items():
+            sindex[r] = i
+        tensors = _entries(gp, index, missing_ok, (side[0], sindex))
     meta = dict(meta or {})
     if gp.int_keys:
         meta["int_keys"] = gp.int_keys
@@ -338,20 +350,23 @@ def _reused_entries(gp: GlobalPlan, index: np.ndarray, missing_ok: bool) -> dict
     return None
 
 
-def _entries(gp: GlobalPlan, index: np.ndarray, missing_ok: bool) -> dict:
+def _entries(gp: GlobalPlan, index: np.ndarray, missing_ok: bool,
+             side: tuple[str, np.ndarray] | None = None) -> dict:
     global _LAST_ENTRIES
     tensors = {}
     memo: dict = {}  # a derived plan shares writer arrays between tensors: and file arrays
     blobs = set(gp.bytes_keys)
     for k, t in gp.tensors.items():
-        fidx = memo.get(id(t.writer))
+        use = side[1] if side is not None and len(k) > len(side[0]) and k.startswith(side[0]) \
+            else index
+        fidx = memo.get((id(t.writer), id(use)))
         if fidx is None:
-            fidx = memo[id(t.writer)] = index[t.writer]
+            fidx = memo[(id(t.writer), id(use))] = use[t.writer]
         if (fidx < 0).any() and not missing_ok:
             raise StateMismatchError(f"tensor {k!r}: rank {int(t.writer[fidx < 0][0])} was to "
                                      "write a chunk but reported no file")
         tensors[k] = mf.TensorEntry(k, t.dtype, t.shape, mf.Chunks(t.offsets, t.sizes, fidx, t.grid),
                                     bytes_value=k in blobs)
-    if not missing_ok:
+    if not missing_ok and side is None:
         _LAST_ENTRIES = (gp.tensors, index.tobytes(), tensors)
     return tensors

@@ -226,7 +226,7 @@ def async_save(state_dict: Any, path: str, *, process_group: Any = None,
                storage_options: dict | None = None, overwrite: bool = False,
                staging_budget: int | None = None, base: str | None = None,
                compression: str | None = None, fence: Any = None,
-               block_hashes: bool = False) -> SaveHandle:
+               block_hashes: bool = False, side: Any = None) -> SaveHandle:
     """Snapshot ``state_dict`` and persist it to ``path`` in the background.
 
     Collective (every rank calls it, in the same order). Blocks until the previous
@@ -238,7 +238,7 @@ def async_save(state_dict: Any, path: str, *, process_group: Any = None,
     The first call of a group also allocates the staging buffers (their page faults:
     several times a later call's copy) unless :func:`prepare_async_save` did.
     ``staging_budget`` caps the host memory of the staging buffers (bytes). ``base``,
-    ``compression`` and ``block_hashes`` are :func:`dckpt.save`'s (incremental and
+    ``compression``, ``block_hashes`` and ``side`` are :func:`dckpt.save`'s (incremental and
     compressed saves): the hashing, comparing and compressing run in the background,
     not in the call.
 
@@ -281,7 +281,7 @@ def async_save(state_dict: Any, path: str, *, process_group: Any = None,
         snap, nbytes, copies = {"state": _Unstageable(e)}, 0, []
     kw = dict(process_group=saver.group, storage_options=storage_options,
               overwrite=overwrite, base=base, compression=compression,
-              block_hashes=block_hashes)
+              block_hashes=block_hashes, side=side)
     if targets:
         copied = threading.Event()
         after = devstream.mark({src.device for _, src in copies})  # now, at the call

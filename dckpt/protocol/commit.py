@@ -42,7 +42,7 @@ from .collectives import Comm, error_payload, raise_gathered
 from . import plancache, rulesig
 from .votes import encode as vote_bytes
 from .coordinator import _Coordinator, _unpack
-from ..format.filenames import data_name
+from ..format.filenames import data_name, side_name
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,25 @@ class CheckpointInfo:
     plan_cached: bool = False  # the coordinator reused the previous save's plan
 
 
+@dataclass(frozen=True)
+class SideFile:
+    """Ask a save to store the tensors whose key starts with ``prefix`` in a file of
+    their own per rank (``model-<save_id>-<rank>.safetensors``), each under its key
+    without the prefix: with ``prefix="models.0."`` a Hugging Face model's tensors are
+    stored under the names ``from_pretrained`` looks up, in files holding nothing else,
+    so an index beside them (``model.safetensors.index.json``) makes the checkpoint a
+    model folder without writing any byte twice. The files are the save's own: listed
+    and checksummed by the manifest, removed with a failed save. Plain saves only (no
+    ``compression``, ``base`` or ``block_hashes``); every rank passes the same one."""
+
+    prefix: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prefix, str) or not self.prefix or len(self.prefix) > 1024:
+            raise CheckpointError(f"SideFile prefix {self.prefix!r:.80}: a non-empty key "
+                                  "prefix of at most 1024 characters")
+
+
 def _raise_if_error(doc: dict, what: str) -> None:
     if doc.get("errors"):
         raise_gathered({int(r): e for r, e in doc["errors"].items()}, what)
@@ -68,7 +87,7 @@ def _raise_if_error(doc: dict, what: str) -> None:
 def save(state_dict: Any, path: str, *, process_group: Any = None,
          storage_options: dict | None = None, overwrite: bool = False,
          base: str | None = None, compression: str | None = None,
-         block_hashes: bool = False) -> CheckpointInfo:
+         block_hashes: bool = False, side: SideFile | None = None) -> CheckpointInfo:
     """Save ``state_dict`` to ``path`` atomically. Collective: call on every rank.
 
     ``base``: a committed checkpoint in the same parent directory (or prefix): the save
@@ -87,6 +106,7 @@ def save(state_dict: Any, path: str, *, process_group: Any = None,
     they would make the manifest, and what every rank sends rank 0, grow with the data
     (at 131,072 ranks x 500 tensors, over 1 GiB; issue 38). A base saved without them
     still serves: each rank reads and hashes the base's chunks it compares with.
+    ``side``: a :class:`SideFile` (a model folder's files inside the checkpoint).
 
     Cost: each rank writes only its own shards (plus its share of replicated tensors),
     once, with fsync; four small collectives. Raises on every rank alike:
@@ -106,15 +126,23 @@ def save(state_dict: Any, path: str, *, process_group: Any = None,
 
     # 1. local plan (its errors travel to every rank through the coordinator)
     flag = [codec.RAW]
-    storage, root, pieces, blob, lp = local_plan(
-        state_dict, path, storage_options, comm.rank,
-        check=lambda: flag.__setitem__(0, codec.compression_flag(compression)))
+
+    def check() -> None:
+        flag[0] = codec.compression_flag(compression)
+        if side is not None and (flag[0] or base is not None or block_hashes):
+            raise CheckpointError("side files are plain: a save with side= takes no "
+                                  "compression, base or block_hashes")
+
+    storage, root, pieces, blob, lp = local_plan(state_dict, path, storage_options,
+                                                 comm.rank, check=check)
     rcache, ccache = plancache.caches(id(comm.own or comm.group), comm.own or comm.group)
     offer, full = rcache.offer(blob, lp, comm.rank,
                                lambda: rulesig.offer(lp.tensors, lp.int_keys, pieces, comm))
     blobs = comm.gather_bytes(offer)
 
     coord = _Coordinator(storage, root, overwrite, comm.size, ccache) if comm.rank == 0 else None
+    if coord is not None and side is not None:
+        coord.side_prefix = side.prefix
     try:
         # 2. coordinator: validate and assign writers (or reuse the last plan), and read
         # the base's manifest
@@ -147,8 +175,12 @@ def save(state_dict: Any, path: str, *, process_group: Any = None,
             _check_base(base, bstore, doc.get("base"))
             enc = _encoding(flag[0], bstore, tail[:nbase]) if nbase else \
                 Encoding(flag[0]) if flag[0] or block_hashes else None
-            vote = write_file(storage, root, data_name(save_id, comm.rank), comm.rank,
-                              [p for p, w in zip(pieces, mask) if w], enc)
+            mine = [p for p, w in zip(pieces, mask) if w]
+            if side is None:
+                vote = write_file(storage, root, data_name(save_id, comm.rank), comm.rank,
+                                  mine, enc)
+            else:
+                vote = _write_with_side(storage, root, save_id, comm.rank, mine, side)
             _faults.fault("vote", comm.rank)
         except Exception as e:
             vote = {"error": error_payload(e)}
@@ -172,6 +204,23 @@ def save(state_dict: Any, path: str, *, process_group: Any = None,
         log.info("saved %s: %.1f MiB in %d files from %d ranks in %.2f s", shown,
                  info.bytes_written / 2**20, info.num_files, comm.size, info.seconds)
     return info
+
+
+def _write_with_side(storage, root: str, save_id: str, rank: int, mine: list,
+                     side: SideFile) -> dict:
+    """Write this rank's data file (``mine`` outside ``side.prefix``) and side file (the
+    rest, stored without the prefix); the vote names both ({"side": {"prefix", and the
+    file's record when one was written}}). Blocking I/O; raises OSError (a file
+    already written is removed by the coordinator's clean-up of a failed save)."""
+    n = len(side.prefix)
+    into = [len(p.key) > n and p.key.startswith(side.prefix) for p in mine]
+    inside = [p for p, x in zip(mine, into) if x]
+    vote = write_file(storage, root, data_name(save_id, rank), rank,
+                      [p for p, x in zip(mine, into) if not x])
+    sv = write_file(storage, root, side_name(save_id, rank), rank, inside,
+                    prefix=side.prefix) if inside else {}
+    vote["side"] = {"prefix": side.prefix, **({} if sv.get("file") is None else sv)}
+    return vote
 
 
 def _check_base(base: str | None, bstore: tuple | None, used: str | None) -> None:
@@ -229,14 +278,17 @@ def local_plan(state_dict: Any, path: str, storage_options: dict | None,
 
 
 def write_file(storage, root: str, name: str, rank: int, pieces: list,
-               enc: Encoding | None = None, after: dict | None = None) -> dict:
+               enc: Encoding | None = None, after: dict | None = None,
+               prefix: str = "") -> dict:
     """Write ``pieces`` as the shard file ``root/name`` and fsync it. Returns this rank's
     vote ({"file", "size", "hlen", "crc"}, or {"file": None} when there is nothing to
     write). With ``enc``, every piece is hashed in blocks and written plain, encoded or
     not at all (see dckpt.engine.encode), and the vote's "chunks" report each. Unless
     ``enc`` compresses or has a base, CUDA tensors are written through a bounded pinned
     bounce buffer, after the events ``after`` ({device: CUDA event}, see
-    dckpt.engine.devstream), never copied to the host whole. Blocking I/O (with a
+    dckpt.engine.devstream), never copied to the host whole. ``prefix``: every piece's
+    key starts with it, and is stored without it (a side file, see :class:`SideFile`;
+    plain only). Blocking I/O (with a
     base, reads of the base's blocks for deltas); raises OSError; a partial file is
     removed."""
     reports = None
@@ -247,6 +299,8 @@ def write_file(storage, root: str, name: str, rank: int, pieces: list,
                      if plain and devstream.streams(p.local) else as_bytes(p.local)
                      for p in pieces]
     names = stored_names(pieces)  # a key's several boxes in one file: distinct names
+    if prefix:  # a side file: the reader adds the prefix its header records
+        names = [n[len(prefix):] for n in names]
     # each chunk's global offsets, recorded in the header: a reader checks them
     at = {n: tuple(int(x) for x in p.box.offsets) for n, p in zip(names, pieces)}
     if enc is not None and pieces:
@@ -264,14 +318,14 @@ def write_file(storage, root: str, name: str, rank: int, pieces: list,
             reports = [pl.report.to_json() for pl in plans]
     else:
         entries = [(n, p.dtype, p.box.sizes, len(b)) for n, p, b in zip(names, pieces, buffers)]
-        vote = _write_entries(storage, root, name, rank, entries, buffers, at)
+        vote = _write_entries(storage, root, name, rank, entries, buffers, at, prefix)
     if reports is not None:
         vote["chunks"] = reports
     return vote
 
 
 def _write_entries(storage, root: str, name: str, rank: int, entries: list,
-                   buffers: list, at: dict[str, tuple[int, ...]]) -> dict:
+                   buffers: list, at: dict[str, tuple[int, ...]], prefix: str = "") -> dict:
     if not entries:
         return {"file": None}
     order = shards.order_entries(entries)
@@ -284,7 +338,7 @@ def _write_entries(storage, root: str, name: str, rank: int, entries: list,
         writer = CountingWriter(_faults.wrap_writer(writer, rank), progress)
         size, hlen, crc = shards.write_shard(writer, [entries[i] for i in order],
                                              [buffers[i] for i in order], storage.random_write,
-                                             at=at)
+                                             at=at, prefix=prefix)
         writer.commit()
     except BaseException:
         writer.abort()

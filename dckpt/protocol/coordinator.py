@@ -23,6 +23,7 @@ from ..storage.fsspec_storage import make_storage
 from .collectives import error_payload
 from . import plancache, votes as votes_mod
 from .intent import Intent
+from ..format.filenames import save_files_prefixes
 from .commitfiles import _check_files, _current_files, _remove_files, referenced_by_siblings
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class _Coordinator:
         self.committed = False
         self.base: mf.Manifest | None = None
         self.base_dir = ""
+        self.side_prefix = ""  # rank 0's SideFile prefix: the votes must agree
 
     def plan(self, blobs: list[bytes], base: str | None = None,
              storage_options: dict | None = None) -> bytes:
@@ -216,6 +218,7 @@ class _Coordinator:
                 votes_mod.check_writers(table, self.gp.bytes_per_rank)
             if files is not None:
                 votes_mod.check_reports(table)
+                votes_mod.check_side(table, self.side_prefix)
         except CheckpointError as e:  # a malformed vote: its rank's failure, everywhere
             return _pack({"errors": {r: {"type": "CheckpointError", "message": m}
                                      for r, m in e.failures.items()} or {0: error_payload(e)}})
@@ -228,8 +231,12 @@ class _Coordinator:
                        for r, v in table.docs.items() if "chunks" in v}
             if self.base is not None:
                 meta["base"] = self.base_dir
+            if self.side_prefix:
+                meta["side_prefix"] = self.side_prefix
             m = gplan.to_manifest(self.gp, files, self.save_id, self.world, meta,
-                                  missing_ok=bool(reports))
+                                  missing_ok=bool(reports),
+                                  side=(self.side_prefix, table.side_rows()) if table.side
+                                  else None)
             if reports:
                 m = delta.attach(m, reports, self.base, self.base_dir)
             if created is not None:
@@ -273,7 +280,7 @@ class _Coordinator:
         try:
             if not self.committed:
                 _remove_files(self.storage, self.root,
-                              lambda n: n.startswith(f"data-{self.save_id}-"))
+                              lambda n: n.startswith(save_files_prefixes(self.save_id)))
         finally:
             self.intent.end()
             self.intent = None

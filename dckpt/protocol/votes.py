@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import CheckpointError
-from ..format.filenames import DATA_FILE, data_name
+from ..format.filenames import DATA_FILE, data_name, side_name
 from ..format.filetable import FileTable, plain_name
 from ..format.manifest import MANIFEST_NAME
 from ..format.shards import MAX_HEADER
@@ -70,6 +70,8 @@ class VoteTable:
     names: dict[int, str] = field(default_factory=dict)
     docs: dict[int, dict] = field(default_factory=dict)
     errors: dict[int, Any] = field(default_factory=dict)
+    # rank -> (name, size, hlen, crc) of its side file (a save with a SideFile)
+    side: dict[int, tuple[str, int, int, int]] = field(default_factory=dict)
 
     def files(self) -> FileTable:
         """The files the votes report, in rank order: a table with derived names unless
@@ -84,8 +86,25 @@ class VoteTable:
                 r = next(r for r, n in zip(ranks.tolist(), names) if seen.setdefault(n, r) != r)
                 _refuse(r, f"its vote names {self.names[r]!r:.80}, the file rank {seen[self.names[r]]} "
                            "reported too")
-        return FileTable(self.save_id, ranks, self.size[ranks], self.hlen[ranks],
-                         self.crc[ranks], names=names)
+        if not self.side:
+            return FileTable(self.save_id, ranks, self.size[ranks], self.hlen[ranks],
+                             self.crc[ranks], names=names)
+        # the side files after the data files, in rank order (named: a side file's name
+        # is never derived); to_manifest tells them apart with side_rows()
+        extra = sorted(self.side)
+        rows = [self.side[r] for r in extra]
+        if names is None:
+            names = tuple(data_name(self.save_id, r) for r in ranks.tolist())
+        return FileTable(self.save_id, np.concatenate([ranks, np.asarray(extra, np.int64)]),
+                         np.concatenate([self.size[ranks], [x[1] for x in rows]]),
+                         np.concatenate([self.hlen[ranks], [x[2] for x in rows]]),
+                         np.concatenate([self.crc[ranks], [x[3] for x in rows]]),
+                         names=names + tuple(x[0] for x in rows))
+
+    def side_rows(self) -> dict[int, int]:
+        """{rank: index of its side file in :meth:`files`}. O(world)."""
+        first = int(np.count_nonzero(self.has_file))
+        return {r: first + i for i, r in enumerate(sorted(self.side))}
 
     @classmethod
     def from_dicts(cls, votes: Sequence[dict], save_id: str) -> "VoteTable":
@@ -164,14 +183,23 @@ def _add_doc(t: VoteTable, r: int, v: Any) -> None:
             _refuse(r, "its vote's error is not {\"type\": str, \"message\": str}")
         t.errors[r] = e
         return
+    if "side" in v:
+        sv = v["side"]
+        if not isinstance(sv, dict):
+            _refuse(r, "its vote's side file is not a JSON object")
+        if not isinstance(sv.get("prefix", ""), str):
+            _refuse(r, "its vote's side-file prefix is not a string")
+        if sv.get("file") is not None:
+            _check_file(r, sv)
+            if sv["file"] != side_name(t.save_id, r):
+                _refuse(r, f"its vote's side file {sv['file']!r:.80} is not its own "
+                           f"({side_name(t.save_id, r)})")
+            t.side[r] = (sv["file"], sv["size"], sv["hlen"], sv["crc"])
     name = v.get("file")
     if name is None:
         return
-    s, h, c = v.get("size"), v.get("hlen"), v.get("crc")
-    if not (plain_name(name) and type(s) is int and type(h) is int and type(c) is int
-            and 1 <= h <= MAX_HEADER and h + 8 <= s <= _I64_MAX and 0 <= c <= 0xFFFFFFFF):
-        _refuse(r, f"its vote's file {name!r:.80} (size {s!r:.30}, header {h!r:.30}, crc "
-                   f"{c!r:.30}) is malformed")
+    _check_file(r, v)
+    s, h, c = v["size"], v["hlen"], v["crc"]
     if name != data_name(t.save_id, r):
         # A name that is another rank's file of this save, or the commit point itself,
         # would commit a manifest that lists a file twice (unreadable) or names
@@ -185,6 +213,15 @@ def _add_doc(t: VoteTable, r: int, v: Any) -> None:
     t.size[r], t.hlen[r], t.crc[r] = s, h, c
 
 
+def _check_file(r: int, v: dict) -> None:
+    """Refuse, naming rank ``r``, a vote's file record that is malformed."""
+    name, s, h, c = v.get("file"), v.get("size"), v.get("hlen"), v.get("crc")
+    if not (plain_name(name) and type(s) is int and type(h) is int and type(c) is int
+            and 1 <= h <= MAX_HEADER and h + 8 <= s <= _I64_MAX and 0 <= c <= 0xFFFFFFFF):
+        _refuse(r, f"its vote's file {name!r:.80} (size {s!r:.30}, header {h!r:.30}, crc "
+                   f"{c!r:.30}) is malformed")
+
+
 def check_writers(t: VoteTable, planned: np.ndarray) -> None:
     """Refuse, naming the rank, a vote of no file from a rank the plan gave bytes to
     write (``planned``: bytes per rank): its chunks would have no file. A rank whose
@@ -195,7 +232,7 @@ def check_writers(t: VoteTable, planned: np.ndarray) -> None:
         return
     bad = ~t.has_file & (planned > 0)
     for r in np.flatnonzero(bad).tolist():
-        if "chunks" not in t.docs.get(r, {}):
+        if "chunks" not in t.docs.get(r, {}) and r not in t.side:
             _refuse(r, f"its vote reports no file, but it was to write {int(planned[r])} bytes")
 
 
@@ -208,6 +245,28 @@ def table(votes: Sequence[bytes] | Sequence[dict] | VoteTable, save_id: str) -> 
     if len(votes) and isinstance(votes[0], dict):
         return VoteTable.from_dicts(votes, save_id)  # type: ignore[arg-type]
     return decode(votes, save_id)  # type: ignore[arg-type]
+
+
+def check_side(t: VoteTable, prefix: str) -> None:
+    """Refuse, naming each rank, a vote whose side-file prefix is not rank 0's
+    ``prefix`` ("" when rank 0's save asked for no side file): the ranks passed
+    different ``side`` settings, and a manifest from such votes would look for a key's
+    chunks in the wrong file. O(world) Python when ``prefix`` is set (every vote is
+    JSON then), else O(JSON votes). Raises CheckpointError."""
+    bad = {}
+    ranks = range(len(t.has_file)) if prefix else list(t.docs)
+    for r in ranks:
+        if r in t.errors:
+            continue
+        sv = t.docs.get(r, {}).get("side")
+        got = sv.get("prefix", "") if isinstance(sv, dict) else ""
+        if got != prefix:
+            bad[r] = (f"saved with side-file prefix {got!r:.80} while rank 0 saved with "
+                      f"{prefix!r:.80} (side differs between ranks): pass the same side on "
+                      "every rank")
+    if bad:
+        r = min(bad)
+        raise CheckpointError(f"rank {r}: {bad[r]}", bad)
 
 
 def check_reports(table: VoteTable) -> None:

@@ -1020,7 +1020,11 @@ def test_to_manifest_roundtrip(job, crc):
         c = bt.chunks
         assert c.offsets.shape == t.offsets.shape
         assert (c.offsets == t.offsets).all() and (c.sizes == t.sizes).all()
-        assert c.grid == t.grid
+        # a parsed manifest may keep a long grid dim as Runs: compare the breakpoints
+        assert (c.grid is None) == (t.grid is None)
+        if c.grid is not None:
+            assert [np.asarray(g).tolist() for g in c.grid] == \
+                [np.asarray(g).tolist() for g in t.grid]
         # chunk i is in the file written by its writer rank
         assert [files[i].rank for i in c.file.tolist()] == t.writer.tolist()
         assert (c.file == m.tensors[k].chunks.file).all()

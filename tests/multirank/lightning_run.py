@@ -58,9 +58,9 @@ def run_job(script: str, root: str, strategy: str, devices: int, *args: str,
     if any_status:
         pass
     elif killed:
-        assert rc == -signal.SIGKILL, out[-4000:]
+        assert rc == -signal.SIGKILL, f"exit status {rc}:\n{out[:1500]}\n...\n{out[-2500:]}"
     elif failed:
-        assert rc not in (0, -signal.SIGKILL), out[-4000:]
+        assert rc not in (0, -signal.SIGKILL), f"exit status {rc}:\n{out[-4000:]}"
     else:
-        assert rc == 0, out[-4000:]
+        assert rc == 0, f"exit status {rc}:\n{out[-4000:]}"
     return out

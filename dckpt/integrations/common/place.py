@@ -219,7 +219,7 @@ def remove_whole(path: str, storage_options: dict | None = None) -> None:
     log.debug("removed checkpoint %s", path)
 
 
-_DATA_FILE = re.compile(r"^data-[0-9a-f]{16}-\d{5,}\.safetensors$")
+_DATA_FILE = re.compile(r"^(?:data|model)-[0-9a-f]{16}-\d{5,}\.safetensors$")
 
 
 def is_dckpt_file(name: str) -> bool:

@@ -140,7 +140,10 @@ class Refs(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step in (args.kill_before_copy, args.stall_commit_at):
-            os.kill(os.getpid(), signal.SIGKILL)
+            # the whole job at once (a node lost): a rank killing only itself races the
+            # other, which may still wait in Lightning's barrier after the save and then
+            # exit with gloo's error instead of dying by the signal
+            os.killpg(os.getpgrp(), signal.SIGKILL)
 
     def on_train_start(self, trainer, pl_module) -> None:
         st = full_state(trainer, pl_module)
