@@ -212,9 +212,13 @@ class Committer:
         return [path, tmp, True, _planning_lease(tmp)]
 
     def commit(self, tree: dict, plan: Plan, *, fence: list | None = None,
-               after: Callable[[], None] | None = None) -> None:
+               after: Callable[[], None] | None = None, side: Any = None,
+               prepare: Callable[[str], None] | None = None) -> None:
         """Commit ``tree`` at ``plan.target``, place it at ``plan.final``, then run
-        ``after()`` on rank 0 (its error is raised on every rank). Collective.
+        ``after()`` on rank 0 (its error is raised on every rank). ``side``: the save's
+        :class:`dckpt.SideFile`; ``prepare(target)``: rank 0, once committed and before
+        the placement (files derived from the commit, e.g. a model folder's index: the
+        name appears with them). Collective.
         Synchronous: all of it before returning; raises the commit's CheckpointError
         on every rank alike (nothing is placed then). Asynchronous: returns after the
         snapshot; :meth:`finish` raises. Blocking I/O: the writes (each rank its
@@ -222,6 +226,8 @@ class Committer:
         comm = Comm()
         self.finish()
         kw = dict(storage_options=self.storage_options, compression=self.compression)
+        if side is not None:
+            kw["side"] = side
         tree = self.stamp(tree, comm.rank)
         if not self.async_save:
             info = save(tree, plan.target, **kw)
@@ -229,7 +235,7 @@ class Committer:
             err = None
             if comm.rank == 0:
                 try:
-                    self._place(plan, after)
+                    self._place(plan, after, prepare)
                 except Exception as e:
                     err = e
             agree(comm, err, f"place the checkpoint {plan.final}")
@@ -254,7 +260,7 @@ class Committer:
                 if h.exception() is None:
                     self._committed(getattr(h.result(), "save_id", None))
                 if h.exception() is None and comm.rank == 0:
-                    self._place(plan, after)
+                    self._place(plan, after, prepare)
             except Exception as e:  # raised on every rank by the next finish()
                 log.error("after the commit of %s: %s", plan.final, e)
                 self._error = e
@@ -268,12 +274,15 @@ class Committer:
 
         handle.add_done_callback(done)
 
-    def _place(self, plan: Plan, after: Callable[[], None] | None) -> None:
+    def _place(self, plan: Plan, after: Callable[[], None] | None,
+               prepare: Callable[[str], None] | None = None) -> None:
         if plan.lease is not None:  # committed: the manifest protects the folder now
             try:
                 os.remove(plan.lease)
             except FileNotFoundError:
                 pass
+        if prepare is not None:
+            prepare(plan.target)
         if plan.staged:
             _faults.fault("place", 0)  # crash tests: committed, not yet renamed
             place(plan.target, plan.final, adopt=self.markers)

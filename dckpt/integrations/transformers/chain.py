@@ -154,6 +154,29 @@ class DckptChainEnd(Trainer):
         if not self._dckpt_saving():
             super()._save_scaler(output_dir)
 
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Stock's ``_save`` (config, generation config, processing class); inside a
+        dckpt save whose model goes to side files (:mod:`.folder`), with an empty state
+        dict: ``save_pretrained`` writes everything but the weights, which the commit
+        stores once, under their names. A state dict passed by a subclass is saved by
+        stock as given (its weights are not the model's own)."""
+        if not self._dckpt_saving() or state_dict is not None:
+            return super()._save(output_dir, state_dict)
+        if getattr(self, "_dckpt_side", None) is not None:
+            return super()._save(output_dir, state_dict={})
+        if getattr(self, "_dckpt_model_folder", True):
+            return super()._save(output_dir, state_dict)  # a plain copy (see .folder)
+        # model_folder=False: no weights; a PreTrainedModel's config and processing
+        # class still (save_pretrained with an empty state dict writes no weights file)
+        from transformers import PreTrainedModel
+
+        from .folder import is_peft
+
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        if isinstance(model, PreTrainedModel) and not is_peft(model):
+            return super()._save(output_dir, state_dict={})
+        return None
+
     def _save_rng_state(self, output_dir: str) -> None:
         """A dckpt save: nothing (its commit holds every rank's); else stock."""
         if not self._dckpt_saving():

@@ -34,6 +34,7 @@ from ..common.place import durable_name, is_url
 from ..common.tier import LocalTier
 from ..common.verify import verify_shared
 from . import export
+from . import folder as mfolder
 from . import resume as rs
 from .chain import (DckptChainEnd, drop_landed_extras, fix_best, inner, rotation, settle,
                     with_chain_end)
@@ -61,13 +62,15 @@ class DckptTrainerMixin:
     def __init__(self, *args: Any, storage_options: dict | None = None,
                  async_save: bool = False, compression: str | None = None,
                  local_root: str | None = None, keep_last_local: int = 2,
-                 **kwargs: Any) -> None:
+                 model_folder: bool = True, **kwargs: Any) -> None:
         if storage_options is not None:
             raise CheckpointError(f"DckptTrainer: storage_options={storage_options!r} is not "
                                   "supported (the Trainer's checkpoints live on a local "
                                   "output_dir; use local_root for a node-local fast tier)")
         committer = Committer(None, async_save, compression,  # validates both
                               markers=(JIT_SENTINEL,))
+        if not isinstance(model_folder, bool):
+            raise CheckpointError(f"model_folder must be True or False, got {model_folder!r}")
         if isinstance(keep_last_local, bool) or not isinstance(keep_last_local, int) \
                 or keep_last_local < 1:
             raise CheckpointError(f"keep_last_local must be an int >= 1, got {keep_last_local!r}")
@@ -98,6 +101,8 @@ class DckptTrainerMixin:
         self._dckpt_push = False  # the chain asked for a push (run once placed)
         self._dckpt_state_json: str | None = None  # trainer_state.json of the save
         self._dckpt_extras: set[str] = set()  # names whose chain files sit beside a slot
+        self._dckpt_model_folder = model_folder  # checkpoint-N loads with from_pretrained
+        self._dckpt_side: Any = None  # while dckpt saves: its SideFile (folder.side_for)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # dckpt's load and the skipped stock pickles sit just above Trainer, so that a
@@ -178,6 +183,9 @@ class DckptTrainerMixin:
             self._dckpt_extras.add(final)
         built, err, files, self._dckpt_push = None, None, {}, False
         self._dckpt_stage = stage
+        # the model's tensors in side files under their HF names: the chain's _save
+        # then writes everything save_pretrained writes but the weights (chain._save)
+        self._dckpt_side = side = mfolder.side_for(self)
         # the chain's run_dir is the hidden staging folder (it writes
         # <staging>/checkpoint-N). An instance attribute: it wins over any subclass's
         # _get_output_dir override too, whose answer (run_dir above) is the real one
@@ -190,6 +198,7 @@ class DckptTrainerMixin:
             err = e
         finally:
             self._dckpt_stage = None
+            self._dckpt_side = None
             self.__dict__.pop("_get_output_dir", None)
         try:
             if err is None:
@@ -219,7 +228,8 @@ class DckptTrainerMixin:
                     durable_name(best) if best else None)
         else:
             self._dckpt.commit(built, plan, fence=tree.fence_targets(c),
-                               after=rotation(self, run_dir, plan.final))
+                               after=rotation(self, run_dir, plan.final), side=side,
+                               prepare=mfolder.write_index if side is not None else None)
         if self._dckpt_push:  # the push reads the folder: once it is placed whole
             self._dckpt_push = False
             self._dckpt.finish()
@@ -245,7 +255,8 @@ class DckptTrainerMixin:
                               "has_optimizer": self.optimizer is not None,
                               "has_lr_scheduler": self.lr_scheduler is not None,
                               "local_root": self._dckpt_tier is not None,
-                              "keep_last_local": getattr(self._dckpt_tier, "keep", None)},
+                              "keep_last_local": getattr(self._dckpt_tier, "keep", None),
+                              "model_folder": self._dckpt_model_folder},
                        None, "DckptTrainer")
         self._dckpt_agreed = world
 
