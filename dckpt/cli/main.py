@@ -123,6 +123,9 @@ def cmd_export(args) -> int:
     from ..interop import export
 
     try:
+        share = _export_share(args)
+        if share is not None:
+            return share
         info = export(args.ckpt, args.out_dir, prefix=args.prefix, dtype=args.dtype,
                       max_shard_size=args.max_shard_size, storage_options=_opts(args),
                       overwrite=args.overwrite)
@@ -140,6 +143,53 @@ def cmd_export(args) -> int:
     print(f"exported {info.tensors} tensor(s), {size_text(info.bytes)}, to {args.out_dir} in "
           f"{len(info.files)} file(s) ({info.seconds:.1f} s)")
     return 0
+
+
+def _export_share(args) -> int | None:
+    """``dckpt export --ranks N`` (N local worker processes) or under torchrun (each
+    process its share, from RANK and WORLD_SIZE): the many-process export
+    (:mod:`dckpt.interop.hf_export_ranks`); None for the one-process export."""
+    import os
+
+    from ..interop.hf_export_ranks import export_share
+
+    kw = dict(prefix=args.prefix, max_shard_size=args.max_shard_size, dtype=args.dtype,
+              storage_options=_opts(args))
+    if args.ranks is None and "TORCHELASTIC_RUN_ID" in os.environ:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        plan = export_share(args.ckpt, args.out_dir, rank, world, **kw)
+        if rank == 0:
+            print(f"exported {sum(len(g) for g in plan.groups)} tensor(s) to {args.out_dir} "
+                  f"in {len(plan.names)} file(s) from {world} processes")
+        return 0
+    if args.ranks is None or args.ranks == 1:
+        return None
+    if args.ranks < 1:
+        raise CheckpointError(f"--ranks {args.ranks}: give at least 1")
+    import multiprocessing as mp
+    import time
+
+    from ..interop.hf_export import _prepare_dir
+    from ..storage.fsspec_storage import make_storage
+
+    ostore, oroot = make_storage(args.out_dir, _opts(args))
+    _prepare_dir(ostore, oroot, args.out_dir, args.overwrite)  # empty, or --overwrite
+    t0 = time.perf_counter()
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(args.ranks) as pool:
+        plans = pool.starmap(_export_worker, [(args.ckpt, args.out_dir, r, args.ranks, kw)
+                                              for r in range(args.ranks)])
+    plan = plans[0]
+    print(f"exported {sum(len(g) for g in plan.groups)} tensor(s), "
+          f"{size_text(sum(plan.sizes()))}, to {args.out_dir} in {len(plan.names)} file(s) "
+          f"from {args.ranks} processes ({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+def _export_worker(ckpt: str, out_dir: str, rank: int, world: int, kw: dict):
+    from ..interop.hf_export_ranks import export_share
+
+    return export_share(ckpt, out_dir, rank, world, **kw)
 
 
 def cmd_import(args) -> int:
@@ -266,6 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-shard-size", default="5GB", help="largest output file (default 5GB)")
     s.add_argument("--overwrite", action="store_true",
                    help="replace the weights in a non-empty OUT_DIR (other files are kept)")
+    s.add_argument("--ranks", type=int, default=None,
+                   help="export from N local processes, each writing a balanced share of "
+                        "whole tensors, the index last (under torchrun: each process its "
+                        "share, from RANK and WORLD_SIZE)")
     s.set_defaults(fn=cmd_export)
     s = sub.add_parser("import", help="make a dckpt checkpoint from a DCP directory, HF "
                                       "safetensors or a torch.save file. DCP's .metadata is "

@@ -69,3 +69,10 @@ def accelerator(kind: str, project_dir=None, **kw):
 def params(m) -> list[torch.Tensor]:
     """Copies of ``m``'s parameters."""
     return [p.detach().clone() for p in m.parameters()]
+
+
+def weights_in(names) -> bool:
+    """Whether a folder listing holds what ``from_pretrained`` reads the weights from:
+    stock's ``model.safetensors``, or the index of a dckpt checkpoint's side files (the
+    stock file name is never asserted of dckpt's checkpoints)."""
+    return bool(set(names) & {"model.safetensors", "model.safetensors.index.json"})

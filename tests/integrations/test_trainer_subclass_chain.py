@@ -12,7 +12,8 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from .hf_helpers import fresh_accelerate_state, tiny_llama, training_args  # noqa: E402,F401
+from .hf_helpers import (fresh_accelerate_state, tiny_llama, training_args,  # noqa: E402,F401
+                         weights_in)
 
 BOTH = pytest.mark.parametrize("use_dckpt", [False, True], ids=["stock", "dckpt"])
 
@@ -115,7 +116,7 @@ def test_a_save_override_runs_at_each_checkpoint_and_its_files_commit(tmp_path, 
     assert len(seen) == 2
     for step in (2, 4):
         names = _names(tmp_path / f"checkpoint-{step}")
-        assert {"own_save.txt", "model.safetensors", "config.json"} <= names
+        assert {"own_save.txt", "config.json"} <= names and weights_in(names)
     if use_dckpt:
         for path, final_existed in seen:
             assert not final_existed, path
@@ -169,7 +170,7 @@ def test_sft_trainer_writes_its_model_card_and_model_folder(tmp_path, use_dckpt)
     cls(model=model, args=args, train_dataset=ds, processing_class=_tokenizer()).train()
     assert (tmp_path / "README.md").is_file()
     names = _names(tmp_path / "checkpoint-4")
-    assert {"model.safetensors", "config.json", "tokenizer.json", "trainer_state.json"} <= names
+    assert {"config.json", "tokenizer.json", "trainer_state.json"} <= names and weights_in(names)
     assert ("manifest.json" in names) == use_dckpt
     state = json.loads((tmp_path / "checkpoint-4" / "trainer_state.json").read_text())
     assert state["stateful_callbacks"]["TrainerControl"]["args"]["should_save"] is True
@@ -262,7 +263,7 @@ def test_the_push_reads_the_placed_checkpoint(tmp_path, use_dckpt):
     assert len(pushed) == 1
     folder, names = pushed[0]
     assert os.path.abspath(folder) == str(tmp_path / "checkpoint-2")
-    assert {"trainer_state.json", "model.safetensors"} <= names
+    assert "trainer_state.json" in names and weights_in(names)
     assert ("manifest.json" in names) == use_dckpt
 
 

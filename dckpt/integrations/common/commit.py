@@ -213,12 +213,15 @@ class Committer:
 
     def commit(self, tree: dict, plan: Plan, *, fence: list | None = None,
                after: Callable[[], None] | None = None, side: Any = None,
-               prepare: Callable[[str], None] | None = None) -> None:
+               prepare: Callable[[str], None] | None = None,
+               placed: Callable[[str], None] | None = None) -> None:
         """Commit ``tree`` at ``plan.target``, place it at ``plan.final``, then run
         ``after()`` on rank 0 (its error is raised on every rank). ``side``: the save's
         :class:`dckpt.SideFile`; ``prepare(target)``: rank 0, once committed and before
         the placement (files derived from the commit, e.g. a model folder's index: the
-        name appears with them). Collective.
+        name appears with them); ``placed(save_id)``: every rank, once the commit
+        succeeded (synchronous: after the placement; asynchronous: in the background,
+        possibly before rank 0's placement: see the callee). Collective.
         Synchronous: all of it before returning; raises the commit's CheckpointError
         on every rank alike (nothing is placed then). Asynchronous: returns after the
         snapshot; :meth:`finish` raises. Blocking I/O: the writes (each rank its
@@ -239,6 +242,8 @@ class Committer:
                 except Exception as e:
                     err = e
             agree(comm, err, f"place the checkpoint {plan.final}")
+            if placed is not None:
+                placed(getattr(info, "save_id", ""))
             return
         self._done.clear()
         self._error = None
@@ -261,6 +266,8 @@ class Committer:
                     self._committed(getattr(h.result(), "save_id", None))
                 if h.exception() is None and comm.rank == 0:
                     self._place(plan, after, prepare)
+                if h.exception() is None and placed is not None:
+                    placed(getattr(h.result(), "save_id", ""))
             except Exception as e:  # raised on every rank by the next finish()
                 log.error("after the commit of %s: %s", plan.final, e)
                 self._error = e

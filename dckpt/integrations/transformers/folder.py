@@ -57,6 +57,22 @@ def side_for(trainer: Any) -> SideFile | None:
     return SideFile(PREFIX)
 
 
+def exports(trainer: Any) -> bool:
+    """Whether ``trainer``'s checkpoints get their model folder from the background
+    export (:mod:`.background`): the model folder on, a sharded model (FSDP, or
+    DTensor parameters), no fast tier (its durable copy lands later; documented). No
+    I/O."""
+    if not getattr(trainer, "_dckpt_model_folder", False) or trainer._dckpt_tier is not None:
+        return False
+    if getattr(trainer, "is_fsdp_enabled", False):
+        return True
+    import torch
+
+    model = trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
+    return isinstance(model, torch.nn.Module) and not is_peft(model) and any(
+        type(p) not in (torch.Tensor, torch.nn.Parameter) for p in model.parameters())
+
+
 def write_index(target: str) -> None:
     """Rank 0, after the commit of ``target`` with side files: write its
     ``model.safetensors.index.json`` (every model tensor -> its side file), atomically

@@ -35,6 +35,7 @@ from ..common.tier import LocalTier
 from ..common.verify import verify_shared
 from . import export
 from . import folder as mfolder
+from .background import FolderExport
 from . import resume as rs
 from .chain import (DckptChainEnd, drop_landed_extras, fix_best, inner, rotation, settle,
                     with_chain_end)
@@ -103,6 +104,7 @@ class DckptTrainerMixin:
         self._dckpt_extras: set[str] = set()  # names whose chain files sit beside a slot
         self._dckpt_model_folder = model_folder  # checkpoint-N loads with from_pretrained
         self._dckpt_side: Any = None  # while dckpt saves: its SideFile (folder.side_for)
+        self._dckpt_export = FolderExport()  # a sharded model's folder, in the background
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # dckpt's load and the skipped stock pickles sit just above Trainer, so that a
@@ -126,6 +128,7 @@ class DckptTrainerMixin:
         d = dict(self.__dict__)
         d["_dckpt_agreed"] = None
         d["_dckpt_rotation_fast"] = None
+        d["_dckpt_export"] = None  # its thread stays with the original
         if d.get("_dckpt_tier") is not None:
             d["_dckpt_tier"], d["_dckpt_copy"] = None, True
         return d
@@ -133,6 +136,7 @@ class DckptTrainerMixin:
     def __setstate__(self, d: dict) -> None:
         self.__dict__.update(d)
         self._dckpt_rotation_fast = fast.Rotation()
+        self._dckpt_export = FolderExport()
 
     def _dckpt_usable(self) -> None:
         if getattr(self, "_dckpt_copy", False):
@@ -167,6 +171,7 @@ class DckptTrainerMixin:
         self._dckpt_usable()
         comm = Comm()
         self._dckpt_agree(comm)
+        self._dckpt_export.join()  # the last checkpoint's model folder: rotation reads it
         folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         run_dir = self._get_output_dir(trial=trial)
         output_dir = os.path.join(run_dir, folder)
@@ -229,7 +234,9 @@ class DckptTrainerMixin:
         else:
             self._dckpt.commit(built, plan, fence=tree.fence_targets(c),
                                after=rotation(self, run_dir, plan.final), side=side,
-                               prepare=mfolder.write_index if side is not None else None)
+                               prepare=mfolder.write_index if side is not None else None,
+                               placed=(lambda sid: self._dckpt_export.start(final, sid))
+                               if mfolder.exports(self) else None)
         if self._dckpt_push:  # the push reads the folder: once it is placed whole
             self._dckpt_push = False
             self._dckpt.finish()
@@ -317,10 +324,16 @@ class DckptTrainerMixin:
         this mixin is not run then). Collective there; blocking I/O. Any other setup:
         stock (inside a checkpoint: the model folder into its staging folder). Raises
         CheckpointError on every rank."""
+        fsdp = getattr(self, "is_fsdp_enabled", False)
+        if _internal_call and getattr(self, "_dckpt_stage", None) is not None and \
+                (fsdp or export.sharded(self)):
+            # a checkpoint of a sharded model: no gather; its weights come from the
+            # background export after the commit; config and processing class now
+            if fsdp and self._dckpt_model_folder and output_dir is not None:
+                self._save(output_dir, state_dict={})
+            return
         if not export.sharded(self):
             return super().save_model(output_dir, _internal_call)
-        if _internal_call and getattr(self, "_dckpt_stage", None) is not None:
-            return
         export.save_sharded_model(self, output_dir if output_dir is not None
                                   else str(self.args.output_dir))
         if self.args.push_to_hub and not _internal_call:
@@ -347,6 +360,7 @@ class DckptTrainerMixin:
         self._dckpt_usable()
         call = dict(trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
         self._dckpt.finish()  # an earlier train()'s save in flight (none: no collective)
+        self._dckpt_export.join()
         tier = self._dckpt_tier
         if tier is not None:
             rs.sweep_resume_folders(tier.root)  # left by killed runs of this host
@@ -373,6 +387,8 @@ class DckptTrainerMixin:
             self._dckpt_resume, self._dckpt_loaded = path, None
             self._dckpt_model_loaded = None
             self._dckpt_src = src or (path, None)
+            if src is None and mfolder.exports(self):
+                self._dckpt_export.resume(path)  # a folder a crash left incomplete
         try:
             result = super().train(resume_from_checkpoint if path is None else path, **call)
         except BaseException:
@@ -386,6 +402,7 @@ class DckptTrainerMixin:
             if src is not None and src[1] is not None and path is not None:
                 shutil.rmtree(os.path.dirname(path), ignore_errors=True)
         self._dckpt.finish()  # the last asynchronous save: placed, or its error raised
+        self._dckpt_export.join()  # and its model folder
         if tier is not None:
             self._dckpt_rotation_fast.flush()
             tier.drain()  # every durable copy queued (a failed one is logged, stays local)

@@ -21,6 +21,9 @@ and the full model's state then as refs/final-r<r>.pt. ``--local-root DIR``: the
 tier (``--kill-at`` then kills every rank after its local commit). ``--losses``: the
 model with attention_dropout=0.1, and rank 0 prints every step's loss as "LOSS <step>
 <repr>"; ``--stop-at S`` ends training after step S (and its save).
+``--kill-in-export S``: every rank SIGKILLed in the background export of checkpoint-S's
+model folder (its files written, before the index). ``--tokenizer``: a word-level
+tokenizer as the processing class (saved into each checkpoint).
 """
 from __future__ import annotations
 
@@ -44,6 +47,8 @@ p.add_argument("--save-model", default=None)
 p.add_argument("--local-root", default=None)
 p.add_argument("--losses", action="store_true")
 p.add_argument("--stop-at", type=int, default=None)
+p.add_argument("--kill-in-export", type=int, default=None)
+p.add_argument("--tokenizer", action="store_true")
 a = p.parse_args()
 
 from transformers import (LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback,  # noqa: E402
@@ -84,6 +89,10 @@ class Job(Base):
             if a.local_root:  # the earlier copies first: "committed" is their point too
                 self._dckpt_tier.drain()
             os.environ["DCKPT_FAULT"] = "committed:*:kill" if a.local_root else "commit:0:kill"
+        if a.kill_in_export == self.state.global_step and a.impl == "dckpt":
+            # every rank killed in the model folder's background export: its own files
+            # written, before rank 0's index
+            os.environ["DCKPT_FAULT"] = "export:*:kill"
         rng = torch.get_rng_state().clone()
         super()._save_checkpoint(model, trial)
         torch.save({**full_state(self), "rng": rng},
@@ -126,7 +135,18 @@ class Losses(TrainerCallback):
             control.should_training_stop = True
 
 
-trainer = Job(model=model, args=args, train_dataset=data,
+tokenizer = None
+if a.tokenizer:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    from tokenizers.pre_tokenizers import Whitespace
+
+    tok = Tokenizer(WordLevel({f"w{i}": i for i in range(64)}, unk_token="w0"))
+    tok.pre_tokenizer = Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", pad_token="w0")
+trainer = Job(model=model, args=args, train_dataset=data, processing_class=tokenizer,
               callbacks=[Losses()] if a.losses else None,
               **({"async_save": True} if a.async_save else {}),
               **({"local_root": a.local_root} if a.local_root else {}))
