@@ -192,3 +192,34 @@ def test_compression_keeps_a_plain_copy(tmp_path):
     assert (ck / "model.safetensors").exists()
     got = AutoModelForCausalLM.from_pretrained(str(ck)).state_dict()
     assert all(torch.equal(got[k], v) for k, v in snap.at[2].items())
+
+
+@pytest.mark.parametrize("use_dckpt", [False, True], ids=["stock", "dckpt"])
+def test_accelerate_checkpoint_loads_its_model_weights(tmp_path, use_dckpt):
+    """``save_state``'s folder holds model 0's weights where readers look: stock's
+    ``model.safetensors``; dckpt's side files and their index
+    (``load_checkpoint_in_model`` of the folder), written once."""
+    from accelerate.utils import load_checkpoint_in_model
+    from safetensors.torch import load_file
+
+    from .hf_helpers import accelerator
+
+    model, _ = tiny_llama()
+    acc = accelerator("dckpt" if use_dckpt else "stock")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = acc.prepare(model, opt)
+    out = str(tmp_path / "ck")
+    acc.save_state(out)
+    want = {k: v.detach().clone() for k, v in acc.unwrap_model(model).state_dict().items()}
+    fresh, _ = tiny_llama()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    if use_dckpt:
+        assert "model.safetensors.index.json" in os.listdir(out)
+        load_checkpoint_in_model(fresh, out)
+        got = fresh.state_dict()
+    else:
+        got = load_file(os.path.join(out, "model.safetensors"))
+    assert all(torch.equal(got[k], v) for k, v in want.items() if k in got)
+    assert set(want) - set(got) <= {"lm_head.weight"}  # stock drops the tied copy

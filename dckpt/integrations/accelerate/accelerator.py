@@ -27,7 +27,7 @@ from ..common.commit import Committer, broadcast_json
 from ..common.place import dckpt_leftover, is_url, join, kind, local_path, remove_whole
 from ..common.rotation import to_remove
 from ..common.tier import LocalTier
-from ..common import fast
+from ..common import fast, modelfolder
 from . import contents as cn
 
 log = logging.getLogger(__name__)
@@ -45,18 +45,26 @@ class DckptAccelerator(Accelerator):
     :mod:`.fast`), ``keep_last_local`` (the slots each node keeps there) and
     ``save_arrival_timeout`` (seconds a rank in ``save_state`` or ``load_state`` waits
     for the others before it fails: both are collectives, so calling one on the main
-    process only raises a CheckpointError on it instead of hanging). Raises
+    process only raises a CheckpointError on it instead of hanging) and
+    ``model_folder`` (default True: model 0's weights stored once, under their names,
+    with ``model.safetensors.index.json`` beside them, so the checkpoint loads with
+    ``accelerate.utils.load_checkpoint_in_model`` or ``from_pretrained`` readers of a
+    sharded folder; off, sharded models, compression and object stores: dckpt's files
+    only). Raises
     CheckpointError on a bad option, and for DeepSpeed, Megatron-LM and XLA (their
     engines write their own checkpoints: keep ``accelerate.Accelerator``)."""
 
     def __init__(self, *args: Any, storage_options: dict | None = None,
                  async_save: bool = False, compression: str | None = None,
                  local_root: str | None = None, keep_last_local: int = 2,
-                 save_arrival_timeout: float = 60.0, **kwargs: Any) -> None:
+                 save_arrival_timeout: float = 60.0, model_folder: bool = True,
+                 **kwargs: Any) -> None:
         arrival = Arrival("DckptAccelerator", save_arrival_timeout)  # validates
         if isinstance(keep_last_local, bool) or not isinstance(keep_last_local, int) \
                 or keep_last_local < 1:
             raise CheckpointError(f"keep_last_local must be an int >= 1, got {keep_last_local!r}")
+        if not isinstance(model_folder, bool):
+            raise CheckpointError(f"model_folder must be True or False, got {model_folder!r}")
         committer = Committer(storage_options, async_save, compression)  # validates
         tier = None if local_root is None else LocalTier(
             local_root, keep_last_local, storage_options, compression)
@@ -73,6 +81,7 @@ class DckptAccelerator(Accelerator):
         self._dckpt_rotation_fast = fast.Rotation()  # total_limit with the fast tier
         self._dckpt_agreed: Any = None
         self._dckpt_warned = False
+        self._dckpt_model_folder = model_folder  # model 0's weights loadable as a folder
         self._dckpt_arrival = arrival
         self._dckpt_load_arrival = Arrival("DckptAccelerator", save_arrival_timeout)
         self._dckpt_strict = True  # load_state(strict=...) of the load in progress
@@ -124,7 +133,8 @@ class DckptAccelerator(Accelerator):
                               "automatic_checkpoint_naming": pc.automatic_checkpoint_naming,
                               "total_limit": pc.total_limit,
                               "local_root": self._dckpt_tier is not None,
-                              "keep_last_local": getattr(self._dckpt_tier, "keep", None)},
+                              "keep_last_local": getattr(self._dckpt_tier, "keep", None),
+                              "model_folder": self._dckpt_model_folder},
                        bad, "DckptAccelerator")
         self._dckpt_agreed = world
 
@@ -216,7 +226,9 @@ class DckptAccelerator(Accelerator):
         after = None
         if auto and pc.total_limit is not None:
             after = self._rotation(plan.final, pc.total_limit)
-        self._dckpt.commit(built, plan, fence=tree.fence_targets(c), after=after)
+        side = cn.side_file(self, c, output_dir)
+        self._dckpt.commit(built, plan, fence=tree.fence_targets(c), after=after, side=side,
+                           prepare=modelfolder.write_index if side is not None else None)
         pc.iteration += 1
         return plan.final
 

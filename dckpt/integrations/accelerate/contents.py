@@ -13,6 +13,26 @@ from ..common.tree import Contents
 META_KEY = "__accelerate__"
 
 
+def side_file(acc: Any, c: Contents, output_dir: str) -> Any:
+    """The SideFile of a save of ``acc`` into ``output_dir`` (model 0's weights stored
+    once, under their names, with the index beside them: the folder loads as stock's
+    ``model.safetensors`` would, see :mod:`..common.modelfolder`), or None: the model
+    folder off, compression, an object store, no model 0 saved (a hook took it over),
+    or a sharded model (FSDP, TP: no whole tensors per rank). No I/O."""
+    from ...protocol.commit import SideFile
+    from ..common.modelfolder import PREFIX, plain_params
+    from ..common.place import is_url
+
+    if not getattr(acc, "_dckpt_model_folder", False) or acc._dckpt.compression or \
+            is_url(output_dir) or not c.models or 0 in c.skip:
+        return None
+    dt = getattr(acc.distributed_type, "name", str(acc.distributed_type))
+    model = acc.unwrap_model(c.models[0])
+    if "FSDP" in dt or not plain_params(model):
+        return None
+    return SideFile(PREFIX)
+
+
 def inner_optimizer(opt: Any) -> Any:
     """The torch optimizer an ``AcceleratedOptimizer`` wraps (itself otherwise)."""
     return getattr(opt, "optimizer", opt)

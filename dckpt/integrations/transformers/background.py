@@ -22,7 +22,7 @@ import time
 
 from ... import _faults
 from ...protocol.collectives import Comm
-from . import folder
+from ..common import modelfolder as folder
 
 log = logging.getLogger(__name__)
 

@@ -36,6 +36,7 @@ from ..common.verify import verify_shared
 from . import export
 from . import folder as mfolder
 from .background import FolderExport
+from ..common import modelfolder
 from . import resume as rs
 from .chain import (DckptChainEnd, drop_landed_extras, fix_best, inner, rotation, settle,
                     with_chain_end)
@@ -234,7 +235,7 @@ class DckptTrainerMixin:
         else:
             self._dckpt.commit(built, plan, fence=tree.fence_targets(c),
                                after=rotation(self, run_dir, plan.final), side=side,
-                               prepare=mfolder.write_index if side is not None else None,
+                               prepare=modelfolder.write_index if side is not None else None,
                                placed=(lambda sid: self._dckpt_export.start(final, sid))
                                if mfolder.exports(self) else None)
         if self._dckpt_push:  # the push reads the folder: once it is placed whole
