@@ -1,4 +1,4 @@
-"""Stock Accelerate and the stock transformers Trainer vs dckpt's adapters (issue 45).
+"""Stock Accelerate and the stock transformers Trainer vs dckpt's adapters (issues 45, 52).
 
     python benchmarks/bench_hf.py --runs 3 --json benchmarks/results/hf-2026-11-28.json
 
@@ -14,7 +14,15 @@ accelerators: ``DistributedType.FSDP`` is forced after the Accelerator is built)
   ``dckpt.integrations.accelerate.DckptAccelerator`` (``async_save=True``);
 - ``tr-stock-sharded`` / ``tr-stock-full``: ``transformers.Trainer`` (``save_steps``,
   ``save_total_limit=2``) with FSDP2 SHARDED_STATE_DICT / FULL_STATE_DICT;
-- ``tr-dckpt`` / ``tr-dckpt-async``: ``dckpt.integrations.transformers.DckptTrainer``.
+- ``tr-dckpt`` / ``tr-dckpt-async``: ``dckpt.integrations.transformers.DckptTrainer``
+  (its model folder on: the ranks' background export after each commit, issue 52);
+  ``tr-dckpt-nofolder`` / ``tr-dckpt-async-nofolder``: ``model_folder=False``;
+- ``tr-ddp-*``: the same Trainer kinds under DDP (no FSDP shim): stock
+  (``model.safetensors`` + pickles), dckpt with the model folder (side files: the
+  weights written once), async, and ``model_folder=False``.
+
+``tail``: from the last save's return to ``train()``'s (dckpt: the wait for the last
+asynchronous commit and the background export, what a run pays at its end).
 
 Each run of a kind is a fresh torchrun that trains ``--steps`` steps saving every
 ``--every``, then (page cache dropped when run as root: the restart case) a second
@@ -51,7 +59,9 @@ import tempfile
 import time
 
 KINDS = ["acc-stock", "acc-dckpt", "acc-dckpt-async",
-         "tr-stock-sharded", "tr-stock-full", "tr-dckpt", "tr-dckpt-async"]
+         "tr-stock-sharded", "tr-stock-full", "tr-dckpt", "tr-dckpt-async",
+         "tr-dckpt-nofolder", "tr-dckpt-async-nofolder",
+         "tr-ddp-stock", "tr-ddp-dckpt", "tr-ddp-dckpt-async", "tr-ddp-dckpt-nofolder"]
 p = argparse.ArgumentParser()
 p.add_argument("--runs", type=int, default=3)
 p.add_argument("--ranks", type=int, default=2)
@@ -164,9 +174,10 @@ def run_accelerate(model_ref, ids, plugin, shim, times, handles) -> None:
 def run_trainer(model_ref, ids, shim, times, handles) -> None:
     from transformers import Trainer, TrainingArguments
 
-    if args.job.startswith("tr-dckpt"):
+    ddp = args.job.startswith("tr-ddp-")
+    if "dckpt" in args.job:
         from dckpt.integrations.transformers import DckptTrainer as Base
-        kw = {"async_save": args.job == "tr-dckpt-async"}
+        kw = {"async_save": "-async" in args.job, "model_folder": "nofolder" not in args.job}
     else:
         Base, kw = Trainer, {}
     marks: dict = {"train": None, "inner": None, "loads": []}
@@ -192,7 +203,8 @@ def run_trainer(model_ref, ids, shim, times, handles) -> None:
         def _save_checkpoint(self, model, trial):
             t0 = time.perf_counter()
             super()._save_checkpoint(model, trial)
-            times["save"].append(time.perf_counter() - t0)
+            marks["saved"] = time.perf_counter()
+            times["save"].append(marks["saved"] - t0)
             h = getattr(getattr(self, "_dckpt", None), "_handle", None)
             if h is not None:
                 handles.append((h, h.blocking_seconds))
@@ -210,9 +222,13 @@ def run_trainer(model_ref, ids, shim, times, handles) -> None:
         per_device_train_batch_size=2, learning_rate=1e-4, use_cpu=True, report_to=[],
         disable_tqdm=True, dataloader_num_workers=0, seed=7)
     trainer = Job(model=model_ref[0], args=targs, train_dataset=data, **kw)
-    shim()
-    trainer.is_fsdp_enabled = True
+    if not ddp:
+        shim()
+        trainer.is_fsdp_enabled = True
     trainer.train(resume_from_checkpoint=True if args.resume else None)
+    # from the last save's return to train()'s: dckpt's wait for the last async commit
+    # and for the background export of the model folder (what the run pays at its end)
+    times["tail"] = time.perf_counter() - marks.get("saved", time.perf_counter())
     model_ref[0] = trainer.model
     if args.resume:
         inner = marks["inner"]
@@ -285,6 +301,8 @@ def against(kind: str) -> list[str]:
         return ["acc-stock"]
     if kind.startswith("tr-dckpt"):
         return ["tr-stock-sharded", "tr-stock-full"]
+    if kind.startswith("tr-ddp-dckpt"):
+        return ["tr-ddp-stock"]
     return []
 
 
@@ -318,7 +336,8 @@ def driver() -> None:
             waits = fit["fence"] or [0.0] * len(fit["save"])
             lost = [s + w for s, w in zip(fit["save"], waits)]
             saves = lost[1:] or lost
-            if not (fit["sharded"] and resume["sharded"]):
+            res[kind].setdefault("tail", []).append(fit.get("tail", 0.0))
+            if not kind.startswith("tr-ddp-") and not (fit["sharded"] and resume["sharded"]):
                 print(f"WARNING: {kind} did not train FSDP2 (DTensor) parameters", flush=True)
             res[kind]["save"].append(statistics.median(saves))
             res[kind]["load"].append(resume["load"][0])
@@ -327,7 +346,8 @@ def driver() -> None:
                   f"{', '.join(f'{s:.3f}' for s in lost)}; fence waits "
                   f"{', '.join(f'{w:.3f}' for w in waits)}), resume "
                   f"{resume['load'][0]:.3f} s ({'cold' if cold else 'WARM'}), checkpoint "
-                  f"{res[kind]['bytes'][-1] / 2**20:.1f} MiB, load avg "
+                  f"{res[kind]['bytes'][-1] / 2**20:.1f} MiB, tail "
+                  f"{res[kind]['tail'][-1]:.3f} s, load avg "
                   f"{os.getloadavg()[0]:.1f}", flush=True)
             shutil.rmtree(root, ignore_errors=True)
         ref = next((res[k]["bytes"][-1] for k in kinds if "dckpt" in k), None) \
@@ -335,16 +355,16 @@ def driver() -> None:
         raw.append((ref, raw_write(base, ref, args.ranks)))
         print(f"run {r} raw write+fsync ({args.ranks} files) of {ref / 2**20:.1f} MiB: {raw[-1][1]:.3f} s "
               f"({ref / 2**20 / raw[-1][1]:.0f} MiB/s)", flush=True)
-    med = {k: {m: statistics.median(v[m]) for m in ("save", "load", "bytes")}
-           for k, v in res.items()}
+    med = {k: {m: statistics.median(v[m]) for m in ("save", "load", "bytes", "tail")
+               if v.get(m)} for k, v in res.items()}
     raw_s = statistics.median(t for _, t in raw)
     out = {"args": vars(args), "runs": res, "median": med,
            "raw_write_fsync": {"bytes": raw[0][0], "runs_s": [t for _, t in raw],
                                "median_s": raw_s}, "ratio": {}}
-    print(f"\n{'kind':18s} {'lost/save s':>11s} {'resume s':>9s} {'MiB':>7s}")
+    print(f"\n{'kind':24s} {'lost/save s':>11s} {'resume s':>9s} {'MiB':>7s} {'tail s':>7s}")
     for k in kinds:
-        print(f"{k:18s} {med[k]['save']:11.3f} {med[k]['load']:9.3f} "
-              f"{med[k]['bytes'] / 2**20:7.1f}")
+        print(f"{k:24s} {med[k]['save']:11.3f} {med[k]['load']:9.3f} "
+              f"{med[k]['bytes'] / 2**20:7.1f} {med[k].get('tail', 0.0):7.3f}")
     print(f"{'raw write+fsync':18s} {raw_s:11.3f} {'':9s} {raw[0][0] / 2**20:7.1f}")
     for k in kinds:
         for s in against(k):
