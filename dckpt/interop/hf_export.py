@@ -24,6 +24,7 @@ import json
 import re
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -250,10 +251,20 @@ def _write_file(storage, root: str, name: str, group: list[_Out], reader: ChunkR
     direct = isinstance(storage, FsspecStorage) and storage.one_put
     tmp = final if direct else storage.join(root, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
     writer = storage.open_write(tmp, size_hint=size)
+    # the next batch is read while this one is written (a thread): each batch gets
+    # half the budget, so the two in flight stay within it
+    half = max(1, budget // 2)
+    pool = ThreadPoolExecutor(1, thread_name_prefix="dckpt-export-read")
+    pending = None
     try:
         writer.write(head)
-        for batch in _batches([group[i] for i in order], budget):
-            bufs = _read_batch(batch, reader, budget, workers)
+        batches = _batches([group[i] for i in order], half)
+        nxt = next(batches, None)
+        pending = pool.submit(_read_batch, nxt, reader, half, workers) if nxt else None
+        while pending is not None:
+            bufs = pending.result()
+            nxt = next(batches, None)
+            pending = pool.submit(_read_batch, nxt, reader, half, workers) if nxt else None
             for buf in bufs:
                 writer.write(buf)
                 progress.add(len(buf))
@@ -261,8 +272,12 @@ def _write_file(storage, root: str, name: str, group: list[_Out], reader: ChunkR
             trim_heap()  # this batch's pages, before the next batch allocates
         writer.commit()
     except BaseException:
+        if pending is not None:
+            pending.cancel()
         writer.abort()
         raise
+    finally:
+        pool.shutdown(wait=True)
     if tmp != final:
         replace_file(storage, tmp, final)
 
