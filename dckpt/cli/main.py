@@ -154,9 +154,13 @@ def _export_share(args) -> int | None:
     from ..interop.hf_export_ranks import export_share
 
     kw = dict(prefix=args.prefix, max_shard_size=args.max_shard_size, dtype=args.dtype,
-              storage_options=_opts(args))
+              storage_options=_opts(args), overwrite=args.overwrite)
     if args.ranks is None and "TORCHELASTIC_RUN_ID" in os.environ:
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        try:
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        except (KeyError, ValueError):
+            raise CheckpointError("dckpt export under torchrun: RANK and WORLD_SIZE must be "
+                                  "set to integers") from None
         plan = export_share(args.ckpt, args.out_dir, rank, world, **kw)
         if rank == 0:
             print(f"exported {sum(len(g) for g in plan.groups)} tensor(s) to {args.out_dir} "
@@ -166,7 +170,6 @@ def _export_share(args) -> int | None:
         return None
     if args.ranks < 1:
         raise CheckpointError(f"--ranks {args.ranks}: give at least 1")
-    import multiprocessing as mp
     import time
 
     from ..interop.hf_export import _prepare_dir
@@ -175,21 +178,71 @@ def _export_share(args) -> int | None:
     ostore, oroot = make_storage(args.out_dir, _opts(args))
     _prepare_dir(ostore, oroot, args.out_dir, args.overwrite)  # empty, or --overwrite
     t0 = time.perf_counter()
-    ctx = mp.get_context("spawn")
-    with ctx.Pool(args.ranks) as pool:
-        plans = pool.starmap(_export_worker, [(args.ckpt, args.out_dir, r, args.ranks, kw)
-                                              for r in range(args.ranks)])
-    plan = plans[0]
+    plan = _run_workers(args.ckpt, args.out_dir, args.ranks, dict(kw, overwrite=True))
     print(f"exported {sum(len(g) for g in plan.groups)} tensor(s), "
           f"{size_text(sum(plan.sizes()))}, to {args.out_dir} in {len(plan.names)} file(s) "
           f"from {args.ranks} processes ({time.perf_counter() - t0:.1f} s)")
     return 0
 
 
-def _export_worker(ckpt: str, out_dir: str, rank: int, world: int, kw: dict):
+def _run_workers(ckpt: str, out_dir: str, n: int, kw: dict):
+    """Run the export's ``n`` shares in ``n`` spawned processes; return worker 0's
+    plan. The first worker that fails (its error, or its death: a signal, no result)
+    ends the others at once and its error is raised: rank 0 never waits out its
+    deadline for a file that will not come. Blocking."""
+    import multiprocessing as mp
+    from multiprocessing.connection import wait
+
+    ctx = mp.get_context("spawn")
+    procs, pipes = [], []
+    for r in range(n):
+        recv, send = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_export_worker, args=(send, ckpt, out_dir, r, n, kw),
+                        daemon=True, name=f"dckpt-export-{r}")
+        p.start()
+        send.close()
+        procs.append(p)
+        pipes.append(recv)
+    results: dict[int, object] = {}
+    try:
+        while len(results) < n:
+            ready = wait([pp for r, pp in enumerate(pipes) if r not in results]
+                         + [procs[r].sentinel for r in range(n) if r not in results])
+            for r in range(n):
+                if r in results:
+                    continue
+                if pipes[r] in ready or pipes[r].poll():
+                    try:
+                        ok, value = pipes[r].recv()
+                    except EOFError:
+                        ok, value = False, None
+                elif procs[r].sentinel in ready:
+                    ok, value = False, None
+                else:
+                    continue
+                if not ok:
+                    procs[r].join(5)
+                    why = value if value is not None else (
+                        f"it ended with exit code {procs[r].exitcode} and no result")
+                    raise CheckpointError(f"export worker {r} of {n} failed: {why}")
+                results[r] = value
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+    return results[0]
+
+
+def _export_worker(conn, ckpt: str, out_dir: str, rank: int, world: int, kw: dict) -> None:
     from ..interop.hf_export_ranks import export_share
 
-    return export_share(ckpt, out_dir, rank, world, **kw)
+    try:
+        conn.send((True, export_share(ckpt, out_dir, rank, world, **kw)))
+    except BaseException as e:  # the parent raises it, naming this worker
+        conn.send((False, f"{type(e).__name__}: {e}"))
+    finally:
+        conn.close()
 
 
 def cmd_import(args) -> int:

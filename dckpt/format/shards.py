@@ -60,14 +60,18 @@ def block_crcs(buf: memoryview, block: int = BLOCK) -> list[int]:
 
 def header_json(entries, crcs: list[list[int]] | None = None, block: int = BLOCK,
                 align: int = 8, length: int | None = None,
-                at: dict[str, tuple[int, ...]] | None = None, prefix: str = "") -> bytes:
+                at: dict[str, tuple[int, ...]] | None = None, prefix: str = "",
+                meta: dict[str, str] | None = None) -> bytes:
     """The header JSON (no length prefix) of ``entries`` in file order, padded. Without
     ``crcs``: plain safetensors (``__metadata__`` only ``{"format": "pt"}``). ``at``:
     {stored name: the global offsets of its chunk}, recorded as ``at:<name>`` (with
     ``crcs`` only; every entry must have one). ``prefix``: the key prefix every stored
     name lacks (a side file: a model folder's names), recorded as ``dckpt.prefix`` (with
-    ``crcs`` only). Pure, O(header)."""
-    meta = {"format": "pt"} if crcs is None else {"format": "pt", "dckpt.block": str(block)}
+    ``crcs`` only). ``meta``: more ``__metadata__`` entries (a plain file's).
+    Pure, O(header)."""
+    meta = {**(meta or {}), "format": "pt"}
+    if crcs is not None:
+        meta["dckpt.block"] = str(block)
     if prefix and crcs is not None:
         meta["dckpt.prefix"] = prefix
     body: dict = {}

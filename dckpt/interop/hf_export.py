@@ -229,23 +229,26 @@ def _remove(storage, path: str) -> None:
         pass
 
 
-def _header(group: list[_Out]) -> tuple[bytes, list[int]]:
+def _header(group: list[_Out], meta: dict[str, str] | None = None) -> tuple[bytes, list[int]]:
     """The safetensors header of one output file (length prefix included, padded with
     spaces so the data starts 8-aligned) and the file order of ``group``: larger items
-    first, so every tensor starts at a multiple of its item size. Pure."""
+    first, so every tensor starts at a multiple of its item size. ``meta``: more
+    ``__metadata__`` entries (strings). Pure."""
     entries = [(o.name, to_code(o.dtype, o.name), o.entry.shape, o.nbytes) for o in group]
     order = shards.order_entries(entries)
-    raw = shards.header_json([entries[i] for i in order])  # plain: no dckpt checksums
+    # plain: no dckpt checksums
+    raw = shards.header_json([entries[i] for i in order], meta=meta)
     return len(raw).to_bytes(8, "little") + raw, order
 
 
 def _write_file(storage, root: str, name: str, group: list[_Out], reader: ChunkReader,
-                budget: int, workers: int, progress: Progress) -> None:
+                budget: int, workers: int, progress: Progress,
+                meta: dict[str, str] | None = None) -> None:
     """Write one output file: header, then the tensors' bytes in file order, read in
     batches of slabs of at most ``budget`` bytes; under a temporary name renamed into
     place at the end (a direct upload on object stores). Blocking I/O. Raises
     CheckpointError/IntegrityError from the reads; a partial file is removed."""
-    head, order = _header(group)
+    head, order = _header(group, meta)
     size = len(head) + sum(o.nbytes for o in group)
     final = storage.join(root, name)
     direct = isinstance(storage, FsspecStorage) and storage.one_put

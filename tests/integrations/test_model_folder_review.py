@@ -1,6 +1,6 @@
 """Adversarial review of the model folder (side files, the Trainer's checkpoint-N as a
-model folder, the many-process export). Each test pins a behaviour the current code
-gets wrong (xfail strict)."""
+model folder, the many-process export). Each test pins a behaviour the review
+found wrong, failing before its fix."""
 from __future__ import annotations
 
 import json
@@ -45,9 +45,6 @@ def _folder(out) -> dict:
     return {k: got[k] for k in idx}
 
 
-@pytest.mark.xfail(strict=True, reason="review: export_share's rank 0 takes an earlier "
-                   "export's file of the same name and size as this export's and "
-                   "publishes an index over another checkpoint's weights")
 def test_share_export_never_indexes_another_checkpoints_files(tmp_path):
     """An out dir holding an earlier export of step A (same shapes, the same plan):
     rank 0 of a new export of step B must not write an index while rank 1's file is
@@ -73,9 +70,6 @@ def test_share_export_never_indexes_another_checkpoints_files(tmp_path):
             "the index publishes A's weights as B's"
 
 
-@pytest.mark.xfail(strict=True, reason="review: dckpt export --ranks N --overwrite leaves "
-                   "an earlier export's shard files behind (the one-process export removes "
-                   "them)")
 def test_ranks_export_overwrite_removes_an_earlier_exports_shards(tmp_path):
     _ckpt(tmp_path / "A", 1.0)
     out = tmp_path / "out"
@@ -88,9 +82,6 @@ def test_ranks_export_overwrite_removes_an_earlier_exports_shards(tmp_path):
     assert weights == sorted(set(idx.values())), weights
 
 
-@pytest.mark.xfail(strict=True, reason="review: under torchrun, dckpt export writes into a "
-                   "non-empty OUT_DIR without --overwrite (the one-process and --ranks "
-                   "exports refuse)")
 def test_torchrun_export_refuses_a_non_empty_out_dir_without_overwrite(tmp_path):
     _ckpt(tmp_path / "A", 1.0)
     out = tmp_path / "out"
@@ -109,9 +100,6 @@ def _trainer(out, model, data, **kw):
     return DckptTrainer(model=model, args=training_args(out, **kw), train_dataset=data, **dk)
 
 
-@pytest.mark.xfail(strict=True, reason="review: a re-save of checkpoint-N (a rewind) adopts "
-                   "the replaced folder's model.safetensors.index.json, which names side "
-                   "files the placement dropped")
 def test_resaved_checkpoint_has_no_index_naming_missing_files(tmp_path):
     """checkpoint-4 saved with the model folder, then the run rewound to checkpoint-2
     and trained to step 4 again with model_folder=False: the new checkpoint-4 must not
@@ -129,9 +117,6 @@ def test_resaved_checkpoint_has_no_index_naming_missing_files(tmp_path):
     assert not any("missing" in p for p in problems), (problems, sorted(os.listdir(ck)))
 
 
-@pytest.mark.xfail(strict=True, reason="review: with transformers 5's weight conversions "
-                   "(MoE: Mixtral, Qwen-MoE...) the side files hold the runtime names "
-                   "(mlp.experts.gate_up_proj), not the names save_pretrained writes")
 def test_moe_checkpoint_folder_has_the_names_stock_writes(tmp_path):
     from safetensors import safe_open
     from transformers import MixtralConfig, MixtralForCausalLM, Trainer
@@ -149,13 +134,15 @@ def test_moe_checkpoint_folder_has_the_names_stock_writes(tmp_path):
         stock = sorted(f.keys())
     torch.manual_seed(0)
     _trainer(tmp_path / "dckpt", MixtralForCausalLM(cfg), data, max_steps=2).train()
-    idx = json.loads((tmp_path / "dckpt" / "checkpoint-2" / INDEX).read_text())
-    assert sorted(idx["weight_map"]) == stock
+    ck = tmp_path / "dckpt" / "checkpoint-2"
+    if (ck / INDEX).exists():
+        names = sorted(json.loads((ck / INDEX).read_text())["weight_map"])
+    else:  # a model with weight conversions: stock's plain copy (documented)
+        with safe_open(str(ck / "model.safetensors"), "pt") as f:
+            names = sorted(f.keys())
+    assert names == stock
 
 
-@pytest.mark.xfail(strict=True, reason="review: dckpt export --ranks N: when a worker fails "
-                   "(a corrupt block in its share), worker 0 still waits DCKPT_EXPORT_WAIT_S "
-                   "(30 min) for its file before the command reports the error")
 def test_ranks_export_fails_promptly_when_a_worker_fails(tmp_path):
     import struct
 

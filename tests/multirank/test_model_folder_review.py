@@ -15,10 +15,6 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 
-@pytest.mark.xfail(strict=True, reason="review: a re-save of checkpoint-N adopts the "
-                   "replaced folder's exported model files and index, so a killed export "
-                   "of the new save leaves a folder that loads the earlier run's weights "
-                   "(and the resume never rewrites it)")
 def test_resaved_sharded_checkpoint_never_loads_the_replaced_folders_weights(tmp_path):
     """FSDP2 at 2 ranks: checkpoint-4 and its model folder; the run rewinds to
     checkpoint-2 and trains to 4 again (attention dropout on: other weights at step 4);

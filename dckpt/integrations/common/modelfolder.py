@@ -30,6 +30,27 @@ def is_peft(model: Any) -> bool:
     return isinstance(model, PeftModel)
 
 
+def converts(model: Any) -> bool:
+    """Whether transformers renames or reshapes ``model``'s weights between its
+    ``state_dict`` and the files ``save_pretrained`` writes (transformers 5's weight
+    conversions: MoE experts fused at load, split again at save). Such a model's
+    state_dict names are not the folder's: its checkpoints get stock's plain copy (or,
+    sharded, no model folder). No I/O."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import PrefixChange
+    except ImportError:  # transformers 4: no conversions
+        return False
+    conv = getattr(model, "_weight_conversions", None)
+    if conv is None:  # as revert_weight_conversion decides for a model built in code
+        try:
+            conv = [c for c in get_model_conversion_mapping(model, add_legacy=False)
+                    if not isinstance(c, PrefixChange)]
+        except Exception:  # noqa: BLE001 - cannot tell: take the safe side
+            return True
+    return bool(conv)
+
+
 def plain_params(model: Any) -> bool:
     """Whether every parameter of ``model`` is a plain tensor (whole on each rank: one
     process or DDP), not a DTensor or another subclass (FSDP2, TP). No I/O."""
@@ -60,6 +81,10 @@ def write_index(target: str) -> None:
             log.warning("%s: tensor %r is not stored whole in a side file; no %s is "
                         "written (the checkpoint resumes; from_pretrained cannot load it)",
                         target, k, INDEX)
+            return
+        if "@" in k:  # stored under its offsets: not a name the index can give
+            log.warning("%s: tensor %r holds '@'; no %s is written (the checkpoint resumes; "
+                        "from_pretrained cannot load it)", target, k, INDEX)
             return
         weight_map[k[len(PREFIX):]] = f.name
         total += e.nbytes

@@ -162,6 +162,13 @@ def place(tmp: str, final: str, adopt: tuple[str, ...] | None = None) -> None:
     _fsync_dir(parent)
 
 
+# A replaced checkpoint's model folder (its weights and their index: the side files'
+# index, a background export's shards, a plain copy): the old save's weights, never
+# "files a script wrote" (a new checkpoint carrying them would load the old weights)
+_MODEL_FOLDER = re.compile(r"^model(?:\.safetensors(?:\.index\.json)?|-\d{5,}-of-\d{5,}"
+                           r"\.safetensors)$")
+
+
 def written_by_dckpt(name: str) -> bool:
     """Whether an entry of a checkpoint folder is dckpt's own (a data file, an intent,
     a manifest, a hidden dckpt leftover): never adopted from a replaced folder. Pure."""
@@ -171,15 +178,20 @@ def written_by_dckpt(name: str) -> bool:
 
 def adopt_entries(old: str, new: str, drop: tuple[str, ...] = ()) -> list[str]:
     """Move each entry of the folder ``old`` that dckpt did not write, that is not one
-    of ``drop`` and that ``new`` lacks into ``new``; return their names. ``old`` not a folder: nothing. An entry
+    of ``drop`` and that ``new`` lacks into ``new``; return their names. When ``old``
+    is a committed checkpoint, its model folder (weights, index) is not moved: the old
+    save's weights. ``old`` not a folder: nothing. An entry
     that cannot be moved is logged and left in ``old`` (then removed with it: the
     caller's choice); never raises for one entry. Local I/O: a listing, a rename each
     (same file system)."""
     if not os.path.isdir(old) or os.path.islink(old):
         return []
     moved = []
+    # a replaced committed checkpoint: its model folder is the old save's weights
+    was_checkpoint = os.path.isfile(os.path.join(old, MANIFEST_NAME))
     for n in sorted(os.listdir(old)):
         if (written_by_dckpt(n) or n in drop or n == JIT_MARKER
+                or (was_checkpoint and _MODEL_FOLDER.match(n))
                 or os.path.lexists(os.path.join(new, n))):
             continue
         try:

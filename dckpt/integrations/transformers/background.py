@@ -55,7 +55,8 @@ class FolderExport:
             if save_id is not None:
                 _await_commit(final, save_id, WAIT_S)
             _faults.fault("export-start", rank)
-            export_share(final, final, rank, world, prefix=folder.PREFIX,
+            # overwrite: the checkpoint's own files stay; an earlier export's go
+            export_share(final, final, rank, world, prefix=folder.PREFIX, overwrite=True,
                          before_index=lambda: _faults.fault("export", rank))
         except BaseException as e:  # logged: the checkpoint itself is complete
             self.error = e

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...protocol.commit import SideFile
-from ..common.modelfolder import PREFIX, is_peft, plain_params
+from ..common.modelfolder import PREFIX, converts, is_peft, plain_params
 
 
 def side_for(trainer: Any) -> SideFile | None:
@@ -34,19 +34,23 @@ def side_for(trainer: Any) -> SideFile | None:
     model = trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
     if not isinstance(model, PreTrainedModel) or is_peft(model):
         return None
-    if not plain_params(model):
-        return None  # DTensor (TP) or another subclass: not whole tensors per rank
+    if not plain_params(model) or converts(model):
+        # DTensor (TP) or another subclass: not whole tensors per rank; or names that
+        # save_pretrained converts (stock's plain copy then, with its names)
+        return None
     return SideFile(PREFIX)
 
 
 def exports(trainer: Any) -> bool:
     """Whether ``trainer``'s checkpoints get their model folder from the background
     export (:mod:`.background`): the model folder on, a sharded model (FSDP, or
-    DTensor parameters), no fast tier (its durable copy lands later; documented). No
-    I/O."""
+    DTensor parameters) whose names are the folder's (:func:`converts`), no fast tier
+    (its durable copy lands later; documented). No I/O."""
     if not getattr(trainer, "_dckpt_model_folder", False) or trainer._dckpt_tier is not None:
         return False
-    if getattr(trainer, "is_fsdp_enabled", False):
-        return True
     model = trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
-    return not is_peft(model) and not plain_params(model)
+    if getattr(trainer, "is_fsdp_enabled", False):
+        # a model whose names save_pretrained converts gets no folder (as stock's
+        # sharded state): the export would write the runtime names
+        return not converts(model)
+    return not is_peft(model) and not plain_params(model) and not converts(model)

@@ -172,7 +172,10 @@ class DckptTrainerMixin:
         self._dckpt_usable()
         comm = Comm()
         self._dckpt_agree(comm)
-        self._dckpt_export.join()  # the last checkpoint's model folder: rotation reads it
+        # the save in flight first (its commit starts its model folder's export), then
+        # that export: the rotation after this save may remove its folder
+        self._dckpt.finish()
+        self._dckpt_export.join()
         folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         run_dir = self._get_output_dir(trial=trial)
         output_dir = os.path.join(run_dir, folder)
