@@ -38,6 +38,15 @@ def run_cmd(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[in
     return proc.returncode, out
 
 
+def _errors(out: str, most: int = 80) -> str:
+    """The lines of a job's output that say what failed (tracebacks' last lines,
+    errors), rank 0's included: a failure's cause, whatever the tail shows."""
+    keep = [ln for ln in out.splitlines()
+            if ("Error" in ln or "Traceback" in ln or "raise" in ln or "Exception" in ln
+                or ln.startswith("  File "))]
+    return "\n".join(keep[:most])
+
+
 def torchrun(script: str, nproc: int | None) -> list[str]:
     """The command that runs ``script`` under torchrun with ``nproc`` processes (None:
     one plain process, no torchrun)."""
@@ -58,7 +67,7 @@ def run_job(script: str, root: str, strategy: str, devices: int, *args: str,
     if any_status:
         pass
     elif killed:
-        assert rc == -signal.SIGKILL, f"exit status {rc}:\n{out[:1500]}\n...\n{out[-2500:]}"
+        assert rc == -signal.SIGKILL, f"exit status {rc}:\n{_errors(out)}\n...\n{out[-2500:]}"
     elif failed:
         assert rc not in (0, -signal.SIGKILL), f"exit status {rc}:\n{out[-4000:]}"
     else:

@@ -68,6 +68,9 @@ def test_fsdp2_checkpoints_load_with_from_pretrained(tmp_path):
     assert sum(n.endswith("-of-00002.safetensors") for n in names) == 2, names
     assert _equal(_loads(ck), _model_at(str(out), 4))
     assert verify_checkpoint(str(ck)).ok
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(str(ck))("w3 w5")["input_ids"] == [3, 5]
 
 
 def test_kill_during_the_background_export_resumes_and_rewrites_the_folder(tmp_path):
@@ -87,3 +90,16 @@ def test_kill_during_the_background_export_resumes_and_rewrites_the_folder(tmp_p
                          weights_only=False)["model"]
     assert _equal(_loads(ck), resumed)
     assert _equal(_loads(out / "checkpoint-6"), _model_at(str(out), 6))
+
+
+def test_fsdp2_with_the_fast_tier_exports_each_durable_copy(tmp_path):
+    """``local_root``: a save commits in the node-local tier and its durable copy lands
+    later; once it is placed, the ranks export the model folder from it (the end of
+    ``train()`` waits for the copies and the last export)."""
+    out = tmp_path / "out"
+    run(out, "dckpt", 2, "--steps", "4", "--every", "2", "--fsdp", "--local-root",
+        str(tmp_path / "local"))
+    for step in (2, 4):
+        ck = out / f"checkpoint-{step}"
+        assert "model.safetensors.index.json" in os.listdir(ck), sorted(os.listdir(ck))
+        assert _equal(_loads(ck), _model_at(str(out), step))

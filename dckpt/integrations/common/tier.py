@@ -123,6 +123,9 @@ class LocalTier:
         # None, nothing (Lightning); the Hugging Face adapters set () (every file dckpt
         # did not write, as their direct saves)
         self.adopt: tuple[str, ...] | None = None
+        # called on every rank in the copy thread once a durable copy is placed, with
+        # its name: work that reads the durable folder (a sharded model's folder export)
+        self.landed: Callable[[str], None] | None = None
         self.pool = StagingPool()
         self._lock = threading.Lock()
         self._jobs: list[CopyJob] = []  # queued or running, in order
@@ -282,6 +285,8 @@ class LocalTier:
             if comm.rank == 0:
                 log.info("%s copied to the durable tier (%.1f MiB)", final,
                          job.commit.total_bytes / 2**20)
+            if self.landed is not None:
+                self.landed(final)
         except Exception as e:
             log.error("rank %d: durable copy of %s failed (it stays in the fast tier %s; "
                       "training goes on): %s", comm.rank, job.final, job.commit.step_dir, e)

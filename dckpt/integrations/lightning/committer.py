@@ -101,6 +101,14 @@ class Committer:
         opts = {**(self.storage_options or {}), **(storage_options or {})} or None
         if self.tier is not None:
             final = _broadcast(comm, durable_name(path) if comm.rank == 0 else None)
+            if comm.rank == 0 and not is_url(final):
+                # the checkpoint's folder exists from the save on, as with stock's
+                # TorchCheckpointIO (Lightning's save_last="link" links in it at once,
+                # before the durable copy lands)
+                try:
+                    os.makedirs(os.path.dirname(final) or ".", exist_ok=True)
+                except OSError as e:  # the copy reports the store's error
+                    log.warning("cannot create %s: %s", os.path.dirname(final), e)
             tree = _share_meta(comm, tree)
             parent = self.tier.seen.get(final)
             if comm.rank == 0 and parent is not None:

@@ -44,9 +44,9 @@ def side_for(trainer: Any) -> SideFile | None:
 def exports(trainer: Any) -> bool:
     """Whether ``trainer``'s checkpoints get their model folder from the background
     export (:mod:`.background`): the model folder on, a sharded model (FSDP, or
-    DTensor parameters) whose names are the folder's (:func:`converts`), no fast tier
-    (its durable copy lands later; documented). No I/O."""
-    if not getattr(trainer, "_dckpt_model_folder", False) or trainer._dckpt_tier is not None:
+    DTensor parameters) whose names are the folder's (:func:`converts`); with the
+    fast tier, once each durable copy is placed. No I/O."""
+    if not getattr(trainer, "_dckpt_model_folder", False):
         return False
     model = trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
     if getattr(trainer, "is_fsdp_enabled", False):

@@ -106,6 +106,8 @@ class DckptTrainerMixin:
         self._dckpt_model_folder = model_folder  # checkpoint-N loads with from_pretrained
         self._dckpt_side: Any = None  # while dckpt saves: its SideFile (folder.side_for)
         self._dckpt_export = FolderExport()  # a sharded model's folder, in the background
+        if tier is not None:  # with the fast tier: once each durable copy is placed
+            tier.landed = self._dckpt_landed
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # dckpt's load and the skipped stock pickles sit just above Trainer, so that a
@@ -247,6 +249,12 @@ class DckptTrainerMixin:
             if tier is not None:
                 tier.drain()
             self._push_from_checkpoint(output_dir)
+
+    def _dckpt_landed(self, final: str) -> None:
+        """The fast tier's copy thread (every rank), a durable copy placed at
+        ``final``: a sharded model's folder is exported from it in the background."""
+        if mfolder.exports(self):
+            self._dckpt_export.start(final, None)
 
     def _dckpt_agree(self, comm: Comm) -> None:
         """The settings that decide what a save holds and how it is committed, the same
@@ -406,12 +414,12 @@ class DckptTrainerMixin:
             if src is not None and src[1] is not None and path is not None:
                 shutil.rmtree(os.path.dirname(path), ignore_errors=True)
         self._dckpt.finish()  # the last asynchronous save: placed, or its error raised
-        self._dckpt_export.join()  # and its model folder
         if tier is not None:
             self._dckpt_rotation_fast.flush()
             tier.drain()  # every durable copy queued (a failed one is logged, stays local)
             drop_landed_extras(tier, self._dckpt_extras)
             self._dckpt_extras = set()
+        self._dckpt_export.join()  # the last checkpoint's model folder (after its copy)
         return result
 
     def _load_best_model(self) -> None:
