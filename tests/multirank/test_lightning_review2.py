@@ -162,3 +162,25 @@ def test_fabric_failed_final_async_save_fails_the_script(tmp_path):
     assert not os.path.exists(os.path.join(root, "ckpt", "manifest.json"))
     lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
     assert lines and json.loads(lines[-1][7:])["saved_call_returned"]
+
+
+def test_last_link_before_the_first_durable_copy_lands(tmp_path):
+    """``save_last="link"`` with ``local_root`` and a slow durable store (every copy
+    sleeps 2 s): Lightning links last.ckpt into the checkpoints' folder right after the
+    first save, before any durable copy created that folder. Stock's save makes the
+    folder at once; so must dckpt's (rank 0 failed with FileNotFoundError, once in a
+    while in CI where the copy lost the race, always with a slow store)."""
+    import sys
+
+    from .lightning_run import job_env, run_cmd
+
+    root, local = str(tmp_path / "run"), str(tmp_path / "local")
+    job = os.path.join(os.path.dirname(__file__), "jobs", "lightning_job.py")
+    env = dict(job_env(), DCKPT_FAULT="stage:*:sleep=2")
+    rc, out = run_cmd([sys.executable, job, "--strategy", "dckpt", "--devices", "2",
+                       "--root", root, "--max-steps", "4", "--every", "2", "--save-last",
+                       "link", "--local-root", local], 240, env)
+    assert rc == 0, out[-3000:]
+    last = os.path.join(root, "ckpts", "last.ckpt")
+    assert os.path.islink(last) and os.readlink(last) == "step=4.ckpt"
+    assert verify_checkpoint(os.path.realpath(last)).ok
