@@ -107,7 +107,10 @@ class DckptTrainerMixin:
         self._dckpt_side: Any = None  # while dckpt saves: its SideFile (folder.side_for)
         self._dckpt_export = FolderExport()  # a sharded model's folder, in the background
         if tier is not None:  # with the fast tier: once each durable copy is placed
-            tier.landed = self._dckpt_landed
+            import weakref
+
+            landed = weakref.WeakMethod(self._dckpt_landed)  # the tier outlives trainers
+            tier.landed = lambda final: (landed() or (lambda f: None))(final)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # dckpt's load and the skipped stock pickles sit just above Trainer, so that a
