@@ -32,11 +32,11 @@ def signature(tensors: dict[str, Any], ranks: tuple[int, ...],
     index: dict = {}
     meshes: dict[int, tuple] = {}
     for key, t in tensors.items():
-        shape = tuple(int(x) for x in t.shape)
-        if is_sharded_tensor(t):
+        if is_sharded_tensor(t):  # its metadata: .shape warns (ShardedTensor is deprecated)
             lid = rules.EXPLICIT
             shape = tuple(int(x) for x in t.metadata().size)
         elif isinstance(t, DTensor):
+            shape = tuple(int(x) for x in t.shape)
             mesh = t.device_mesh
             got = meshes.get(id(mesh))
             if got is None:
@@ -54,6 +54,7 @@ def signature(tensors: dict[str, Any], ranks: tuple[int, ...],
                 sig.layouts.append(lay)
         else:
             lid = rules.PLAIN
+            shape = tuple(int(x) for x in t.shape)
         sig.items.append((key, "", shape, lid))
     return sig
 

@@ -1,0 +1,267 @@
+"""The switch: a DeepSpeed engine whose ``save_checkpoint`` / ``load_checkpoint`` write
+and read dckpt checkpoints, with DeepSpeed's signatures and return values.
+
+``save_dir/<tag>`` is one dckpt commit (staged under a hidden sibling, renamed into
+place once committed), ``save_dir/latest`` names it (written atomically after the
+commit), and ``load_checkpoint(tag=None)`` takes the newest *committed* tag in commit
+order, falling back past a damaged one with a warning. A stock DeepSpeed tag (pickles)
+still loads through DeepSpeed's own method."""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+import uuid
+from typing import Any
+
+from ...errors import CheckpointError
+from ...protocol.collectives import Comm, agree
+from ..common import place, resolve
+from ..common.commit import Committer, broadcast_json
+from ..common.rotation import to_remove
+from .restore import What, load_tag
+from .tree import build
+from .view import view
+
+log = logging.getLogger(__name__)
+ANY = re.compile(r"[^/\\]+")
+LATEST = "latest"
+
+
+def _refusals(engine: Any) -> None:
+    """Raise CheckpointError for what dckpt's DeepSpeed checkpoints do not cover."""
+    name = type(engine).__name__
+    if name == "PipelineEngine" or hasattr(engine, "num_stages"):
+        raise CheckpointError("dckpt's DeepSpeed checkpoints do not support pipeline "
+                              "parallelism (PipelineEngine)")
+    if getattr(engine, "has_moe_layers", False):
+        raise CheckpointError("dckpt's DeepSpeed checkpoints do not support MoE expert "
+                              "parallelism")
+    nvme = False
+    for fn in ("zero_nvme_offload_optimizer", "zero_nvme_offload_param"):
+        try:
+            nvme = nvme or bool(getattr(engine, fn)())
+        except Exception:  # noqa: BLE001 - an older engine without the query
+            pass
+    if nvme:
+        raise CheckpointError("dckpt's DeepSpeed checkpoints do not support ZeRO-Infinity's "
+                              "NVMe offload")
+    if int(getattr(engine, "mp_world_size", 1) or 1) > 1:
+        raise CheckpointError("dckpt's DeepSpeed checkpoints do not support model (tensor) "
+                              "parallelism yet")
+    if getattr(getattr(engine, "_config", None), "load_universal_checkpoint", False):
+        raise CheckpointError("load_universal is set: dckpt's checkpoints reshard by "
+                              "themselves; remove checkpoint.load_universal")
+
+
+def _write_latest(save_dir: str, tag: str, storage_options: dict | None) -> None:
+    """``save_dir/latest`` = ``tag``, replaced atomically (a temporary name, fsync,
+    rename; object stores: one put). Rank 0; blocking I/O."""
+    path = place.join(save_dir, LATEST)
+    if place.is_url(save_dir):
+        fs, p = place.fresh_fs(path, storage_options)
+        fs.pipe(p, tag.encode())
+        return
+    local = place.local_path(path)
+    tmp = f"{local}.tmp-{uuid.uuid4().hex[:12]}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(tag)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, local)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _stock_tag(path: str) -> bool:
+    """Whether ``path`` is a stock DeepSpeed tag folder (its pickles, no manifest)."""
+    if place.is_url(path) or not os.path.isdir(path):
+        return False
+    return any(n.endswith("_model_states.pt") for n in os.listdir(path))
+
+
+class Checkpointer:
+    """dckpt's save and load for one engine (see :func:`attach`)."""
+
+    def __init__(self, engine: Any, *, async_save: bool = False, keep_last: int | None = None,
+                 storage_options: dict | None = None, compression: str | None = None) -> None:
+        if keep_last is not None and (not isinstance(keep_last, int) or isinstance(
+                keep_last, bool) or keep_last < 1):
+            raise CheckpointError(f"keep_last must be a positive int or None, got {keep_last!r}")
+        self.engine = engine
+        self.keep_last = keep_last
+        self.storage_options = storage_options
+        self.committer = Committer(storage_options, async_save, compression,
+                                   markers=(LATEST,))
+        self.stock_save = engine.save_checkpoint
+        self.stock_load = engine.load_checkpoint
+
+    # -- save -------------------------------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict = {},  # noqa: B006 - DeepSpeed's signature
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's ``save_checkpoint``: one dckpt commit at ``save_dir/<tag>`` (tag
+        default ``global_step<N>``), then ``latest``. Collective; blocking I/O (each rank
+        its ranges; asynchronous: only the snapshot copy, the commit runs in the
+        background and the next save or load waits for it). Returns True. Raises
+        CheckpointError on every rank alike (a tag that differs between ranks, a value
+        it cannot store, a failed write: nothing is placed then)."""
+        if not save_dir:
+            raise ValueError("save_checkpoint: save_dir is empty")
+        eng = self.engine
+        tag = f"global_step{eng.global_steps}" if tag is None else str(tag)
+        if not tag or "/" in tag or tag.startswith(".") or tag == LATEST:
+            raise CheckpointError(f"tag {tag!r} is not a usable folder name")
+        comm = Comm()
+        self.committer.finish()
+        first = broadcast_json(comm, tag)
+        agree(comm, None if first == tag else CheckpointError(
+            f"rank {comm.rank} saves tag {tag!r}, rank 0 {first!r}: every rank must pass "
+            "the same tag"), "check the tag")
+        final = place.join(save_dir, tag)
+        opt = eng.optimizer
+        prologue = getattr(opt, "checkpoint_event_prologue", None)
+        if prologue is not None:
+            prologue()
+        try:
+            err, tree = None, None
+            try:
+                tree = build(view(eng), client_state=client_state,
+                             exclude_frozen=exclude_frozen_parameters, tag=tag)
+            except CheckpointError as e:
+                err = e
+            agree(comm, err, f"save the DeepSpeed checkpoint {final}")
+            plan = self.committer.plan(final)
+            self.committer.commit(tree, plan, after=lambda: self._after(save_dir, final, tag,
+                                                                        save_latest))
+        finally:
+            epilogue = getattr(opt, "checkpoint_event_epilogue", None)
+            if epilogue is not None:
+                epilogue()
+        return True
+
+    def _after(self, save_dir: str, final: str, tag: str, save_latest: bool) -> None:
+        """Rank 0, once the tag is committed and placed: ``latest``, then rotation."""
+        if save_latest:
+            _write_latest(save_dir, tag, self.storage_options)
+        if self.keep_last is not None:
+            got = resolve.committed_in(save_dir, ANY, self.storage_options)
+            for old in to_remove(got, self.keep_last, final):
+                log.info("keep_last=%d: removing %s", self.keep_last, old)
+                place.remove_whole(old, self.storage_options)
+
+    # -- load -------------------------------------------------------------------
+    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple:
+        """DeepSpeed's ``load_checkpoint``: returns ``(load_path, client_state)``, or
+        ``(None, None)`` when ``load_dir`` holds no checkpoint (as stock). ``tag=None``:
+        the newest committed dckpt tag (never a partial one, whatever ``latest`` says),
+        falling back past a damaged one with a warning; a stock DeepSpeed tag goes to
+        DeepSpeed's own method. Collective; blocking I/O (each rank its ranges). Raises
+        CheckpointError on every rank alike (a damaged named tag, another model)."""
+        if custom_load_fn is not None:
+            raise CheckpointError("custom_load_fn is not supported by dckpt's DeepSpeed "
+                                  "checkpoints")
+        self.committer.finish()
+        what = What(load_optimizer_states, load_lr_scheduler_states, load_module_only,
+                    load_module_strict)
+        stock_kw = dict(load_module_strict=load_module_strict,
+                        load_optimizer_states=load_optimizer_states,
+                        load_lr_scheduler_states=load_lr_scheduler_states,
+                        load_module_only=load_module_only)
+        opts = self.storage_options
+        if tag is not None:
+            path = place.join(load_dir, str(tag))
+            k = resolve.listed(lambda: place.kind(path, opts), f"look at {path}")
+            if k != "dckpt":
+                if resolve.listed(lambda: _stock_tag(path), f"look at {path}"):
+                    return self.stock_load(load_dir, tag, **stock_kw)
+                log.warning("no checkpoint at %s", path)
+                return None, None
+            return path, self._load(path, what, load_dir)
+        names = resolve.listed(lambda: [c.path for c in resolve.committed_in(
+            load_dir, ANY, opts)], f"list {load_dir}")
+        if not names:
+            latest = resolve.listed(lambda: _read_latest(load_dir, opts), f"read {load_dir}/latest")
+            if latest and resolve.listed(lambda: _stock_tag(place.join(load_dir, latest)),
+                                         "look at the stock tag"):
+                return self.stock_load(load_dir, None, **stock_kw)
+            log.warning("no committed checkpoint in %s", load_dir)
+            return None, None
+        return resolve.load_newest(names, lambda p: self._load(p, what, load_dir),
+                                   "DeepSpeed checkpoint")
+
+    def _load(self, path: str, what: What, load_dir: str) -> dict:
+        client = load_tag(view(self.engine), path, what, self.storage_options)
+        stamp = resolve.listed(lambda: place.stamp(path, self.storage_options),
+                               f"read {path}'s manifest")
+        newest = resolve.listed(lambda: resolve.newest_time(load_dir, ANY, self.storage_options),
+                                f"list {load_dir}")
+        if stamp:
+            self.committer.saw(max(float(stamp[1]), newest or 0.0), str(stamp[0]))
+        return client
+
+    def wait(self) -> None:
+        """Wait for the asynchronous save in flight and raise its error on every rank.
+        Collective when one is in flight."""
+        self.committer.finish()
+
+
+def _read_latest(load_dir: str, opts: dict | None) -> str | None:
+    path = place.join(load_dir, LATEST)
+    try:
+        if place.is_url(load_dir):
+            fs, p = place.fresh_fs(path, opts)
+            return fs.cat(p).decode().strip()[:4096]
+        with open(place.local_path(path), encoding="utf-8") as f:
+            return f.read(4096).strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def attach(engine: Any, *, async_save: bool = False, keep_last: int | None = None,
+           storage_options: dict | None = None, compression: str | None = None) -> Any:
+    """Make ``engine`` (built by ``deepspeed.initialize``, the Trainer or Accelerate)
+    save and load dckpt checkpoints: its ``save_checkpoint`` and ``load_checkpoint``
+    are replaced by dckpt's, same signatures and return values (the originals stay as
+    ``engine.dckpt.stock_save`` / ``stock_load``); ``engine.destroy()`` waits for an
+    asynchronous save first. Returns ``engine``. Not collective; no I/O. Raises
+    CheckpointError for what is not supported (pipeline parallelism, MoE, NVMe offload,
+    model parallelism, an unknown optimizer wrapper, round-robin gradients)."""
+    if isinstance(getattr(engine, "dckpt", None), Checkpointer):
+        raise CheckpointError("this engine is already attached to dckpt")
+    _refusals(engine)
+    view(engine)  # refuses a layout it does not know, now rather than at the first save
+    ck = Checkpointer(engine, async_save=async_save, keep_last=keep_last,
+                      storage_options=storage_options, compression=compression)
+
+    @functools.wraps(ck.save_checkpoint)
+    def save_checkpoint(save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006
+                        exclude_frozen_parameters=False):
+        return ck.save_checkpoint(save_dir, tag, client_state, save_latest,
+                                  exclude_frozen_parameters)
+
+    @functools.wraps(ck.load_checkpoint)
+    def load_checkpoint(load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False,
+                        custom_load_fn=None):
+        return ck.load_checkpoint(load_dir, tag, load_module_strict, load_optimizer_states,
+                                  load_lr_scheduler_states, load_module_only, custom_load_fn)
+
+    stock_destroy = getattr(engine, "destroy", None)
+
+    def destroy(*a: Any, **kw: Any) -> Any:
+        ck.wait()
+        return stock_destroy(*a, **kw) if stock_destroy is not None else None
+
+    engine.save_checkpoint = save_checkpoint
+    engine.load_checkpoint = load_checkpoint
+    engine.destroy = destroy
+    engine.dckpt = ck
+    return engine

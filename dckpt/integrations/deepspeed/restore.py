@@ -1,0 +1,150 @@
+"""Load one dckpt DeepSpeed tag into a live engine of any data-parallel size and ZeRO
+stage: each rank reads exactly the ranges of its new partitions into DeepSpeed's flat
+buffers and optimizer state, in place, then DeepSpeed's low-precision weights are
+refreshed from the masters (what ``step()`` does after an update)."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...errors import CheckpointError
+from ...protocol.restore import load as dckpt_load
+from ..common import codec, rng
+from .tree import read_meta, target
+from .view import View
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class What:
+    """Which parts a load restores (DeepSpeed's ``load_checkpoint`` flags)."""
+
+    optimizer: bool = True
+    scheduler: bool = True
+    module_only: bool = False
+    strict: bool = True
+
+
+def _check_names(v: View, meta: dict, strict: bool) -> None:
+    """Parameters and buffers saved vs here: a trainable one missing is always an
+    error (its master and optimizer state cannot be made up); with ``strict`` anything
+    saved that the engine lacks, or a frozen parameter / buffer it has that was not
+    saved, too (``load_module_strict``). Raises CheckpointError naming them."""
+    here = set(v.params) | set(v.frozen)
+    saved = set(meta["params"]) | set(meta["frozen"])
+    unexpected = sorted(saved - here - set(v.aliases))
+    frozen_now_trained = sorted(n for n in v.params if n not in meta["params"]
+                                and n in meta["frozen"])
+    if frozen_now_trained:
+        raise CheckpointError(
+            f"parameter(s) {frozen_now_trained[:8]} were frozen when saved and are trained "
+            "here: the checkpoint has no fp32 master or optimizer state for them")
+    if not strict:
+        return
+    lacking = sorted(n for n in v.frozen if v.frozen[n].numel()
+                     and n not in set(meta["stored_frozen"]))
+    lacking_buf = sorted(n for n in v.buffers if n not in set(meta["buffers"]))
+    problems = []
+    if unexpected:
+        problems.append(f"unexpected parameter(s) {unexpected[:8]}")
+    if lacking:
+        problems.append(f"frozen parameter(s) {lacking[:8]} not saved (saved with "
+                        "exclude_frozen_parameters=True? load with load_module_strict=False)")
+    if lacking_buf:
+        problems.append(f"buffer(s) {lacking_buf[:8]} not saved")
+    if problems:
+        raise CheckpointError("the checkpoint does not match the engine's module: "
+                              + "; ".join(problems))
+
+
+def load_tag(v: View, path: str, what: What, storage_options: dict | None = None) -> dict:
+    """Restore the tag at ``path`` into ``v``'s engine; returns the saved
+    ``client_state`` (the user's keys, plus ``global_samples`` and ``ds_version`` as
+    stock returns them). Collective (dckpt's load, DeepSpeed's all-gather of the
+    refreshed weights); blocking I/O: this rank's ranges. Raises CheckpointError on
+    every rank alike (a damaged file: IntegrityError; another model: the names); after
+    an error the engine's state is undefined (load another tag into it)."""
+    eng = v.engine
+    opt_w = eng.optimizer
+    state: dict[str, Any] = {}
+    box: dict[str, Any] = {}
+
+    def extra(m: Any) -> dict:
+        meta = read_meta(m)
+        box["meta"] = meta
+        _check_names(v, meta, what.strict)
+        optim = what.optimizer and not what.module_only
+        out = target(v, meta, masters=True, optim=optim, frozen=True, buffers=True)
+        out["deepspeed"] = {"meta": ""}
+        if optim and _has(m, "hyper"):
+            out["hyper"] = codec.target(m, "hyper")
+        if what.scheduler and not what.module_only and _has(m, "scheduler"):
+            out["scheduler"] = codec.target(m, "scheduler")
+        out["client"] = codec.target(m, "client")
+        if not what.module_only:
+            sd, box["rng"] = rng.target(m, torch.distributed.get_rank())
+            if sd:
+                out["rng"] = sd
+        return out
+
+    prologue = getattr(opt_w, "checkpoint_event_prologue", None)
+    if v.kind == "zero3" and prologue is not None:
+        prologue()
+    # not strict: _check_names decides which saved names the engine must have
+    dckpt_load(state, path, storage_options=storage_options, extra=extra, strict=False)
+    meta = box["meta"]
+    optim = what.optimizer and not what.module_only
+    if optim and "hyper" in state:
+        for g, saved in zip(v.optimizer.param_groups, codec.decode(state["hyper"], "param_groups")):
+            for k, val in saved.items():
+                if k != "params":
+                    g[k] = val
+    _refresh(v, relink=optim and bool(meta["state_keys"]))
+    if not what.module_only:
+        eng.global_steps = int(meta["global_steps"])
+        eng.global_samples = int(meta["global_samples"])
+        eng.skipped_steps = int(meta["skipped_steps"])
+        if "scheduler" in state and getattr(eng, "lr_scheduler", None) is not None:
+            eng.lr_scheduler.load_state_dict(codec.decode(state["scheduler"], "lr_scheduler"))
+        if optim:
+            _set_scaler(opt_w, meta.get("loss_scaler", {}))
+        rng.apply(box.get("rng"))
+    client = codec.decode(state["client"], "client_state")
+    for k in ("global_samples", "ds_version"):
+        client.setdefault(k, meta[k])
+    return client
+
+
+def _has(m: Any, root: str) -> bool:
+    return (root + ".doc") in m.values
+
+
+def _set_scaler(opt: Any, saved: dict) -> None:
+    s = getattr(opt, "loss_scaler", None)
+    for k, val in saved.items():
+        if k.startswith("@"):
+            if hasattr(opt, k[1:]):
+                setattr(opt, k[1:], val)
+        elif s is not None and hasattr(s, k) and not isinstance(getattr(s, k), torch.Tensor):
+            setattr(s, k, float(val) if val in ("inf", "-inf", "nan") else val)
+
+
+def _refresh(v: View, relink: bool) -> None:
+    """DeepSpeed's low-precision copies from the freshly loaded fp32 masters, and the
+    optimizer's fragment links to its new state tensors. Collective (ZeRO-1/2's
+    all-gather of the partitions; ZeRO-3's gather of persistent parameters)."""
+    opt = v.engine.optimizer
+    if v.kind in ("zero12", "bf16"):
+        if relink:
+            opt._hp_optimizer_states_linked = False
+            opt._lazy_init_hp_params_optimizer_state()
+        opt.update_lp_params()
+    elif v.kind == "zero3":
+        for sg, flat in enumerate(opt.fp32_partitioned_groups_flat):
+            opt.fp16_partitioned_groups_flat[sg].data.copy_(flat.data)
+            opt._unflatten_partitioned_parameters(sg)
+        opt.checkpoint_event_epilogue()

@@ -1,0 +1,260 @@
+"""One DeepSpeed tag as a dckpt tree, and the load target shaped after a saved one.
+
+Keys (``<name>`` a parameter's module name, ``<s>`` an optimizer state such as
+``exp_avg``): ``master.<name>`` the fp32 master of a trainable parameter as a 1-D tensor
+of its numel, each rank storing the range it holds (ZeRO-1/2/3; stage 0: the parameter
+itself); ``optim.<s>.<name>`` each flat-shaped optimizer state, the same ranges;
+``frozen.<name>`` a parameter no optimizer steps (1-D, its own dtype; ZeRO-3: each rank
+its ``ds_tensor`` range); ``buffers.<name>`` the persistent buffers; ``deepspeed.meta``
+a JSON string (shapes, groups, steps, counters, loss scaler, ...); ``scheduler`` and
+``client`` codec entries (:mod:`..common.codec`); ``rng.rank<r>`` each rank's RNG.
+Padding is never stored. Pure but for reading the live engine: no I/O, no collective."""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import torch
+
+from ...errors import CheckpointError, UnsupportedValueError
+from ..common import codec, rng
+from .fragments import sharded
+from .layout import Fragment, mine, split
+from .view import Param, View, frozen_local, local_range
+
+FORMAT = 1
+META = "deepspeed.meta"
+# stock load_checkpoint refuses these client keys / returns DeepSpeed's under them
+RESERVED = ("checkpoint_parallel_dimensions",)
+
+
+def _scalar(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1:
+            raise CheckpointError(f"an optimizer step count of shape {list(v.shape)}")
+        return v.item()
+    return v
+
+
+def _ranged(v: View, p: Param, t: torch.Tensor) -> Any:
+    """``p``'s range of ``t`` (a flat or a flat-shaped state) as the stored tensor."""
+    local = local_range(v, p, t)
+    if v.kind == "plain":
+        return local
+    return sharded(local, p.frags, p.numel, t.dtype, v.rank)
+
+
+def _scaler(opt: Any) -> dict:
+    """The loss scaler's plain fields (a static 1.0 for fp32/bf16; fp16's dynamic
+    scaler's counters), stored as JSON: never the pickled object."""
+    out: dict[str, Any] = {}
+    s = getattr(opt, "loss_scaler", None)
+    for k, val in (vars(s).items() if s is not None else ()):
+        if isinstance(val, torch.Tensor) and val.numel() == 1:
+            val = val.item()
+        if val is None or isinstance(val, (bool, int, float, str)):
+            if isinstance(val, float) and not math.isfinite(val):
+                val = repr(val)
+            out[k] = val
+    for k in ("dynamic_loss_scale", "overflow", "clip_grad"):
+        val = getattr(opt, k, None)
+        if isinstance(val, (bool, int, float)):
+            out["@" + k] = val
+    return out
+
+
+def _states(v: View) -> tuple[list[str], list[Any]]:
+    """(the names of the flat-shaped optimizer states, the step count of each torch param
+    group or None where it has no state yet). Raises CheckpointError for a state this
+    layout cannot store (neither flat-shaped nor a step count) or steps that differ
+    within a group."""
+    keys: list[str] = []
+    steps: list[Any] = [None] * len(v.groups)
+    st = v.optimizer.state
+    if v.kind == "plain":
+        holders = [(v.params[n].param, v.params[n].numel, g)
+                   for g, names in enumerate(v.groups) for n in names]
+    else:
+        holders = [(f.tensor, f.tensor.numel(), f.group) for f in v.flats]
+    for t, numel, g in holders:
+        s = st.get(t) if hasattr(st, "get") else None
+        if not s:
+            continue
+        for k, val in s.items():
+            if k == "step":
+                got = _scalar(val)
+                if steps[g] is not None and steps[g] != got:
+                    raise CheckpointError(f"param group {g} has different step counts "
+                                          f"({steps[g]} and {got}); dckpt stores one per group")
+                steps[g] = got
+            elif isinstance(val, torch.Tensor) and val.numel() == numel and numel:
+                if k not in keys:
+                    keys.append(k)
+            elif isinstance(val, torch.Tensor) and val.numel() == 0 and numel == 0:
+                continue
+            else:
+                raise CheckpointError(
+                    f"the optimizer state {k!r} ({type(val).__name__}) is neither shaped "
+                    "like the parameters nor a step count: dckpt cannot store it by range")
+    return keys, steps
+
+
+def build(v: View, *, client_state: dict, exclude_frozen: bool, tag: str) -> dict[str, Any]:
+    """The tree of one save of ``v``'s engine (views of the live buffers: copy before
+    the next step, as dckpt's save or async snapshot does). Raises CheckpointError
+    (UnsupportedValueError naming the key) for a ``client_state`` value dckpt cannot
+    store, a reserved key, or optimizer state it cannot store."""
+    import deepspeed
+
+    eng, opt = v.engine, v.optimizer
+    if not isinstance(client_state, dict):
+        raise CheckpointError(f"client_state must be a dict, got {type(client_state).__name__}")
+    for k in client_state:
+        if k in RESERVED:
+            raise CheckpointError(f"client_state key {k!r} is reserved by DeepSpeed")
+    keys, steps = _states(v)
+    tree: dict[str, Any] = {"master": {}, "optim": {k: {} for k in keys}}
+    st = opt.state
+    for n, p in v.params.items():
+        src = p.param if v.kind == "plain" else v.flats[p.flat].tensor
+        tree["master"][n] = _ranged(v, p, src)
+        s = st.get(v.state_key(p)) if keys else None
+        for k in keys:
+            if not s or k not in s:  # a stage-0 parameter that never had a gradient
+                continue
+            tree["optim"][k][n] = _ranged(v, p, s[k])
+    frozen_names = [] if exclude_frozen else [n for n, q in v.frozen.items() if q.numel()]
+    tree["frozen"] = {}
+    for n in frozen_names:
+        local, fs, numel = frozen_local(v, n, v.frozen[n])
+        tree["frozen"][n] = (local if len(fs) and all(f.numel == numel for f in fs)
+                             and v.kind != "zero3" else
+                             sharded(local, fs, numel, local.dtype if local is not None else
+                                     _dtype(v.frozen[n]), v.rank))
+    tree["buffers"] = {n: b.detach() for n, b in v.buffers.items()}
+    sched = getattr(eng, "lr_scheduler", None)
+    if sched is not None and hasattr(sched, "state_dict"):
+        tree["scheduler"] = codec.encode(sched.state_dict(), "lr_scheduler")
+    tree["client"] = codec.encode(dict(client_state), "client_state")
+    tree["hyper"] = codec.encode([{k: val for k, val in g.items() if k != "params"}
+                                  for g in opt.param_groups], "param_groups")
+    meta = {
+        "format": FORMAT, "tag": tag, "kind": v.kind, "zero_stage": v.stage,
+        "dp_world_size": v.world, "ds_version": deepspeed.__version__,
+        "global_steps": int(eng.global_steps), "global_samples": int(eng.global_samples),
+        "skipped_steps": int(eng.skipped_steps),
+        "params": {n: list(p.shape) for n, p in v.params.items()},
+        "frozen": {n: [list(_shape(q)), str(_dtype(q)).replace("torch.", "")]
+                   for n, q in v.frozen.items()},
+        "stored_frozen": frozen_names, "dtypes": {n: str(p.param.dtype).replace("torch.", "")
+                                                  for n, p in v.params.items()},
+        "groups": v.groups, "steps": steps, "state_keys": keys,
+        "aliases": v.aliases, "loss_scaler": _scaler(eng.optimizer),
+        "buffers": sorted(v.buffers),
+    }
+    tree["deepspeed"] = {"meta": json.dumps(meta, sort_keys=True)}
+    tree["rng"] = rng.entry(torch.distributed.get_rank())
+    return tree
+
+
+def _shape(p: Any) -> tuple[int, ...]:
+    return tuple(p.ds_shape) if hasattr(p, "ds_shape") else tuple(p.shape)
+
+
+def _dtype(p: Any) -> torch.dtype:
+    return p.ds_tensor.dtype if hasattr(p, "ds_tensor") else p.dtype
+
+
+def read_meta(manifest: Any) -> dict:
+    """The ``deepspeed.meta`` record of a checkpoint's manifest. Raises CheckpointError
+    when the checkpoint is not a dckpt DeepSpeed tag (or a newer format)."""
+    raw = manifest.values.get(META)
+    if not isinstance(raw, str):
+        raise CheckpointError("this checkpoint is not a DeepSpeed tag saved by dckpt (it has "
+                              f"no {META} record)")
+    try:
+        meta = json.loads(raw)
+    except ValueError as e:
+        raise CheckpointError(f"its {META} record is not JSON: {e}") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"its {META} record has format {meta.get('format')!r} "
+                              f"(this dckpt reads {FORMAT})" if isinstance(meta, dict) else
+                              f"its {META} record is not an object")
+    return meta
+
+
+def target(v: View, meta: dict, *, masters: bool, optim: bool, frozen: bool,
+           buffers: bool) -> dict[str, Any]:
+    """The load target of a saved tag (``meta``) for ``v``'s engine: views into its
+    buffers, which the load fills in place. Creates the optimizer's state tensors
+    (zeros) when ``optim`` and the checkpoint has state, and zeroes the flats first so
+    padding stays zero. Raises CheckpointError naming parameters missing on either side
+    or of another shape."""
+    saved = meta["params"]
+    missing = [n for n in v.params if n not in saved]
+    shaped = [n for n, p in v.params.items() if n in saved and math.prod(saved[n]) != p.numel]
+    if missing or shaped:
+        raise CheckpointError(
+            (f"the checkpoint lacks trainable parameter(s) {missing[:8]}" if missing else "")
+            + ("; " if missing and shaped else "")
+            + (f"parameter(s) {[(n, saved[n], list(v.params[n].shape)) for n in shaped[:8]]}"
+               " have another number of elements here" if shaped else "")
+            + " (is it a checkpoint of another model?)")
+    out: dict[str, Any] = {}
+    if masters:
+        for f in v.flats:
+            f.tensor.data.zero_()
+        out["master"] = {n: _ranged(v, p, p.param if v.kind == "plain" else
+                                         v.flats[p.flat].tensor) for n, p in v.params.items()}
+    keys = meta["state_keys"] if optim else []
+    if optim:
+        _prepare_state(v, meta)
+    if keys:
+        out["optim"] = {}
+        st = v.optimizer.state
+        for k in keys:
+            out["optim"][k] = {n: _ranged(v, p, st[v.state_key(p)][k])
+                               for n, p in v.params.items()}
+    if frozen:
+        out["frozen"] = {}
+        stored = set(meta["stored_frozen"])
+        for n, q in v.frozen.items():
+            if n not in stored:
+                continue
+            local, fs, numel = frozen_local(v, n, q)
+            out["frozen"][n] = (local if v.kind != "zero3" or not hasattr(q, "ds_tensor")
+                                else sharded(local, fs, numel, _dtype(q), v.rank))
+    if buffers:
+        out["buffers"] = {n: b for n, b in v.buffers.items() if n in meta["buffers"]}
+    return out
+
+
+def _prepare_state(v: View, meta: dict) -> None:
+    """Give the optimizer the state the checkpoint has: zero tensors of each saved
+    state key per flat (or parameter at stage 0) and the saved step per group; none
+    where the checkpoint has none (saved before the first step)."""
+    import torch as _t
+
+    st = v.optimizer.state
+    keys, steps = meta["state_keys"], meta["steps"]
+    holders = ([(v.params[n].param, g) for g, names in enumerate(v.groups) for n in names]
+               if v.kind == "plain" else [(f.tensor, f.group) for f in v.flats])
+    for t, g in holders:
+        step = steps[g] if g < len(steps) else None
+        if step is None or not keys:
+            st.pop(t, None)
+            continue
+        old = st.get(t, {})
+        s = {}
+        for k in keys:
+            s[k] = old[k].zero_() if isinstance(old.get(k), _t.Tensor) else _t.zeros_like(t)
+        prev = old.get("step")
+        if isinstance(prev, _t.Tensor):
+            s["step"] = _t.tensor(float(step), dtype=prev.dtype, device=prev.device)
+        else:  # as torch's Adam creates it: a 0-d tensor of its scalar dtype
+            hp = v.optimizer.param_groups[g]
+            s["step"] = _t.tensor(float(step), dtype=(
+                _t.float64 if _t.get_default_dtype() == _t.float64 else _t.float32),
+                device=t.device if hp.get("capturable") or hp.get("fused") else "cpu")
+        st[t] = s
