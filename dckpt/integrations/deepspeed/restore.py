@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from ...errors import CheckpointError
+from ...errors import StateMismatchError
 from ...protocol.restore import load as dckpt_load
 from ..common import codec, rng
-from .tree import read_meta, target
+from .tree import _numel, read_meta, target
 from .view import View
 
 log = logging.getLogger(__name__)
@@ -40,12 +40,12 @@ def _check_names(v: View, meta: dict, strict: bool) -> None:
     frozen_now_trained = sorted(n for n in v.params if n not in meta["params"]
                                 and n in meta["frozen"])
     if frozen_now_trained:
-        raise CheckpointError(
+        raise StateMismatchError(
             f"parameter(s) {frozen_now_trained[:8]} were frozen when saved and are trained "
             "here: the checkpoint has no fp32 master or optimizer state for them")
     if not strict:
         return
-    lacking = sorted(n for n in v.frozen if v.frozen[n].numel()
+    lacking = sorted(n for n in v.frozen if _numel(v.frozen[n])
                      and n not in set(meta["stored_frozen"]))
     lacking_buf = sorted(n for n in v.buffers if n not in set(meta["buffers"]))
     problems = []
@@ -57,7 +57,7 @@ def _check_names(v: View, meta: dict, strict: bool) -> None:
     if lacking_buf:
         problems.append(f"buffer(s) {lacking_buf[:8]} not saved")
     if problems:
-        raise CheckpointError("the checkpoint does not match the engine's module: "
+        raise StateMismatchError("the checkpoint does not match the engine's module: "
                               + "; ".join(problems))
 
 
@@ -95,7 +95,10 @@ def load_tag(v: View, path: str, what: What, storage_options: dict | None = None
     if v.kind == "zero3" and prologue is not None:
         prologue()
     # not strict: _check_names decides which saved names the engine must have
-    dckpt_load(state, path, storage_options=storage_options, extra=extra, strict=False)
+    # cast: a stage or precision change stores buffers and frozen weights in another
+    # floating dtype (ZeRO-3 casts them with the model, ZeRO-1/2 do not)
+    dckpt_load(state, path, storage_options=storage_options, extra=extra, strict=False,
+               cast=True)
     meta = box["meta"]
     optim = what.optimizer and not what.module_only
     if optim and "hyper" in state:

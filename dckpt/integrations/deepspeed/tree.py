@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ...errors import CheckpointError, UnsupportedValueError
+from ...errors import CheckpointError, StateMismatchError
 from ..common import codec, rng
 from .fragments import sharded
 from .layout import Fragment, mine, split
@@ -124,7 +124,7 @@ def build(v: View, *, client_state: dict, exclude_frozen: bool, tag: str) -> dic
             if not s or k not in s:  # a stage-0 parameter that never had a gradient
                 continue
             tree["optim"][k][n] = _ranged(v, p, s[k])
-    frozen_names = [] if exclude_frozen else [n for n, q in v.frozen.items() if q.numel()]
+    frozen_names = [] if exclude_frozen else [n for n, q in v.frozen.items() if _numel(q)]
     tree["frozen"] = {}
     for n in frozen_names:
         local, fs, numel = frozen_local(v, n, v.frozen[n])
@@ -156,6 +156,11 @@ def build(v: View, *, client_state: dict, exclude_frozen: bool, tag: str) -> dic
     tree["deepspeed"] = {"meta": json.dumps(meta, sort_keys=True)}
     tree["rng"] = rng.entry(torch.distributed.get_rank())
     return tree
+
+
+def _numel(p: Any) -> int:
+    """A parameter's true size (ZeRO-3 partitions leave ``p.numel()`` 0)."""
+    return int(p.ds_numel) if hasattr(p, "ds_numel") else p.numel()
 
 
 def _shape(p: Any) -> tuple[int, ...]:
@@ -195,7 +200,7 @@ def target(v: View, meta: dict, *, masters: bool, optim: bool, frozen: bool,
     missing = [n for n in v.params if n not in saved]
     shaped = [n for n, p in v.params.items() if n in saved and math.prod(saved[n]) != p.numel]
     if missing or shaped:
-        raise CheckpointError(
+        raise StateMismatchError(
             (f"the checkpoint lacks trainable parameter(s) {missing[:8]}" if missing else "")
             + ("; " if missing and shaped else "")
             + (f"parameter(s) {[(n, saved[n], list(v.params[n].shape)) for n in shaped[:8]]}"
