@@ -6,7 +6,8 @@ tiers' staging, where upload fires after the first block of a file is sent and i
 is -1: use ``*``; history half-way through a line of the save history, rank 0; replicate on a rank
 receiving a replica, after each of its data files, before the part is held; place
 before a framework adapter renames a committed checkpoint into its name, rank 0; rotate
-before an adapter removes the checkpoints its retention drops, rank 0).
+before an adapter removes the checkpoints its retention drops, rank 0; latest before
+the DeepSpeed adapter writes ``latest`` for a placed tag, rank 0).
 ``action`` is ``raise``
 (an OSError), ``kill`` (SIGKILL of the process) or ``sleep=SECONDS``. ``rank`` may be
 ``*``. Unset in normal use; the check is one environment lookup.
@@ -18,7 +19,7 @@ import signal
 import time
 
 POINTS = ("plan", "write", "vote", "commit", "committed", "load", "stage", "upload", "history",
-          "replicate", "place", "rotate")
+          "replicate", "place", "rotate", "latest")
 
 
 def fault(point: str, rank: int) -> None:

@@ -15,6 +15,7 @@ import re
 import uuid
 from typing import Any
 
+from ... import _faults
 from ...errors import CheckpointError
 from ...protocol.collectives import Comm, agree
 from ..common import place, resolve
@@ -148,10 +149,12 @@ class Checkpointer:
     def _after(self, save_dir: str, final: str, tag: str, save_latest: bool) -> None:
         """Rank 0, once the tag is committed and placed: ``latest``, then rotation."""
         if save_latest:
+            _faults.fault("latest", 0)  # crash tests: placed, ``latest`` not yet written
             _write_latest(save_dir, tag, self.storage_options)
         if self.keep_last is not None:
             got = resolve.committed_in(save_dir, ANY, self.storage_options)
             for old in to_remove(got, self.keep_last, final):
+                _faults.fault("rotate", 0)
                 log.info("keep_last=%d: removing %s", self.keep_last, old)
                 place.remove_whole(old, self.storage_options)
 

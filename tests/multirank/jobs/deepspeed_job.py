@@ -153,6 +153,12 @@ def load(root: str, spec: str, r: int, stock: bool) -> None:
     try:
         if stock:
             path, cs = eng.dckpt.stock_load(os.path.join(d, "stock"))
+            if hasattr(eng.optimizer, "_lazy_init_hp_params_optimizer_state"):
+                # DeepSpeed's own load relinks the parameters to their fp32 fragments but
+                # leaves the optimizer-state links dropped until the next step(): relink
+                # them so safe_get_full_optimizer_state works (a stock quirk, not ours)
+                eng.optimizer._hp_optimizer_states_linked = False
+                eng.optimizer._lazy_init_hp_params_optimizer_state()
         else:
             path, cs = eng.load_checkpoint(os.path.join(d, "dckpt"))
     except Exception as e:  # noqa: BLE001 - printed for the test
@@ -183,6 +189,41 @@ def load(root: str, spec: str, r: int, stock: bool) -> None:
         f"losses_equal={same} {losses} {ref['losses']}")
 
 
+def crash(root: str, spec: str, r: int) -> None:
+    """``FAULT[@async]``: save global_step3, then global_step5 with DCKPT_FAULT=FAULT
+    armed (the process dies there, or the save fails); the full state at each save is
+    recorded first (ROOT/ref<step>.pt)."""
+    fault, _, how = spec.partition("@")
+    eng, c = engine("z2-fp32")
+    eng.dckpt.committer.async_save = how == "async"
+    xs = batches(c)
+    for i in range(5):
+        step(eng, xs[i])
+        if eng.global_steps in (3, 5):
+            ref = {"full": full(eng, 2), "rand": None}
+            if r == 0:
+                torch.save(ref, os.path.join(root, f"ref{eng.global_steps}.pt"))
+            torch.distributed.barrier()
+            if eng.global_steps == 5:
+                os.environ["DCKPT_FAULT"] = fault
+            eng.save_checkpoint(os.path.join(root, "ck"), client_state={"at": eng.global_steps})
+    eng.dckpt.wait()
+    say(f"CASE {spec} rank {r} OK survived")
+
+
+def resume(root: str, _: str, r: int) -> None:
+    """load_checkpoint(tag=None): which tag, and whether the state is that tag's."""
+    eng, c = engine("z2-fp32")
+    path, cs = eng.load_checkpoint(os.path.join(root, "ck"))
+    at = cs["at"]
+    ref = torch.load(os.path.join(root, f"ref{at}.pt"), weights_only=False)
+    got = full(eng, 2)
+    bad = [n for n in ref["full"] for i in range(3) if not torch.equal(ref["full"][n][i], got[n][i])]
+    latest = open(os.path.join(root, "ck", "latest")).read()
+    say(f"CASE resume rank {r} {'FAIL ' + str(bad) if bad else 'OK'} at={at} "
+        f"path={os.path.basename(path)} latest={latest}")
+
+
 def main() -> None:
     mode, root, cases = sys.argv[1], sys.argv[2], sys.argv[3:]
     deepspeed.init_distributed(dist_backend="gloo")
@@ -191,12 +232,19 @@ def main() -> None:
         try:
             if mode == "save":
                 save(root, case, r)
+            elif mode == "crash":
+                crash(root, case, r)
+            elif mode == "resume":
+                resume(root, case, r)
             else:
                 load(root, case, r, stock=(mode == "stock"))
         except Exception as e:  # noqa: BLE001
             import traceback
             say(f"CASE {case} rank {r} ERROR {type(e).__name__}: {str(e)[:400]} "
                 + traceback.format_exc()[-1500:].replace("\n", " | "))
+            # the ranks' collectives no longer pair up: end now, the others fail fast
+            sys.stdout.flush()
+            os._exit(1)
     sys.stdout.flush()
     sys.stderr.flush()
     # no interpreter teardown: gloo's threads racing it abort the process now and then
