@@ -68,6 +68,9 @@ class _Out:
     entry: mf.TensorEntry
     name: str
     dtype: torch.dtype
+    # the output shape when it differs from the stored one (same elements, row-major:
+    # a DeepSpeed master stored 1-D); None: the entry's
+    shape: tuple[int, ...] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -142,6 +145,20 @@ def _select(m: mf.Manifest, prefix: str, out_dtype: torch.dtype | None,
     """The tensors to export, in the checkpoint's order, with their output names and
     dtypes. Pure. Raises CheckpointError when none matches or a name would be empty."""
     outs = []
+    if not prefix:  # a DeepSpeed tag: its weights under their module names
+        from ..integrations.deepspeed.names import weights
+
+        try:
+            named = weights(m.values, m.tensors)
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint {ckpt}: its DeepSpeed record: {e}") from None
+        if named:
+            for key, name, shape in named:
+                e = m.tensors[key]
+                src = to_torch(e.dtype)
+                dt = out_dtype if out_dtype is not None and src in CONVERTIBLE else src
+                outs.append(_Out(e, name, dt, shape))
+            return outs
     for key, e in m.tensors.items():
         if not key.startswith(prefix) or e.bytes_value:  # a bytes value is no weight
             continue
@@ -234,7 +251,8 @@ def _header(group: list[_Out], meta: dict[str, str] | None = None) -> tuple[byte
     spaces so the data starts 8-aligned) and the file order of ``group``: larger items
     first, so every tensor starts at a multiple of its item size. ``meta``: more
     ``__metadata__`` entries (strings). Pure."""
-    entries = [(o.name, to_code(o.dtype, o.name), o.entry.shape, o.nbytes) for o in group]
+    entries = [(o.name, to_code(o.dtype, o.name), o.entry.shape if o.shape is None else o.shape,
+                o.nbytes) for o in group]
     order = shards.order_entries(entries)
     # plain: no dckpt checksums
     raw = shards.header_json([entries[i] for i in order], meta=meta)

@@ -115,6 +115,8 @@ SCENARIOS = {
     "module_only": "load_module_only / load_optimizer_states=False as DeepSpeed's",
     "stock_tag": "a stock DeepSpeed tag at its own size loads through DeepSpeed's method",
     "none_saved": "nothing saved: (None, None) as stock",
+    "export_llama": "a ZeRO-3 tiny Llama's tag exported by dckpt.export loads with "
+                    "from_pretrained, every weight equal, tied weights tied",
 }
 
 

@@ -196,7 +196,45 @@ def none_saved(root, r):
     return None if got == (None, None) else f"returned {got}"
 
 
-SCENARIOS = {f.__name__: f for f in (async_values, keep_last, damaged, other_model, excluded,
+def export_llama(root, r):
+    """A tiny Llama (tied embeddings) trained under ZeRO-3 at 2 ranks, saved by dckpt,
+    exported by ``dckpt.export`` (no gather, one process): transformers'
+    ``from_pretrained`` of the folder has every weight equal to the full fp32 masters."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import dckpt
+
+    cfg = dj.config(dj.parse("z3-fp32"))
+    conf = LlamaConfig(vocab_size=61, hidden_size=16, intermediate_size=37, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        model = LlamaForCausalLM(conf)
+    eng, *_ = dds.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    ids = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(3))
+    for _ in range(2):
+        loss = eng(input_ids=ids, labels=ids).loss
+        eng.backward(loss)
+        eng.step()
+    eng.save_checkpoint(root, tag="t")
+    ref = {n: safe_get_full_fp32_param(p).clone() for n, p in eng.module.named_parameters()}
+    if r == 0:
+        out = os.path.join(root, "hf")
+        info = dckpt.export(os.path.join(root, "t"), out)
+        conf.save_pretrained(out)
+        got = LlamaForCausalLM.from_pretrained(out).state_dict()
+        bad = [n for n in ref if not torch.equal(ref[n], got[n])]
+        if "lm_head.weight" in got and got["lm_head.weight"].data_ptr() != \
+                got["model.embed_tokens.weight"].data_ptr():
+            bad.append("lm_head not tied")
+        if bad or info.tensors != len(ref):
+            return f"differ {bad}, {info.tensors} tensors for {len(ref)}"
+    return None
+
+
+SCENARIOS = {f.__name__: f for f in (export_llama, async_values, keep_last, damaged, other_model, excluded,
                                      client_value, refusals, round_robin, module_only,
                                      stock_tag, none_saved)}
 
