@@ -20,7 +20,6 @@ import torch
 from ...errors import CheckpointError, StateMismatchError
 from ..common import codec, rng
 from .fragments import sharded
-from .layout import Fragment, mine, split
 from .view import Param, View, frozen_local, local_range
 
 FORMAT = 1
