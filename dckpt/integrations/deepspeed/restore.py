@@ -29,7 +29,7 @@ class What:
     strict: bool = True
 
 
-def _check_names(v: View, meta: dict, strict: bool) -> None:
+def _check_names(v: View, meta: dict, strict: bool, optim: bool) -> None:
     """Parameters and buffers saved vs here: a trainable one missing is always an
     error (its master and optimizer state cannot be made up); with ``strict`` anything
     saved that the engine lacks, or a frozen parameter / buffer it has that was not
@@ -43,6 +43,17 @@ def _check_names(v: View, meta: dict, strict: bool) -> None:
         raise StateMismatchError(
             f"parameter(s) {frozen_now_trained[:8]} were frozen when saved and are trained "
             "here: the checkpoint has no fp32 master or optimizer state for them")
+    if optim:
+        saved_group = {n: g for g, names in enumerate(meta["groups"]) for n in names}
+        moved = sorted(n for g, names in enumerate(v.groups) for n in names
+                       if n in saved_group and saved_group[n] != g)
+        if len(meta["groups"]) != len(v.groups) or moved:
+            raise StateMismatchError(
+                f"the optimizer has {len(v.groups)} param group(s), the checkpoint "
+                f"{len(meta['groups'])}" + (f"; parameter(s) {moved[:8]} are in another "
+                                            "group here" if moved else "")
+                + ": build the optimizer's groups as when saved (or load with "
+                "load_optimizer_states=False)")
     if not strict:
         return
     lacking = sorted(n for n in v.frozen if _numel(v.frozen[n])
@@ -61,8 +72,11 @@ def _check_names(v: View, meta: dict, strict: bool) -> None:
                               + "; ".join(problems))
 
 
-def load_tag(v: View, path: str, what: What, storage_options: dict | None = None) -> dict:
-    """Restore the tag at ``path`` into ``v``'s engine; returns the saved
+def load_tag(v: View, path: str, what: What, storage_options: dict | None = None,
+             root: str = "") -> dict:
+    """Restore the tag at ``path`` into ``v``'s engine (``root``: the tree key the tag
+    is nested under in a framework's checkpoint, whose RNG is the framework's; "" for a
+    tag of its own); returns the saved
     ``client_state`` (the user's keys, plus ``global_samples`` and ``ds_version`` as
     stock returns them). Collective (dckpt's load, DeepSpeed's all-gather of the
     refreshed weights); blocking I/O: this rank's ranges. Raises CheckpointError on
@@ -73,23 +87,25 @@ def load_tag(v: View, path: str, what: What, storage_options: dict | None = None
     state: dict[str, Any] = {}
     box: dict[str, Any] = {}
 
+    head = root + "." if root else ""
+
     def extra(m: Any) -> dict:
-        meta = read_meta(m)
+        meta = read_meta(m, head)
         box["meta"] = meta
-        _check_names(v, meta, what.strict)
         optim = what.optimizer and not what.module_only
+        _check_names(v, meta, what.strict, optim)
         out = target(v, meta, masters=True, optim=optim, frozen=True, buffers=True)
         out["deepspeed"] = {"meta": ""}
-        if optim and _has(m, "hyper"):
-            out["hyper"] = codec.target(m, "hyper")
-        if what.scheduler and not what.module_only and _has(m, "scheduler"):
-            out["scheduler"] = codec.target(m, "scheduler")
-        out["client"] = codec.target(m, "client")
-        if not what.module_only:
+        if optim and _has(m, head + "hyper"):
+            out["hyper"] = codec.target(m, head + "hyper")
+        if what.scheduler and not what.module_only and _has(m, head + "scheduler"):
+            out["scheduler"] = codec.target(m, head + "scheduler")
+        out["client"] = codec.target(m, head + "client")
+        if not what.module_only and not root:
             sd, box["rng"] = rng.target(m, torch.distributed.get_rank())
             if sd:
                 out["rng"] = sd
-        return out
+        return {root: out} if root else out
 
     prologue = getattr(opt_w, "checkpoint_event_prologue", None)
     if v.kind == "zero3" and prologue is not None:
@@ -99,6 +115,8 @@ def load_tag(v: View, path: str, what: What, storage_options: dict | None = None
     # floating dtype (ZeRO-3 casts them with the model, ZeRO-1/2 do not)
     dckpt_load(state, path, storage_options=storage_options, extra=extra, strict=False,
                cast=True)
+    if root:
+        state = state[root]
     meta = box["meta"]
     optim = what.optimizer and not what.module_only
     if optim and "hyper" in state:

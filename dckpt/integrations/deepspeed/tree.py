@@ -99,7 +99,8 @@ def _states(v: View) -> tuple[list[str], list[Any]]:
     return keys, steps
 
 
-def build(v: View, *, client_state: dict, exclude_frozen: bool, tag: str) -> dict[str, Any]:
+def build(v: View, *, client_state: dict, exclude_frozen: bool, tag: str,
+          with_rng: bool = True) -> dict[str, Any]:
     """The tree of one save of ``v``'s engine (views of the live buffers: copy before
     the next step, as dckpt's save or async snapshot does). Raises CheckpointError
     (UnsupportedValueError naming the key) for a ``client_state`` value dckpt cannot
@@ -153,7 +154,8 @@ def build(v: View, *, client_state: dict, exclude_frozen: bool, tag: str) -> dic
         "buffers": sorted(v.buffers),
     }
     tree["deepspeed"] = {"meta": json.dumps(meta, sort_keys=True)}
-    tree["rng"] = rng.entry(torch.distributed.get_rank())
+    if with_rng:  # a framework that nests the tag saves the RNG itself
+        tree["rng"] = rng.entry(torch.distributed.get_rank())
     return tree
 
 
@@ -170,10 +172,12 @@ def _dtype(p: Any) -> torch.dtype:
     return p.ds_tensor.dtype if hasattr(p, "ds_tensor") else p.dtype
 
 
-def read_meta(manifest: Any) -> dict:
-    """The ``deepspeed.meta`` record of a checkpoint's manifest. Raises CheckpointError
-    when the checkpoint is not a dckpt DeepSpeed tag (or a newer format)."""
-    raw = manifest.values.get(META)
+def read_meta(manifest: Any, head: str = "") -> dict:
+    """The ``deepspeed.meta`` record of a checkpoint's manifest (``head``: the prefix of
+    a tag nested in a framework's checkpoint). Raises CheckpointError when the
+    checkpoint is not a DeepSpeed tag saved by dckpt (or a newer format), ManifestError
+    when the record is malformed."""
+    raw = manifest.values.get(head + META)
     if not isinstance(raw, str):
         raise CheckpointError("this checkpoint is not a DeepSpeed tag saved by dckpt (it has "
                               f"no {META} record)")
@@ -185,7 +189,48 @@ def read_meta(manifest: Any) -> dict:
         raise CheckpointError(f"its {META} record has format {meta.get('format')!r} "
                               f"(this dckpt reads {FORMAT})" if isinstance(meta, dict) else
                               f"its {META} record is not an object")
+    _check_meta(meta)
     return meta
+
+
+def _ints(x: Any) -> bool:
+    return isinstance(x, list) and all(type(i) is int and i >= 0 for i in x)
+
+
+def _strs(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(i, str) for i in x)
+
+
+# each field of the record and the check its value must pass (an untrusted manifest:
+# a wrong type is a clear error here, never a KeyError or TypeError in the load)
+_FIELDS = {
+    "global_steps": lambda x: type(x) is int, "global_samples": lambda x: type(x) is int,
+    "skipped_steps": lambda x: type(x) is int, "dp_world_size": lambda x: type(x) is int,
+    "ds_version": lambda x: isinstance(x, str),
+    "params": lambda x: isinstance(x, dict) and all(_ints(v) for v in x.values()),
+    "frozen": lambda x: isinstance(x, dict) and all(
+        isinstance(v, list) and len(v) == 2 and _ints(v[0]) and isinstance(v[1], str)
+        for v in x.values()),
+    "stored_frozen": _strs, "buffers": _strs, "state_keys": _strs,
+    "groups": lambda x: isinstance(x, list) and all(_strs(g) for g in x),
+    "steps": lambda x: isinstance(x, list) and all(
+        v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in x),
+    "aliases": lambda x: isinstance(x, dict) and all(isinstance(v, str) for v in x.values()),
+    "loss_scaler": lambda x: isinstance(x, dict),
+}
+
+
+def _check_meta(meta: dict) -> None:
+    """Raise ManifestError naming the first field of ``meta`` that is missing or of the
+    wrong type, or steps that do not match the groups."""
+    from ...errors import ManifestError
+
+    for k, ok in _FIELDS.items():
+        if k not in meta or not ok(meta[k]):
+            raise ManifestError(f"its {META} record's {k!r} is missing or malformed")
+    if len(meta["steps"]) != len(meta["groups"]):
+        raise ManifestError(f"its {META} record has {len(meta['steps'])} step counts for "
+                            f"{len(meta['groups'])} param groups")
 
 
 def target(v: View, meta: dict, *, masters: bool, optim: bool, frozen: bool,

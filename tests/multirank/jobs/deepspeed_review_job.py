@@ -1,0 +1,385 @@
+"""Adversarial scenarios for dckpt's DeepSpeed adapter (2 gloo CPU ranks unless the
+test says otherwise): ``python -m torch.distributed.run ... deepspeed_review_job.py
+ROOT SCENARIO...``. Prints ``CASE <scenario> rank <r> OK|FAIL <why>`` per scenario.
+Engines come from jobs/deepspeed_job.py (which patches DeepSpeed's shm op build)."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+import deepspeed_job as dj  # noqa: E402
+import torch  # noqa: E402
+
+import deepspeed  # noqa: E402
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
+
+import dckpt  # noqa: E402
+from dckpt.errors import CheckpointError  # noqa: E402
+from dckpt.integrations import deepspeed as dds  # noqa: E402
+
+say = dj.say
+
+
+def _build(model_fn, cfg: dict, groups_fn=None, optimizer_fn=None):
+    """An attached engine of ``model_fn()`` under ``cfg`` (ZeRO-3: built under
+    zero.Init); ``groups_fn(model)`` the param groups (default: the trainable
+    parameters), ``optimizer_fn(params)`` a client optimizer (default: cfg's)."""
+    torch.manual_seed(0)
+    if cfg["zero_optimization"]["stage"] == 3:
+        with deepspeed.zero.Init(config_dict_or_path=cfg):
+            m = model_fn()
+    else:
+        m = model_fn()
+    params = groups_fn(m) if groups_fn else [p for p in m.parameters() if p.requires_grad]
+    kw = {}
+    if optimizer_fn is not None:
+        kw["optimizer"] = optimizer_fn(params)
+    eng, *_ = dds.initialize(model=m, model_parameters=params, config=cfg, **kw)
+    return eng
+
+
+def _cfg(stage: int, **zero) -> dict:
+    cfg = dj.config(dj.parse(f"z{stage}-fp32"))
+    cfg["zero_optimization"].update(zero)
+    return cfg
+
+
+def _train(eng, n: int, dt=torch.float32, start: int = 0) -> list:
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(2, 5, generator=g).to(dt) for _ in range(start + n)]
+    return [dj.step(eng, x) for x in xs[start:]]
+
+
+def _full(eng) -> dict:
+    """name -> [master] + every optimizer state (full; collective)."""
+    out = {}
+    stage = eng.zero_optimization_stage()
+    for n, p in eng.module.named_parameters():
+        if not p.requires_grad:
+            continue
+        if stage == 0:
+            st = eng.optimizer.state.get(p, {})
+            out[n] = [p.detach().float().clone()] + [
+                st[k].clone() for k in sorted(st) if k != "step" and st[k] is not None]
+        else:
+            out[n] = [safe_get_full_fp32_param(p).clone()]
+    return out
+
+
+def _same(a: dict, b: dict) -> list[str]:
+    return [n for n in a for i in range(len(a[n]))
+            if n not in b or i >= len(b[n]) or not torch.equal(a[n][i], b[n][i])]
+
+
+def _raised(fn) -> BaseException | None:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        return e
+    return None
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank()
+
+
+# -- scenarios: each returns None (as it should be) or why not -------------------------
+
+def sgd_momentum(root, r):
+    """A client torch SGD with momentum (no ``step`` in its state) at ZeRO-2 and stage 0:
+    saved after 2 steps, loaded by a fresh engine: momentum buffers restored exactly."""
+    problems = []
+    for stage in (2, 0):
+        cfg = _cfg(stage)
+        cfg.pop("optimizer")
+        cfg["zero_allow_untested_optimizer"] = True
+        mk = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)  # noqa: E731
+        eng = _build(lambda: dj.Net(False, False), cfg, optimizer_fn=mk)
+        _train(eng, 2)
+        d = os.path.join(root, f"z{stage}")
+        eng.save_checkpoint(d, tag="t")
+        inner = eng.optimizer if stage == 0 else eng.optimizer.optimizer
+        want = {i: {k: v.clone() for k, v in s.items() if isinstance(v, torch.Tensor)}
+                for i, s in enumerate(inner.state.values())}
+        fresh = _build(lambda: dj.Net(False, False), cfg, optimizer_fn=mk)
+        e = _raised(lambda: fresh.load_checkpoint(d, tag="t"))
+        if e is not None:
+            problems.append(f"stage {stage}: load raised {type(e).__name__}: {str(e)[:200]}")
+            continue
+        inner = fresh.optimizer if stage == 0 else fresh.optimizer.optimizer
+        got = {i: {k: v for k, v in s.items() if isinstance(v, torch.Tensor)}
+               for i, s in enumerate(inner.state.values())}
+        if len(got) != len(want) or any(
+                set(got[i]) != set(want[i]) or any(not torch.equal(got[i][k], want[i][k])
+                                                   for k in want[i]) for i in want):
+            problems.append(f"stage {stage}: momentum state not restored "
+                            f"({[sorted(s) for s in got.values()]})")
+    return "; ".join(problems) or None
+
+
+class Unused(torch.nn.Module):
+    """A parameter that never gets a gradient (an unused head, a pooler)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(5, 5)
+        self.unused = torch.nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.a(x)
+
+
+def unused_param_stage0(root, r):
+    """Stage 0 fp32 with a parameter that never gets a gradient: a save after 2 steps
+    must load back (into a fresh engine)."""
+    cfg = _cfg(0)
+    eng = _build(Unused, cfg)
+    _train(eng, 2)
+    eng.save_checkpoint(root, tag="t")
+    ref = _full(eng)
+    fresh = _build(Unused, cfg)
+    e = _raised(lambda: fresh.load_checkpoint(root, tag="t"))
+    if e is not None:
+        return f"the load raised {type(e).__name__}: {str(e)[:300]}"
+    bad = _same(ref, _full(fresh))
+    return f"differ {bad}" if bad else None
+
+
+class Sometimes(torch.nn.Module):
+    """A branch used on every other step only (its parameter's Adam step lags)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(5, 5)
+        self.extra = torch.nn.Linear(5, 5)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.a(x)
+        return self.extra(h) if self.calls % 2 else h
+
+
+def sometimes_param_stage0(root, r):
+    """Stage 0 fp32, a parameter that gets a gradient on every other step only (torch
+    Adam keeps a lower step for it): the save must succeed and load back exactly."""
+    cfg = _cfg(0)
+    eng = _build(Sometimes, cfg)
+    _train(eng, 3)
+    ref = _full(eng)
+    e = _raised(lambda: eng.save_checkpoint(root, tag="t"))
+    if e is not None:
+        return f"the save raised {type(e).__name__}: {str(e)[:300]}"
+    fresh = _build(Sometimes, cfg)
+    e = _raised(lambda: fresh.load_checkpoint(root, tag="t"))
+    if e is not None:
+        return f"the load raised {type(e).__name__}: {str(e)[:300]}"
+    bad = _same(ref, _full(fresh))
+    steps = sorted(float(s["step"]) for s in fresh.optimizer.state.values())
+    want = sorted(float(s["step"]) for s in eng.optimizer.state.values())
+    return (f"differ {bad}" if bad else None) or (f"steps {steps} != {want}" if steps != want
+                                                  else None)
+
+
+def _two_groups(m):
+    decay = [p for n, p in m.named_parameters() if p.requires_grad and n.endswith("weight")]
+    no = [p for n, p in m.named_parameters() if p.requires_grad and not n.endswith("weight")]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no, "weight_decay": 0.0}]
+
+
+def regrouped(root, r):
+    """Saved with one param group (weight_decay 0.01), loaded into an engine whose
+    parameters are in two groups (weights decay 0.1, biases 0.0: another grouping):
+    a clear CheckpointError naming the grouping, not a raw error or silently mixed
+    hyper-parameters."""
+    cfg = _cfg(2)
+    eng = _build(lambda: dj.Net(False, False), cfg)
+    _train(eng, 2)
+    eng.save_checkpoint(root, tag="one")
+    two = _build(lambda: dj.Net(False, False), cfg, groups_fn=_two_groups)
+    e = _raised(lambda: two.load_checkpoint(root, tag="one"))
+    if e is None:
+        wds = [g["weight_decay"] for g in two.optimizer.optimizer.param_groups]
+        return f"loaded silently; the groups' weight_decay is now {wds} (was [0.1, 0.0])"
+    if not isinstance(e, CheckpointError):
+        return f"raw {type(e).__name__}: {str(e)[:200]}"
+    return None
+
+
+def two_groups_resize_save(root, r):
+    """Two param groups (weight decay 0.1 and 0.0, the second lr-scaled): saved at
+    2 ranks for the 3-rank load below."""
+    cfg = _cfg(2)
+    eng = _build(lambda: dj.Net(False, False), cfg, groups_fn=_two_groups)
+    _train(eng, 3)
+    eng.save_checkpoint(root, tag="g")
+    hyper = [{k: v for k, v in g.items() if k != "params"}
+             for g in eng.optimizer.optimizer.param_groups]
+    if r == 0:
+        torch.save({"full": _full(eng), "hyper": hyper}, os.path.join(root, "ref.pt"))
+    return None
+
+
+def two_groups_resize_load(root, r):
+    """The two-group tag loaded at another size into ZeRO-3 and ZeRO-1: every master,
+    each group's hyper-parameters and its step as saved."""
+    ref = torch.load(os.path.join(root, "..", "two_groups_resize_save", "ref.pt"),
+                     weights_only=False)
+    problems = []
+    for stage in (3, 1):
+        eng = _build(lambda: dj.Net(False, False), _cfg(stage), groups_fn=_two_groups)
+        eng.load_checkpoint(os.path.join(root, "..", "two_groups_resize_save"), tag="g")
+        bad = _same(ref["full"], _full(eng))
+        hyper = [{k: v for k, v in g.items() if k != "params"}
+                 for g in eng.optimizer.optimizer.param_groups]
+        if bad:
+            problems.append(f"z{stage} differ {bad}")
+        if hyper != ref["hyper"]:
+            problems.append(f"z{stage} hyper {hyper} != {ref['hyper']}")
+        steps = sorted({float(s["step"]) for s in eng.optimizer.optimizer.state.values()})
+        if steps != [3.0]:
+            problems.append(f"z{stage} steps {steps}")
+    return "; ".join(problems) or None
+
+
+class Freezable(torch.nn.Module):
+    def __init__(self, freeze: bool) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(5, 7)
+        self.b = torch.nn.Linear(7, 3)
+        if freeze:
+            self.b.requires_grad_(False)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def trained_then_frozen(root, r):
+    """Saved with every parameter trained; loaded into the same model with layer b
+    frozen (fine-tuning after pre-training; stock's module state dict loads it): b's
+    weights are the saved masters, the load does not refuse them as "not saved"."""
+    problems = []
+    for stage in (2, 3):
+        d = os.path.join(root, f"z{stage}")
+        eng = _build(lambda: Freezable(False), _cfg(stage))
+        _train(eng, 2)
+        eng.save_checkpoint(d, tag="t")
+        ref = _full(eng)
+        frozen = _build(lambda: Freezable(True), _cfg(stage))
+        e = _raised(lambda: frozen.load_checkpoint(d, tag="t"))
+        if e is not None:
+            problems.append(f"z{stage} strict load raised {type(e).__name__}: {str(e)[:160]}")
+            frozen = _build(lambda: Freezable(True), _cfg(stage))
+            frozen.load_checkpoint(d, tag="t", load_module_strict=False)
+        for n in ("b.weight", "b.bias"):
+            p = dict(frozen.module.named_parameters())[n]
+            if stage == 3:
+                with deepspeed.zero.GatheredParameters([p]):
+                    got = p.detach().clone()
+            else:
+                got = p.detach().clone()
+            if not torch.equal(got.float(), ref[n][0].view_as(got)):
+                problems.append(f"z{stage} {n} not the saved value")
+    return "; ".join(problems) or None
+
+
+class Shaped(torch.nn.Module):
+    def __init__(self, rows: int, cols: int) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(rows, cols))
+        self.k = torch.nn.Parameter(torch.randn(6, 4), requires_grad=False)
+        if (rows, cols) != (6, 4):
+            self.k = torch.nn.Parameter(torch.randn(4, 6), requires_grad=False)
+        self.rows, self.cols = rows, cols
+
+    def forward(self, x):
+        w = self.w if self.rows == 6 else self.w.t()
+        return (x.float() @ torch.ones(5, 6)) @ w @ (self.k if self.rows == 6 else self.k.t())
+
+
+def other_shapes(root, r):
+    """A model with the same names and numels but transposed shapes ([6, 4] saved, [4, 6]
+    here; a trainable and a frozen parameter): a StateMismatchError naming them (stock's
+    load_state_dict refuses a size mismatch), not a silent load of scrambled values."""
+    problems = []
+    for stage in (2, 0):
+        d = os.path.join(root, f"z{stage}")
+        eng = _build(lambda: Shaped(6, 4), _cfg(stage))
+        _train(eng, 1)
+        eng.save_checkpoint(d, tag="t")
+        other = _build(lambda: Shaped(4, 6), _cfg(stage))
+        e = _raised(lambda: other.load_checkpoint(d, tag="t"))
+        if e is None:
+            problems.append(f"z{stage}: loaded [6, 4] into [4, 6] silently")
+        elif not (isinstance(e, CheckpointError) and "w" in str(e)):
+            problems.append(f"z{stage}: {type(e).__name__}: {str(e)[:200]}")
+    return "; ".join(problems) or None
+
+
+class ZeroSize(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(5, 5)
+        self.empty = torch.nn.Parameter(torch.zeros(0, 5))
+
+    def forward(self, x):
+        return self.a(x) + self.empty.sum()
+
+
+def zero_size_param(root, r):
+    """A zero-size trainable parameter (an empty prefix embedding): saved at ZeRO-2 /
+    stage 0 / ZeRO-3, each tag loaded at every other stage, masters equal."""
+    problems = []
+    refs = {}
+    for stage in (2, 0, 3):
+        d = os.path.join(root, f"z{stage}")
+        eng = _build(ZeroSize, _cfg(stage))
+        _train(eng, 2)
+        e = _raised(lambda: eng.save_checkpoint(d, tag="t"))
+        if e is not None:
+            problems.append(f"z{stage} save raised {type(e).__name__}: {str(e)[:160]}")
+            continue
+        refs[stage] = {"a.weight": _full(eng)["a.weight"][:1]}
+    for src in refs:
+        for dst in (2, 0, 3):
+            if dst == src:
+                continue
+            eng = _build(ZeroSize, _cfg(dst))
+            e = _raised(lambda: eng.load_checkpoint(os.path.join(root, f"z{src}"), tag="t"))
+            if e is not None:
+                problems.append(f"z{src}->z{dst} raised {type(e).__name__}: {str(e)[:160]}")
+                continue
+            got = {"a.weight": _full(eng)["a.weight"][:1]}
+            if _same(refs[src], got):
+                problems.append(f"z{src}->z{dst} differ")
+    return "; ".join(problems) or None
+
+
+SCENARIOS = {f.__name__: f for f in (
+    sgd_momentum, unused_param_stage0, sometimes_param_stage0, regrouped,
+    two_groups_resize_save, two_groups_resize_load, trained_then_frozen, other_shapes,
+    zero_size_param)}
+
+
+def main() -> None:
+    root, names = sys.argv[1], sys.argv[2:]
+    deepspeed.init_distributed(dist_backend="gloo")
+    r = torch.distributed.get_rank()
+    for name in names:
+        d = os.path.join(root, name)
+        try:
+            why = SCENARIOS[name](d, r)
+        except Exception as e:  # noqa: BLE001
+            import traceback
+            why = (f"ERROR {type(e).__name__}: {str(e)[:400]} | "
+                   + traceback.format_exc()[-1200:].replace("\n", " | "))
+        say(f"CASE {name} rank {r} {'OK' if why is None else 'FAIL ' + why}")
+        torch.distributed.barrier()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
