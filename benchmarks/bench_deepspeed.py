@@ -295,7 +295,7 @@ def job_same() -> None:
                     assert path is not None and path.endswith(f"global_step{eng.global_steps}"), path
                 check(fresh, ref, f"ZeRO-{stage} {k} load (run {r})")
                 destroy(fresh)
-                del fresh
+                fresh = None
             dist.barrier()
             if rank == 0:
                 print(f"  run {r} ({'/'.join(kinds)}; load avg {one['load_avg']:.1f}): " + ", ".join(
@@ -314,7 +314,7 @@ def job_same() -> None:
         res["global_step"] = eng.global_steps
         out["stages"][str(stage)] = res
         destroy(eng)
-        del eng
+        eng = None
         dist.barrier()
     if rank == 0:
         with open(os.path.join(root, "same.json"), "w") as f:
@@ -352,7 +352,7 @@ def job_resize() -> None:
                     assert path is not None, "dckpt: nothing loaded"
                     check(eng, ref, f"ZeRO-{stage} dckpt 2->1 load (run {r})")
                     destroy(eng)
-                    del eng
+                    eng = None
                     continue
                 if args.no_ucp or res["ucp_error"]:
                     continue
@@ -382,7 +382,7 @@ def job_resize() -> None:
                     assert path is not None, "UCP: nothing loaded"
                     check(eng, ref, f"ZeRO-{stage} UCP 2->1 load (run {r})")
                     destroy(eng)
-                    del eng
+                    eng = None
                 except Exception as e:  # noqa: BLE001 - reported, not hidden
                     import traceback
 
@@ -438,6 +438,13 @@ def driver() -> None:
     base = tempfile.mkdtemp(prefix="bench-deepspeed-", dir=os.environ.get("BENCH_DIR"))
     print(f"load average at start: {os.getloadavg()[0]:.1f}; {os.cpu_count()} CPUs; "
           f"dir {base}", flush=True)
+    here = os.path.dirname(os.path.abspath(__file__))
+    git = lambda *a: subprocess.run(["git", *a], cwd=here, capture_output=True,  # noqa: E731
+                                    text=True).stdout.strip()
+    rev = {"commit": git("rev-parse", "HEAD"),
+           "dirty": git("status", "--short", "--", "../dckpt").splitlines()}
+    print(f"dckpt at {rev['commit'][:10]}" + (f" + uncommitted {rev['dirty']}" if rev["dirty"]
+                                             else ""), flush=True)
     t0 = time.perf_counter()
     launch(args.ranks, "same", base, os.path.join(base, "same.log"))
     t1 = time.perf_counter()
@@ -502,7 +509,8 @@ def driver() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "date": time.strftime("%Y-%m-%d"),
-                       "layers": layers(), "same": same, "resize": resize, "summary": summary,
+                       "layers": layers(), "git": rev,
+                       "load_avg_end": os.getloadavg()[0], "same": same, "resize": resize, "summary": summary,
                        "wall_s": {"same": t1 - t0, "resize": t2 - t1}}, f, indent=1)
     shutil.rmtree(base, ignore_errors=True)
 

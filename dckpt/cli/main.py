@@ -388,7 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("src", help="local DCP directory, .safetensors file or directory, or "
                                "torch.save file")
     s.add_argument("dst", help="the new checkpoint (path or fsspec URL)")
-    s.add_argument("--format", choices=["auto", "dcp", "safetensors", "torch"], default="auto")
+    s.add_argument("--format", choices=["auto", "dcp", "safetensors", "torch", "deepspeed"],
+                   default="auto", help="deepspeed: a stock DeepSpeed ZeRO tag folder "
+                   "(global_step<N>), imported as a dckpt DeepSpeed tag (auto detects it)")
     s.add_argument("--prefix", help="put every key under PREFIX (e.g. train.model. so that "
                                      "TrainingState under 'train' loads the weights)")
     s.add_argument("--alias", action="append", metavar="NEW=EXISTING",

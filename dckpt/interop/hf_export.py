@@ -145,11 +145,11 @@ def _select(m: mf.Manifest, prefix: str, out_dtype: torch.dtype | None,
     """The tensors to export, in the checkpoint's order, with their output names and
     dtypes. Pure. Raises CheckpointError when none matches or a name would be empty."""
     outs = []
-    if not prefix:  # a DeepSpeed tag: its weights under their module names
+    if (prefix + "deepspeed.meta") in m.values:  # a DeepSpeed tag: its module's names
         from ..integrations.deepspeed.names import weights
 
         try:
-            named = weights(m.values, m.tensors)
+            named = weights(m.values, m.tensors, prefix)
         except ValueError as e:
             raise CheckpointError(f"checkpoint {ckpt}: its DeepSpeed record: {e}") from None
         if named:

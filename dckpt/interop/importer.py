@@ -17,6 +17,7 @@ version 5); a smaller one is a ``{"$bytes"}`` value in the manifest.
 from __future__ import annotations
 
 import math
+import os
 import time
 import uuid
 from typing import Any
@@ -42,7 +43,7 @@ from ..storage.fsspec_storage import make_storage
 from .common import log, norm_prefix, parse_size, slab_rows, trim_heap
 from .sources import SafetensorsSource, Source, SourceTensor, TorchSaveSource, detect
 
-FORMATS = ("auto", "dcp", "safetensors", "torch")
+FORMATS = ("auto", "dcp", "safetensors", "torch", "deepspeed")
 Chunk = tuple[SourceTensor, int, int]  # a tensor and the rows [r0, r1) of one chunk
 
 
@@ -57,8 +58,12 @@ def import_checkpoint(src: str, dst: str, *, format: str = "auto", prefix: str |
     ``format``: "dcp" (a torch.distributed.checkpoint directory: its ``.metadata`` is a
     pickle, read by a restricted unpickler, but the import trusts its source), "safetensors"
     (a file, or a directory with or without ``model.safetensors.index.json``), "torch"
-    (a ``torch.save`` zip file, read with ``weights_only=True, mmap=True``), or "auto"
-    (from what ``src`` holds). ``prefix`` is put before every key (``"train.model."``
+    (a ``torch.save`` zip file, read with ``weights_only=True, mmap=True``), "deepspeed"
+    (a stock DeepSpeed ZeRO-1/2/3 tag folder ``global_step<N>``, written as a dckpt
+    DeepSpeed tag by :func:`dckpt.integrations.deepspeed.stock.import_tag`, which ignores
+    ``max_shard_size``), or "auto" (from what ``src`` holds: a folder with
+    ``*_model_states.pt`` files is a DeepSpeed tag). ``prefix`` is put before every key
+    (``"train.model."``
     lets ``TrainingState`` under key "train" load a model's weights; a missing final "."
     is added). ``aliases`` maps extra names to source names whose tensor they copy, e.g.
     ``{"lm_head.weight": "model.embed_tokens.weight"}`` for a model with tied embeddings
@@ -81,6 +86,13 @@ def import_checkpoint(src: str, dst: str, *, format: str = "auto", prefix: str |
     t0 = time.perf_counter()
     if format not in FORMATS:
         raise CheckpointError(f"format={format!r} is not one of {', '.join(FORMATS)}")
+    if format == "deepspeed" or (format == "auto" and _deepspeed_tag(src)):
+        from ..integrations.deepspeed.stock import import_tag
+
+        if prefix or aliases:
+            raise CheckpointError("prefix and aliases do not apply to a DeepSpeed tag import")
+        return import_tag(src, dst, storage_options=storage_options, overwrite=overwrite,
+                          compression=compression)
     limit = parse_size(max_shard_size)
     flag = codec.compression_flag(compression)
     kind = detect(src) if format == "auto" else format
@@ -114,6 +126,15 @@ def import_checkpoint(src: str, dst: str, *, format: str = "auto", prefix: str |
              src, kind, len(tensors), len(source.values), shown, info.bytes_written / 2**20,
              info.num_files, info.seconds)
     return info
+
+
+def _deepspeed_tag(src: str) -> bool:
+    """Whether ``src`` is a stock DeepSpeed tag folder (``*_model_states.pt`` files).
+    Lists one folder."""
+    try:
+        return os.path.isdir(src) and any(n.endswith("_model_states.pt") for n in os.listdir(src))
+    except OSError:
+        return False
 
 
 def _open(kind: str, src: str, prefix: str) -> Source:

@@ -13,13 +13,15 @@ from typing import Any
 META = "deepspeed.meta"
 
 
-def weights(values: dict[str, Any], tensors: dict[str, Any]) -> list[tuple[str, str, tuple]] | None:
+def weights(values: dict[str, Any], tensors: dict[str, Any],
+            head: str = "") -> list[tuple[str, str, tuple]] | None:
     """``[(checkpoint key, output name, output shape)]`` of a DeepSpeed tag's manifest
-    (``values``/``tensors``: the manifest's), in module order; None when it is not one
+    (``values``/``tensors``: the manifest's; ``head``: the key prefix of a tag nested in
+    a framework's checkpoint, e.g. ``"engine."``), in module order; None when it is not one
     (no ``deepspeed.meta``) or the record does not describe its tensors (then the
     export falls back to keys). Raises ValueError on a record whose shapes disagree
     with the stored sizes (a damaged or hand-made manifest)."""
-    raw = values.get(META)
+    raw = values.get(head + META)
     if not isinstance(raw, str):
         return None
     try:
@@ -32,7 +34,7 @@ def weights(values: dict[str, Any], tensors: dict[str, Any]) -> list[tuple[str, 
     for prefix, shapes in (("master.", {n: s for n, s in params.items()}),
                            ("frozen.", {n: s[0] for n, s in frozen.items()})):
         for name, shape in shapes.items():
-            key = prefix + name
+            key = head + prefix + name
             e = tensors.get(key)
             if e is None:
                 continue  # a frozen parameter saved with exclude_frozen_parameters
@@ -41,7 +43,7 @@ def weights(values: dict[str, Any], tensors: dict[str, Any]) -> list[tuple[str, 
                 raise ValueError(f"{key}: {list(e.shape)} stored, the record says {list(shape)}")
             out.append((key, name, shape))
     for name in buffers:
-        key = "buffers." + name
+        key = head + "buffers." + name
         e = tensors.get(key)
         if e is not None:
             out.append((key, name, tuple(e.shape)))

@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 import time
+from typing import Any
 
 from ... import _faults
 from ...protocol.collectives import Comm
@@ -34,6 +35,10 @@ class FolderExport:
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        # what the folder is exported from: model 0's keys, or a DeepSpeed engine's tag
+        # nested in the checkpoint (its fp32 masters, written in the model's dtype)
+        self.prefix: str = folder.PREFIX
+        self.dtype: Any = None
 
     def start(self, final: str, save_id: str | None) -> None:
         """Begin writing ``final``'s model folder (every rank, after the commit of save
@@ -56,7 +61,8 @@ class FolderExport:
                 _await_commit(final, save_id, WAIT_S)
             _faults.fault("export-start", rank)
             # overwrite: the checkpoint's own files stay; an earlier export's go
-            export_share(final, final, rank, world, prefix=folder.PREFIX, overwrite=True,
+            export_share(final, final, rank, world, prefix=self.prefix, dtype=self.dtype,
+                         overwrite=True,
                          before_index=lambda: _faults.fault("export", rank))
         except BaseException as e:  # logged: the checkpoint itself is complete
             self.error = e

@@ -26,6 +26,7 @@ from ...errors import CheckpointError, StateMismatchError
 from ...protocol.collectives import Comm
 from ...view.open import MissingKeyError
 from ..common import resolve, tree
+from . import ds
 from .resume import META_KEY, NAME
 
 log = logging.getLogger(__name__)
@@ -205,13 +206,18 @@ class DckptChainEnd(Trainer):
         the RNG to restore and the run's timeline. Collective; blocking I/O."""
         comm = Comm()
         spath, view = self._dckpt_src or (checkpoint, None)
-        if optimizer:
+        deep = ds.enabled(self)
+        if deep:  # the engine's part is loaded by ds.load, below
+            c, ignore = tree.Contents([]), (ds.PREFIX,)
+        elif optimizer:
             c = tree.Contents([self.model], {0}, [(inner(self.optimizer), 0)])
-            ignore: tuple[str, ...] = ()
+            ignore = ()
         else:
             c, ignore = tree.Contents([self.model]), ("optimizers.",)
         loaded = tree.load(spath, c, META_KEY, check=self._dckpt_check(spath),
                            ignore=ignore, manifest_name=view)
+        if deep:
+            ds.load(self, spath)
         self._dckpt_loaded = None if loaded.meta.get("model_only") else loaded
         # the next commit continues this one, after every checkpoint present on the
         # run's timeline (only rank 0's values are recorded)
@@ -253,7 +259,7 @@ class DckptChainEnd(Trainer):
                 holds_optimizer, f"read the manifest of {spath}"):
             self._dckpt_load(checkpoint, optimizer=True)
         def apply() -> None:
-            if self.lr_scheduler is not None:
+            if self.lr_scheduler is not None and "scheduler" in loaded.objects:
                 self.lr_scheduler.load_state_dict(loaded.objects["scheduler"])
             scaler = getattr(self.accelerator, "scaler", None)
             if scaler is not None and "scaler" in loaded.objects:
@@ -269,6 +275,15 @@ class DckptChainEnd(Trainer):
         from ..common.place import kind
 
         best = self.state.best_model_checkpoint
+        if ds.enabled(self) and best is not None and resolve.listed(
+                lambda: kind(best), f"look up {best}") == "dckpt":
+            tree.load(best, tree.Contents([]), META_KEY, check=self._dckpt_check(best),
+                      ignore=(ds.PREFIX,))
+            ds.load(self, best, module_only=True)
+            if Comm().rank == 0:
+                log.info("loaded the best model from %s (score: %s)", best,
+                         self.state.best_metric)
+            return
         tier = getattr(self, "_dckpt_tier", None)
         choices = [] if best is None or tier is None else fast.one(tier, best, None)
         if choices:  # the fast tier's commit of it, or its durable copy
@@ -292,8 +307,14 @@ class DckptChainEnd(Trainer):
             if meta.get("framework") != "transformers":
                 raise StateMismatchError(f"{path} is a dckpt checkpoint of "
                                          f"{meta.get('framework')!r}, not of the Trainer")
+            if meta.get("deepspeed", False) != ds.enabled(self):
+                raise StateMismatchError(
+                    f"{path} was saved " + ("with" if meta.get("deepspeed") else "without")
+                    + " DeepSpeed and this Trainer runs " + ("with" if ds.enabled(self)
+                                                             else "without") + " it")
             if (not meta.get("model_only") and self.lr_scheduler is not None
-                    and "scheduler" not in names):
+                    and "scheduler" not in names
+                    and not (ds.enabled(self) and ds.scheduler_in_engine(self))):
                 raise MissingKeyError(f"checkpoint {path} holds no lr_scheduler state")
         return run
 

@@ -29,7 +29,8 @@ def side_for(trainer: Any) -> SideFile | None:
     from transformers import PreTrainedModel
 
     if not getattr(trainer, "_dckpt_model_folder", False) or trainer._dckpt.compression \
-            or trainer._dckpt_tier is not None or getattr(trainer, "is_fsdp_enabled", False):
+            or trainer._dckpt_tier is not None or getattr(trainer, "is_fsdp_enabled", False) \
+            or getattr(trainer, "is_deepspeed_enabled", False):
         return None
     model = trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
     if not isinstance(model, PreTrainedModel) or is_peft(model):
@@ -49,6 +50,10 @@ def exports(trainer: Any) -> bool:
     if not getattr(trainer, "_dckpt_model_folder", False):
         return False
     model = trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        # from the engine's masters (named by the module: save_pretrained's names unless
+        # it converts them); a PEFT model gets none (its base is not saved)
+        return not is_peft(model) and not converts(model)
     if getattr(trainer, "is_fsdp_enabled", False):
         # a model whose names save_pretrained converts gets no folder (as stock's
         # sharded state): the export would write the runtime names

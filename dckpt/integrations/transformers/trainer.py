@@ -33,7 +33,7 @@ from ..common.commit import Committer
 from ..common.place import durable_name, is_url
 from ..common.tier import LocalTier
 from ..common.verify import verify_shared
-from . import export
+from . import ds, export
 from . import folder as mfolder
 from .background import FolderExport
 from ..common import modelfolder
@@ -84,9 +84,10 @@ class DckptTrainerMixin:
         if async_save and self.args.push_to_hub:
             raise CheckpointError("DckptTrainer: async_save=True with push_to_hub: the push "
                                   "reads the checkpoint before its background commit places it")
-        if getattr(self, "is_deepspeed_enabled", False):
-            raise CheckpointError("DckptTrainer does not support DeepSpeed: its engine writes "
-                                  "its own checkpoints; use transformers.Trainer for it")
+        if ds.enabled(self) and (tier is not None or self.args.save_only_model):
+            raise CheckpointError(
+                "DckptTrainer under DeepSpeed does not support "
+                + ("local_root" if tier is not None else "save_only_model") + " yet")
         if is_url(str(self.args.output_dir)):
             raise CheckpointError(f"DckptTrainer: output_dir {self.args.output_dir!r} is a "
                                   "URL; the Trainer reads its checkpoints locally")
@@ -223,6 +224,8 @@ class DckptTrainerMixin:
                 self._dckpt_state_json = files.get(STATE_FILE)
                 c = self._dckpt_contents(comm.rank)
                 built = tree.build(c, comm.rank, META_KEY)
+                if ds.enabled(self):  # the engine's state, nested (no model, no optimizer)
+                    built[ds.ROOT] = ds.build(self)
         except Exception as e:
             err = e
         try:
@@ -278,7 +281,8 @@ class DckptTrainerMixin:
                               "has_lr_scheduler": self.lr_scheduler is not None,
                               "local_root": self._dckpt_tier is not None,
                               "keep_last_local": getattr(self._dckpt_tier, "keep", None),
-                              "model_folder": self._dckpt_model_folder},
+                              "model_folder": self._dckpt_model_folder,
+                              "deepspeed": ds.enabled(self)},
                        None, "DckptTrainer")
         self._dckpt_agreed = world
 
@@ -308,11 +312,13 @@ class DckptTrainerMixin:
         and on rank 0 the scheduler, the scaler and the metadata (trainer_state.json
         again, :attr:`_dckpt_state_json`). No I/O."""
         only = bool(self.args.save_only_model)
-        opts = [] if only or self.optimizer is None else [(inner(self.optimizer), 0)]
+        deep = ds.enabled(self)  # the engine's tree holds model and optimizer (ds.build)
+        opts = [] if only or deep or self.optimizer is None else [(inner(self.optimizer), 0)]
         objects: dict[str, Any] = {}
         meta = None
         if rank == 0:
-            if not only and self.lr_scheduler is not None:
+            if not only and self.lr_scheduler is not None and not (
+                    deep and ds.scheduler_in_engine(self)):
                 objects["scheduler"] = self.lr_scheduler.state_dict()
             scaler = getattr(self.accelerator, "scaler", None)
             if not only and scaler is not None:
@@ -324,10 +330,11 @@ class DckptTrainerMixin:
                     # trainer_state.json again, checksummed with the manifest: what a
                     # resume from the fast tier (no such file there) hands the Trainer
                     "trainer_state": getattr(self, "_dckpt_state_json", None),
-                    "scheduler": "scheduler" in objects, "scaler": "scaler" in objects}
+                    "scheduler": "scheduler" in objects, "scaler": "scaler" in objects,
+                    "deepspeed": deep}
         # FSDP: self.model is the prepared (sharded) model; else the unwrapped one, whose
         # parameters are the optimizer's (DDP's own prefix never enters the keys)
-        return tree.Contents([self.model], set(), opts, objects, meta)
+        return tree.Contents([] if deep else [self.model], set(), opts, objects, meta)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """``Trainer.save_model``. Under FSDP with ``SHARDED_STATE_DICT`` (where stock
@@ -340,6 +347,14 @@ class DckptTrainerMixin:
         stock (inside a checkpoint: the model folder into its staging folder). Raises
         CheckpointError on every rank."""
         fsdp = getattr(self, "is_fsdp_enabled", False)
+        if _internal_call and getattr(self, "_dckpt_stage", None) is not None and \
+                ds.enabled(self):
+            # DeepSpeed: no gather and no engine checkpoint of its own; the weights come
+            # from the background export of the engine's masters (mfolder.exports);
+            # config and processing class now (not for PEFT: see docs/DEEPSPEED.md)
+            if self._dckpt_model_folder and output_dir is not None and not ds._peft(self):
+                self._save(output_dir, state_dict={})
+            return
         if _internal_call and getattr(self, "_dckpt_stage", None) is not None and \
                 (fsdp or export.sharded(self)):
             # a checkpoint of a sharded model: no gather; its weights come from the
@@ -398,6 +413,8 @@ class DckptTrainerMixin:
                 path, src = rs.pick(tier, fast.one(tier, p, None))
             if path is None:
                 path = rs.named(p)
+        if ds.enabled(self):
+            ds.install(self)
         if path is not None:
             self._dckpt_resume, self._dckpt_loaded = path, None
             self._dckpt_model_loaded = None

@@ -64,7 +64,9 @@ def _full(eng) -> dict:
             out[n] = [p.detach().float().clone()] + [
                 st[k].clone() for k in sorted(st) if k != "step" and st[k] is not None]
         else:
-            out[n] = [safe_get_full_fp32_param(p).clone()]
+            got = safe_get_full_fp32_param(p)
+            if got is not None:
+                out[n] = [got.clone()]
     return out
 
 
@@ -264,7 +266,7 @@ def trained_then_frozen(root, r):
     for stage in (2, 3):
         d = os.path.join(root, f"z{stage}")
         eng = _build(lambda: Freezable(False), _cfg(stage))
-        _train(eng, 2)
+        _train(eng, 4)  # WarmupLR: the first steps barely move the weights
         eng.save_checkpoint(d, tag="t")
         ref = _full(eng)
         frozen = _build(lambda: Freezable(True), _cfg(stage))
@@ -281,7 +283,8 @@ def trained_then_frozen(root, r):
             else:
                 got = p.detach().clone()
             if not torch.equal(got.float(), ref[n][0].view_as(got)):
-                problems.append(f"z{stage} {n} not the saved value")
+                problems.append(f"z{stage} {n} not the saved value (the load left it as "
+                                "initialised)")
     return "; ".join(problems) or None
 
 
@@ -289,14 +292,11 @@ class Shaped(torch.nn.Module):
     def __init__(self, rows: int, cols: int) -> None:
         super().__init__()
         self.w = torch.nn.Parameter(torch.randn(rows, cols))
-        self.k = torch.nn.Parameter(torch.randn(6, 4), requires_grad=False)
-        if (rows, cols) != (6, 4):
-            self.k = torch.nn.Parameter(torch.randn(4, 6), requires_grad=False)
-        self.rows, self.cols = rows, cols
+        self.k = torch.nn.Parameter(torch.randn(rows, cols), requires_grad=False)
 
     def forward(self, x):
-        w = self.w if self.rows == 6 else self.w.t()
-        return (x.float() @ torch.ones(5, 6)) @ w @ (self.k if self.rows == 6 else self.k.t())
+        h = (x.float() @ torch.ones(5, 6)) @ self.w.reshape(6, 4)
+        return h @ self.k.reshape(4, 6)
 
 
 def other_shapes(root, r):
@@ -329,11 +329,12 @@ class ZeroSize(torch.nn.Module):
 
 
 def zero_size_param(root, r):
-    """A zero-size trainable parameter (an empty prefix embedding): saved at ZeRO-2 /
-    stage 0 / ZeRO-3, each tag loaded at every other stage, masters equal."""
+    """A zero-size trainable parameter (an empty prefix embedding): saved at ZeRO-2 and
+    stage 0 (ZeRO-3 itself cannot train one), each tag loaded at every other stage
+    (ZeRO-3 included), masters equal."""
     problems = []
     refs = {}
-    for stage in (2, 0, 3):
+    for stage in (2, 0):
         d = os.path.join(root, f"z{stage}")
         eng = _build(ZeroSize, _cfg(stage))
         _train(eng, 2)

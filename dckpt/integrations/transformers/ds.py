@@ -1,0 +1,111 @@
+"""The Trainer under DeepSpeed (``TrainingArguments(deepspeed=...)``): the engine the
+Trainer builds saves into the ``checkpoint-N`` commit, nested under ``engine.`` in the
+layout of :mod:`dckpt.integrations.deepspeed` (each rank its ranges of the fp32 masters
+and optimizer states, frozen parameters, buffers, the engine's scheduler and counters),
+next to what the commit holds without DeepSpeed (the Trainer's scheduler when the
+engine has none of its own, each rank's RNG, ``trainer_state.json``, the chain's
+files). A resume loads it at any data-parallel size and ZeRO stage. No ``global_step<N>``
+folder and no pickle: stock's ``deepspeed_load_checkpoint`` is told to leave a dckpt
+resume to the chain's end (:func:`install`)."""
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from ...errors import CheckpointError
+
+ROOT = "engine"
+PREFIX = ROOT + "."
+_active: Any = None  # weakref to the DckptTrainer whose train() runs (one per process)
+
+
+def enabled(trainer: Any) -> bool:
+    return bool(getattr(trainer, "is_deepspeed_enabled", False))
+
+
+def engine_of(trainer: Any) -> Any:
+    """The DeepSpeed engine the Trainer built (``model_wrapped`` once ``train()``
+    prepared it). Raises CheckpointError before that."""
+    for eng in (getattr(trainer, "model_wrapped", None), getattr(trainer, "deepspeed", None)):
+        if eng is not None and hasattr(eng, "zero_optimization_stage"):
+            return eng
+    raise CheckpointError("DckptTrainer under DeepSpeed: the engine does not exist yet (a "
+                          "checkpoint is saved or resumed from within train())")
+
+
+def scheduler_in_engine(trainer: Any) -> bool:
+    """Whether the Trainer's lr_scheduler is the engine's (a DeepSpeed config
+    ``scheduler``: Accelerate's DeepSpeedSchedulerWrapper): then the engine's tree holds
+    it, as stock's engine checkpoint does."""
+    return type(getattr(trainer, "lr_scheduler", None)).__name__ == "DeepSpeedSchedulerWrapper"
+
+
+def _peft(trainer: Any) -> bool:
+    from ..common.modelfolder import is_peft
+
+    return is_peft(trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False))
+
+
+def build(trainer: Any) -> dict[str, Any]:
+    """The engine's part of a save (views of its live buffers: the commit copies them).
+    A PEFT model's frozen base weights are left out (stock's
+    ``exclude_frozen_parameters=True``). Local: no collective, no I/O. Raises
+    CheckpointError for an engine dckpt does not support."""
+    from ..deepspeed.engine import _refusals
+    from ..deepspeed.tree import build as build_tree
+    from ..deepspeed.view import view
+
+    eng = engine_of(trainer)
+    _refusals(eng)
+    opt = eng.optimizer
+    prologue = getattr(opt, "checkpoint_event_prologue", None)
+    if prologue is not None:
+        prologue()
+    try:
+        return build_tree(view(eng), client_state={}, exclude_frozen=_peft(trainer),
+                          tag=f"global_step{eng.global_steps}", with_rng=False)
+    finally:
+        epilogue = getattr(opt, "checkpoint_event_epilogue", None)
+        if epilogue is not None:
+            epilogue()
+
+
+def load(trainer: Any, path: str, module_only: bool = False) -> None:
+    """Load the engine's part of the dckpt checkpoint at ``path`` (``module_only``: the
+    weights only, for ``load_best_model_at_end``). Collective; blocking I/O (this rank's
+    ranges). Raises on every rank alike: StateMismatchError, IntegrityError."""
+    from ..deepspeed.restore import What, load_tag
+    from ..deepspeed.view import view
+
+    peft = _peft(trainer)
+    what = What(optimizer=not module_only, scheduler=not module_only,
+                module_only=module_only, strict=not peft)
+    load_tag(view(engine_of(trainer)), path, what, root=ROOT)
+
+
+def install(trainer: Any) -> None:
+    """Make ``trainer`` the one whose dckpt resume stock's ``deepspeed_load_checkpoint``
+    leaves alone (it needs a ``global_step*`` folder and loads DeepSpeed's pickles; the
+    chain's end loads the engine from the commit instead), and wrap that function once
+    per process (any other call goes to the original)."""
+    global _active
+    import transformers.trainer as tt
+
+    _active = weakref.ref(trainer)
+    # the model folder comes from the engine's fp32 masters, in the model's dtype
+    model = trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
+    trainer._dckpt_export.prefix = PREFIX
+    trainer._dckpt_export.dtype = getattr(model, "dtype", None)
+    if getattr(tt.deepspeed_load_checkpoint, "_dckpt", False):
+        return
+    original = tt.deepspeed_load_checkpoint
+
+    def deepspeed_load_checkpoint(engine: Any, checkpoint_path: str,
+                                  load_module_strict: bool = True) -> Any:
+        t = _active() if _active is not None else None
+        if t is not None and t._dckpt_ours(checkpoint_path):
+            return None  # the chain's end loads it (DckptChainEnd)
+        return original(engine, checkpoint_path, load_module_strict=load_module_strict)
+
+    deepspeed_load_checkpoint._dckpt = True  # type: ignore[attr-defined]
+    tt.deepspeed_load_checkpoint = deepspeed_load_checkpoint
