@@ -29,10 +29,11 @@ from ..common.rotation import to_remove
 from ..common.tier import LocalTier
 from ..common import fast, modelfolder
 from . import contents as cn
+from . import ds as dsa
 
 log = logging.getLogger(__name__)
 NAME = re.compile(r"checkpoint_[0-9]+")
-REFUSED = ("DEEPSPEED", "MEGATRON_LM", "XLA")
+REFUSED = ("MEGATRON_LM", "XLA")
 
 
 class DckptAccelerator(Accelerator):
@@ -76,6 +77,9 @@ class DckptAccelerator(Accelerator):
             raise CheckpointError(
                 f"DckptAccelerator does not support DistributedType.{dt}: its engine writes "
                 "its own checkpoints; use accelerate.Accelerator for it")
+        if dt == "DEEPSPEED" and tier is not None:
+            raise CheckpointError("DckptAccelerator under DeepSpeed does not support "
+                                  "local_root yet")
         self._dckpt = committer
         self._dckpt_tier = tier
         self._dckpt_rotation_fast = fast.Rotation()  # total_limit with the fast tier
@@ -211,6 +215,8 @@ class DckptAccelerator(Accelerator):
         try:
             c = cn.contents(self, skip, comm.rank)
             built = tree.build(c, comm.rank, cn.META_KEY)
+            if dsa.enabled(self):  # the engines' state, nested (cn.contents skips them)
+                built[dsa.ROOT] = dsa.build(self)
         except Exception as e:
             err = e
         agree(comm, err, f"collect the state to save to {output_dir}")
@@ -445,11 +451,16 @@ class DckptAccelerator(Accelerator):
         except Exception as e:
             err = e
         agree(comm, err, "the load_state pre-hooks")
-        c = tree.Contents(list(self._models), set(skip), cn.optimizers(self))
+        engines = {i for i, _ in dsa.engines(self)}
+        c = tree.Contents(list(self._models), set(skip) | engines, cn.optimizers(self))
         loaded = tree.load(path, c, cn.META_KEY, check=cn.check(self, name),
                            storage_options=None if manifest_name else self._dckpt.storage_options,
                            manifest_name=manifest_name,
-                           strict=getattr(self, "_dckpt_strict", True))
+                           strict=getattr(self, "_dckpt_strict", True),
+                           ignore=(dsa.ROOT + ".",) if engines else ())
+        if engines:
+            dsa.load(self, path, getattr(self, "_dckpt_strict", True),
+                     self._dckpt.storage_options)
         tree.apply_agreed(lambda: cn.apply(self, loaded.objects), f"load the objects of {path}")
         self.step = int(loaded.meta.get("step", 0))
         self.project_configuration.iteration = int(loaded.meta.get("iteration", -1)) + 1

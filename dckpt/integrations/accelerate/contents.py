@@ -46,6 +46,8 @@ def optimizers(acc: Any) -> list[tuple[Any, int]]:
     ones (:func:`..common.states.span`). An optimizer without parameters: the model of
     its index (stock pairs optimizer i with model i), else -1. No I/O."""
     models = list(acc._models)
+    if any(hasattr(m, "zero_optimization_stage") for m in models):
+        return []  # DeepSpeed: each engine's tree holds its optimizer (see .ds)
     out = []
     for j, opt in enumerate(acc._optimizers):
         inner = inner_optimizer(opt)
@@ -102,6 +104,8 @@ def meta(acc: Any, saved_models: list[int]) -> dict[str, Any]:
 def contents(acc: Any, skip: set[int], rank: int) -> Contents:
     """The Contents of a save (objects and metadata on rank 0 only)."""
     models = list(acc._models)
+    # a DeepSpeed engine is saved by .ds (nested), never as a model state dict
+    skip = set(skip) | {i for i, m in enumerate(models) if hasattr(m, "zero_optimization_stage")}
     saved = [i for i in range(len(models)) if i not in skip]
     return Contents(models, set(skip), optimizers(acc),
                     objects(acc) if rank == 0 else {}, meta(acc, saved) if rank == 0 else None)

@@ -92,15 +92,6 @@ DEEPSPEED_GLOBALS = (
 )
 
 
-def is_stock_tag(path: str) -> bool:
-    """Whether local ``path`` is a folder holding DeepSpeed model-states files. Lists
-    one folder."""
-    try:
-        return os.path.isdir(path) and any(MODEL.match(n) for n in os.listdir(path))
-    except OSError:
-        return False
-
-
 def read_file(path: str, max_file: int = MAX_FILE) -> Any:
     """One DeepSpeed checkpoint file through the restricted unpickler (tensors
     memory-mapped). Checks the size and the zip structure before unpickling. Raises
@@ -117,9 +108,10 @@ def read_file(path: str, max_file: int = MAX_FILE) -> Any:
             pkl = [i for i in z.infolist() if i.filename.endswith("data.pkl")]
     except (OSError, zipfile.BadZipFile) as e:
         raise CheckpointError(f"{path} is not a torch.save (zip) file: {e}") from None
-    if len(pkl) != 1 or pkl[0].file_size > MAX_PICKLE:
-        raise CheckpointError(f"{path}: {'its pickle record is over ' + str(MAX_PICKLE) + ' bytes' if pkl else 'no pickle record'}"
-                              if len(pkl) <= 1 else f"{path}: {len(pkl)} pickle records")
+    if len(pkl) != 1:
+        raise CheckpointError(f"{path} holds {len(pkl)} pickle records, not a torch.save's one")
+    if pkl[0].file_size > MAX_PICKLE:
+        raise CheckpointError(f"{path}: its pickle record is over {MAX_PICKLE} bytes")
     try:
         with torch.serialization.safe_globals(list(DEEPSPEED_GLOBALS)):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -255,13 +247,15 @@ def _steps_and_keys(osd: dict, holders: list[list[int]], numel_of: dict[int, int
                 if k == "step":
                     if isinstance(val, torch.Tensor):
                         if val.numel() != 1:
-                            raise CheckpointError(f"{path}: a step count of shape {list(val.shape)}")
+                            raise CheckpointError(
+                                f"{path}: a step count of shape {list(val.shape)}")
                         val = val.item()
                     if steps[g] is not None and steps[g] != val:
                         raise CheckpointError(f"{path}: param group {g} has different step "
                                               f"counts ({steps[g]} and {val}); dckpt stores one")
                     steps[g] = val
-                elif isinstance(val, torch.Tensor) and val.dim() == 1 and val.numel() == numel_of[i]:
+                elif (isinstance(val, torch.Tensor) and val.dim() == 1
+                      and val.numel() == numel_of[i]):
                     if k not in keys:
                         keys.append(k)
                         dtypes[k] = val.dtype
@@ -403,8 +397,9 @@ def import_tag(src_tag_dir: str, dst: str, *, storage_options: dict | None = Non
         if r not in tag.optim:
             prefix = "bf16_" if any(os.path.basename(p).startswith("bf16_")
                                     for p in tag.optim.values()) else ""
-            raise CheckpointError(f"{os.path.join(src, f'{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt')} "
-                                  f"is missing: the tag was saved by {world} ranks")
+            name = f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+            raise CheckpointError(f"{os.path.join(src, name)} is missing: the tag was saved "
+                                  f"by {world} ranks")
     extra = sorted(set(tag.optim) - set(range(world)))
     if extra:
         raise CheckpointError(f"{tag.optim[extra[0]]}: a rank file beyond the tag's "

@@ -57,7 +57,7 @@ def _full(eng) -> dict:
     out = {}
     stage = eng.zero_optimization_stage()
     for n, p in eng.module.named_parameters():
-        if not p.requires_grad:
+        if not p.requires_grad or int(getattr(p, "ds_numel", p.numel())) == 0:
             continue
         if stage == 0:
             st = eng.optimizer.state.get(p, {})
@@ -219,20 +219,21 @@ def two_groups_resize_save(root, r):
     eng.save_checkpoint(root, tag="g")
     hyper = [{k: v for k, v in g.items() if k != "params"}
              for g in eng.optimizer.optimizer.param_groups]
+    full = _full(eng)  # collective
     if r == 0:
-        torch.save({"full": _full(eng), "hyper": hyper}, os.path.join(root, "ref.pt"))
+        torch.save({"full": full, "hyper": hyper}, os.path.join(root, "ref.pt"))
     return None
 
 
 def two_groups_resize_load(root, r):
     """The two-group tag loaded at another size into ZeRO-3 and ZeRO-1: every master,
     each group's hyper-parameters and its step as saved."""
-    ref = torch.load(os.path.join(root, "..", "two_groups_resize_save", "ref.pt"),
+    ref = torch.load(os.path.join(os.path.dirname(root), "two_groups_resize_save", "ref.pt"),
                      weights_only=False)
     problems = []
     for stage in (3, 1):
         eng = _build(lambda: dj.Net(False, False), _cfg(stage), groups_fn=_two_groups)
-        eng.load_checkpoint(os.path.join(root, "..", "two_groups_resize_save"), tag="g")
+        eng.load_checkpoint(os.path.join(os.path.dirname(root), "two_groups_resize_save"), tag="g")
         bad = _same(ref["full"], _full(eng))
         hyper = [{k: v for k, v in g.items() if k != "params"}
                  for g in eng.optimizer.optimizer.param_groups]
