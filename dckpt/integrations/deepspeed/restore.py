@@ -94,7 +94,8 @@ def load_tag(v: View, path: str, what: What, storage_options: dict | None = None
         box["meta"] = meta
         optim = what.optimizer and not what.module_only
         _check_names(v, meta, what.strict, optim)
-        out = target(v, meta, masters=True, optim=optim, frozen=True, buffers=True)
+        out = target(v, meta, masters=True, optim=optim, frozen=True, buffers=True,
+                     stored=lambda k: (head + k) in m.tensors)
         out["deepspeed"] = {"meta": ""}
         if optim and _has(m, head + "hyper"):
             out["hyper"] = codec.target(m, head + "hyper")

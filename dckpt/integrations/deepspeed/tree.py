@@ -234,12 +234,13 @@ def _check_meta(meta: dict) -> None:
 
 
 def target(v: View, meta: dict, *, masters: bool, optim: bool, frozen: bool,
-           buffers: bool) -> dict[str, Any]:
+           buffers: bool, stored: Any = None) -> dict[str, Any]:
     """The load target of a saved tag (``meta``) for ``v``'s engine: views into its
-    buffers, which the load fills in place. Creates the optimizer's state tensors
-    (zeros) when ``optim`` and the checkpoint has state, and zeroes the flats first so
-    padding stays zero. Raises CheckpointError naming parameters missing on either side
-    or of another shape."""
+    buffers, which the load fills in place. Creates the optimizer's state tensors when
+    ``optim`` and the checkpoint has state (padding zeroed: the load fills the rest).
+    ``stored(key)``: whether the tag holds tensor ``key`` (a stage-0 parameter that never
+    had a gradient has no optimizer state: it gets none here either). Raises
+    StateMismatchError naming parameters missing on either side or of another size."""
     saved = meta["params"]
     missing = [n for n in v.params if n not in saved]
     shaped = [n for n, p in v.params.items() if n in saved and math.prod(saved[n]) != p.numel]
@@ -252,8 +253,8 @@ def target(v: View, meta: dict, *, masters: bool, optim: bool, frozen: bool,
             + " (is it a checkpoint of another model?)")
     out: dict[str, Any] = {}
     if masters:
-        for f in v.flats:
-            f.tensor.data.zero_()
+        for f in v.flats:  # the load fills every parameter's range: zero the rest only
+            _zero_pads(f.tensor, f.pad)
         out["master"] = {n: _ranged(v, p, p.param if v.kind == "plain" else
                                          v.flats[p.flat].tensor) for n, p in v.params.items()}
     keys = meta["state_keys"] if optim else []
@@ -264,7 +265,12 @@ def target(v: View, meta: dict, *, masters: bool, optim: bool, frozen: bool,
         st = v.optimizer.state
         for k in keys:
             out["optim"][k] = {n: _ranged(v, p, st[v.state_key(p)][k])
-                               for n, p in v.params.items()}
+                               for n, p in v.params.items()
+                               if stored is None or stored(f"optim.{k}.{n}")}
+        if v.kind == "plain" and stored is not None:  # as saved: no state, no entry
+            for n, p in v.params.items():
+                if not all(stored(f"optim.{k}.{n}") for k in keys):
+                    st.pop(p.param, None)
     if frozen:
         out["frozen"] = {}
         stored = set(meta["stored_frozen"])
@@ -279,6 +285,12 @@ def target(v: View, meta: dict, *, masters: bool, optim: bool, frozen: bool,
     return out
 
 
+def _zero_pads(t: torch.Tensor, pads: list[tuple[int, int]]) -> None:
+    """Zero the (start, length) ranges of the 1-D ``t`` that hold no parameter."""
+    for start, n in pads:
+        t.data.narrow(0, start, n).zero_()
+
+
 def _prepare_state(v: View, meta: dict) -> None:
     """Give the optimizer the state the checkpoint has: zero tensors of each saved
     state key per flat (or parameter at stage 0) and the saved step per group; none
@@ -289,6 +301,7 @@ def _prepare_state(v: View, meta: dict) -> None:
     keys, steps = meta["state_keys"], meta["steps"]
     holders = ([(v.params[n].param, g) for g, names in enumerate(v.groups) for n in names]
                if v.kind == "plain" else [(f.tensor, f.group) for f in v.flats])
+    pads = {id(f.tensor): f.pad for f in v.flats}
     for t, g in holders:
         step = steps[g] if g < len(steps) else None
         if step is None or not keys:
@@ -297,7 +310,12 @@ def _prepare_state(v: View, meta: dict) -> None:
         old = st.get(t, {})
         s = {}
         for k in keys:
-            s[k] = old[k].zero_() if isinstance(old.get(k), _t.Tensor) else _t.zeros_like(t)
+            # the load fills every parameter's range: only the padding needs zeros
+            # (a fresh engine's state: empty, not zeros_like, which costs a pass more)
+            s[k] = old[k] if isinstance(old.get(k), _t.Tensor) else _t.empty_like(t)
+            if v.kind == "plain":
+                continue
+            _zero_pads(s[k], pads[id(t)])
         prev = old.get("step")
         if isinstance(prev, _t.Tensor):
             s["step"] = _t.tensor(float(step), dtype=prev.dtype, device=prev.device)

@@ -205,9 +205,16 @@ def regrouped(root, r):
     if e is None:
         wds = [g["weight_decay"] for g in two.optimizer.optimizer.param_groups]
         return f"loaded silently; the groups' weight_decay is now {wds} (was [0.1, 0.0])"
-    if not isinstance(e, CheckpointError):
-        return f"raw {type(e).__name__}: {str(e)[:200]}"
+    if not isinstance(e, CheckpointError) or _raw(e):
+        return f"not a clear error: {type(e).__name__}: {str(e)[:300]}"
     return None
+
+
+def _raw(e: BaseException) -> bool:
+    """Whether ``e`` is (or wraps, as RankFailure does) a raw Python error."""
+    return isinstance(e, (KeyError, TypeError, IndexError, AttributeError, ValueError)) or any(
+        f"{n}:" in str(e) for n in ("KeyError", "TypeError", "IndexError", "AttributeError",
+                                    "ValueError"))
 
 
 def two_groups_resize_save(root, r):
@@ -359,10 +366,125 @@ def zero_size_param(root, r):
     return "; ".join(problems) or None
 
 
+def keep_last_other_checkpoints(root, r):
+    """keep_last=2 while the same folder holds another dckpt checkpoint the user saved
+    there (``dckpt.save(..., save_dir/"best")``, say the best weights): the rotation
+    removes only DeepSpeed tags of this engine, never that checkpoint."""
+    eng = _build(lambda: dj.Net(False, False), _cfg(1))
+    eng.dckpt.keep_last = 2
+    dckpt.save({"best": torch.arange(4.0)}, os.path.join(root, "best"))
+    for _ in range(3):
+        _train(eng, 1)
+        eng.save_checkpoint(root)
+    torch.distributed.barrier()
+    return None if os.path.isdir(os.path.join(root, "best")) else \
+        f"keep_last removed {root}/best (left {sorted(os.listdir(root))})"
+
+
+def keep_last_spares_latest(root, r):
+    """global_step1 saved (latest names it), then evaluation snapshots saved with
+    save_latest=False under keep_last=2: the tag ``latest`` names is never removed
+    (stock tools and a stock load follow ``latest``), and load_checkpoint(tag=None)
+    resumes what ``latest`` names, not an evaluation snapshot saved with
+    save_latest=False."""
+    eng = _build(lambda: dj.Net(False, False), _cfg(1))
+    eng.dckpt.keep_last = 2
+    _train(eng, 1)
+    eng.save_checkpoint(root)
+    ref = _full(eng)
+    problems = []
+    for i in range(2):
+        _train(eng, 1, start=1 + i)
+        eng.save_checkpoint(root, tag=f"eval{i}", save_latest=False)
+    torch.distributed.barrier()
+    latest = open(os.path.join(root, "latest")).read()
+    if not os.path.isdir(os.path.join(root, latest)):
+        problems.append(f"keep_last removed {latest!r}, the tag latest names "
+                        f"(left {sorted(os.listdir(root))})")
+    fresh = _build(lambda: dj.Net(False, False), _cfg(1))
+    path, _ = fresh.load_checkpoint(root)
+    if path is None or os.path.basename(path) != latest:
+        problems.append(f"tag=None loaded {path}, latest names {latest!r}")
+    return "; ".join(problems) or None
+
+
+def hostile_tags(root, r):
+    """Tags that cannot be folder names (300 characters, a NUL, a newline): a
+    CheckpointError naming the tag on every rank, never a raw OSError / ValueError."""
+    eng = _build(lambda: dj.Net(False, False), _cfg(1))
+    problems = []
+    for tag in ("x" * 300, "a\x00b", "step\n3"):
+        e = _raised(lambda: eng.save_checkpoint(root, tag=tag))
+        if e is None:
+            if "\n" in tag:
+                continue  # a newline is a legal name; then it must load back by that tag
+            problems.append(f"tag {tag[:12]!r}: saved")
+        elif not isinstance(e, CheckpointError) or _raw(e):
+            problems.append(f"tag {tag[:12]!r}: {type(e).__name__}: {str(e)[:160]}")
+    return "; ".join(problems) or None
+
+
+def damaged_meta(root, r):
+    """A manifest whose deepspeed.meta record was edited (hand-made or damaged, then
+    re-sealed so its checksum matches): a CheckpointError naming the record, never a raw
+    KeyError / TypeError (wrapped or not)."""
+    import json
+
+    from dckpt.format import sealed
+
+    eng = _build(lambda: dj.Net(False, False), _cfg(2))
+    _train(eng, 1)
+    problems = []
+    edits = {"no_params": lambda m: m.pop("params"),
+             "steps_str": lambda m: m.__setitem__("steps", "x"),
+             "groups_int": lambda m: m.__setitem__("groups", 3),
+             "counter_str": lambda m: m.__setitem__("global_steps", "many"),
+             "state_keys_none": lambda m: m.__setitem__("state_keys", None)}
+    for name, edit in edits.items():
+        d = os.path.join(root, name)
+        eng.save_checkpoint(d, tag="t")
+        torch.distributed.barrier()
+        if r == 0:
+            mp = os.path.join(d, "t", "manifest.json")
+            raw = open(mp, "rb").read()
+            doc = json.loads(raw)
+            meta = json.loads(doc["values"]["deepspeed.meta"])
+            edit(meta)
+            doc["values"]["deepspeed.meta"] = json.dumps(meta)
+            open(mp, "wb").write(sealed.seal(doc))
+        torch.distributed.barrier()
+        fresh = _build(lambda: dj.Net(False, False), _cfg(2))
+        e = _raised(lambda: fresh.load_checkpoint(d, tag="t"))
+        if e is None:
+            problems.append(f"{name}: loaded")
+        elif not isinstance(e, CheckpointError) or _raw(e):
+            problems.append(f"{name}: {type(e).__name__}: {str(e)[-160:]}")
+        if r == 0:
+            say(f"DEBUG {name}: {type(e).__name__}: {str(e)[-300:]}")
+    return "; ".join(problems) or None
+
+
+def client_per_rank_z3(root, r):
+    """ZeRO-3: each rank saves its own client_state tensor (its data shard position),
+    as stock ZeRO-3 stores one model-states file per rank: each rank gets its own back,
+    or the save refuses the disagreement; never rank 0's value on every rank."""
+    eng = _build(lambda: dj.Net(False, False), _cfg(3))
+    _train(eng, 1)
+    e = _raised(lambda: eng.save_checkpoint(root, tag="t",
+                                            client_state={"pos": torch.tensor([10 + r])}))
+    if e is not None:
+        return None if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+    fresh = _build(lambda: dj.Net(False, False), _cfg(3))
+    _, cs = fresh.load_checkpoint(root, tag="t")
+    got = int(cs["pos"][0])
+    return None if got == 10 + r else f"rank {r} got pos {got}, saved {10 + r}"
+
+
 SCENARIOS = {f.__name__: f for f in (
     sgd_momentum, unused_param_stage0, sometimes_param_stage0, regrouped,
     two_groups_resize_save, two_groups_resize_load, trained_then_frozen, other_shapes,
-    zero_size_param)}
+    zero_size_param, keep_last_other_checkpoints, keep_last_spares_latest, hostile_tags,
+    damaged_meta, client_per_rank_z3)}
 
 
 def main() -> None:
