@@ -115,6 +115,9 @@ SCENARIOS = {
     "module_only": "load_module_only / load_optimizer_states=False as DeepSpeed's",
     "stock_tag": "a stock DeepSpeed tag at its own size loads through DeepSpeed's method",
     "none_saved": "nothing saved: (None, None) as stock",
+    "fast_tier": "local_root: committed on the fast tier, copied behind (latest once "
+                 "copied, keep_last over both); loads from the fast tier, from the durable "
+                 "copy when the fast tier is lost, from the fast tier when the copy is",
     "export_llama": "a ZeRO-3 tiny Llama's tag exported by dckpt.export loads with "
                     "from_pretrained, every weight equal, tied weights tied",
 }

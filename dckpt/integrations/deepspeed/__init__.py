@@ -24,6 +24,7 @@ __all__ = ["initialize", "attach", "Checkpointer"]
 
 def initialize(*args: Any, async_save: bool = False, keep_last: int | None = None,
                storage_options: dict | None = None, compression: str | None = None,
+               local_root: str | None = None, keep_last_local: int = 2,
                **kwargs: Any) -> tuple:
     """``deepspeed.initialize(*args, **kwargs)`` (its arguments, unchanged) whose engine
     is :func:`attach`-ed with dckpt's options; returns the same tuple. Collective (as
@@ -33,5 +34,6 @@ def initialize(*args: Any, async_save: bool = False, keep_last: int | None = Non
 
     out = deepspeed.initialize(*args, **kwargs)
     attach(out[0], async_save=async_save, keep_last=keep_last,
-           storage_options=storage_options, compression=compression)
+           storage_options=storage_options, compression=compression,
+           local_root=local_root, keep_last_local=keep_last_local)
     return out

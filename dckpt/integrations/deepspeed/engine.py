@@ -91,7 +91,8 @@ class Checkpointer:
     """dckpt's save and load for one engine (see :func:`attach`)."""
 
     def __init__(self, engine: Any, *, async_save: bool = False, keep_last: int | None = None,
-                 storage_options: dict | None = None, compression: str | None = None) -> None:
+                 storage_options: dict | None = None, compression: str | None = None,
+                 local_root: str | None = None, keep_last_local: int = 2) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or isinstance(
                 keep_last, bool) or keep_last < 1):
             raise CheckpointError(f"keep_last must be a positive int or None, got {keep_last!r}")
@@ -100,6 +101,23 @@ class Checkpointer:
         self.storage_options = storage_options
         self.committer = Committer(storage_options, async_save, compression,
                                    markers=(LATEST,))
+        self.tier = None
+        if local_root is not None:  # the fast tier: commit on each node, copy behind
+            from ..common.fast import Rotation
+            from ..common.tier import LocalTier
+
+            if isinstance(keep_last_local, bool) or not isinstance(keep_last_local, int) \
+                    or keep_last_local < 1:
+                raise CheckpointError(f"keep_last_local must be an int >= 1, got "
+                                      f"{keep_last_local!r}")
+            self.tier = LocalTier(local_root, keep_last_local, storage_options, compression)
+            self.tier.adopt = ()
+            self.rotation = Rotation()
+            self._landed_dir: dict[str, str] = {}
+            import weakref
+
+            me = weakref.ref(self)  # the tier's copy thread outlives nothing of ours
+            self.tier.landed = lambda final: (me() or _Gone).landed(final)
         self.stock_save = engine.save_checkpoint
         self.stock_load = engine.load_checkpoint
 
@@ -125,6 +143,9 @@ class Checkpointer:
             f"rank {comm.rank} saves tag {tag!r}, rank 0 {first!r}: every rank must pass "
             "the same tag"), "check the tag")
         final = place.join(save_dir, tag)
+        if self.tier is not None:
+            return self._save_fast(save_dir, final, tag, client_state, save_latest,
+                                   exclude_frozen_parameters)
         opt = eng.optimizer
         prologue = getattr(opt, "checkpoint_event_prologue", None)
         if prologue is not None:
@@ -145,6 +166,52 @@ class Checkpointer:
             if epilogue is not None:
                 epilogue()
         return True
+
+    def _save_fast(self, save_dir: str, final: str, tag: str, client_state: dict,
+                   save_latest: bool, exclude_frozen: bool) -> bool:
+        """A save with ``local_root``: committed on each node's fast tier (a
+        synchronous save: before returning), copied to ``save_dir/<tag>`` in the
+        background (``latest`` written once the copy lands); ``keep_last`` counts the
+        names committed either way. Collective."""
+        from ..common import fast
+
+        eng, comm = self.engine, Comm()
+        self.rotation.flush()
+        fast.check_name(self.committer, final)
+        opt = eng.optimizer
+        prologue = getattr(opt, "checkpoint_event_prologue", None)
+        if prologue is not None:
+            prologue()
+        try:
+            err, tree = None, None
+            try:
+                tree = build(view(eng), client_state=client_state,
+                             exclude_frozen=exclude_frozen, tag=tag)
+            except CheckpointError as e:
+                err = e
+            agree(comm, err, f"save the DeepSpeed checkpoint {final}")
+            if save_latest:
+                self._landed_dir[place.durable_name(final)] = tag
+            fast.save(self.tier, self.committer, tree, final, int(eng.global_steps))
+        finally:
+            epilogue = getattr(opt, "checkpoint_event_epilogue", None)
+            if epilogue is not None:
+                epilogue()
+        if self.keep_last is not None:
+            self.rotation.after_save(self.committer.async_save, self.tier, save_dir, ANY,
+                                     place.durable_name(final), self.keep_last,
+                                     self.storage_options)
+        return True
+
+    def landed(self, final: str) -> None:
+        """The fast tier's copy thread (every rank), ``final`` placed durably: rank 0
+        points ``latest`` at it (never at a tag not yet copied)."""
+        tag = self._landed_dir.pop(final, None)
+        if tag is not None and Comm().rank == 0:
+            try:
+                _write_latest(final.rsplit("/", 1)[0], tag, self.storage_options)
+            except OSError as e:  # the tag is there; DeepSpeed's tools read latest only
+                log.warning("could not write %s/latest: %s", final.rsplit("/", 1)[0], e)
 
     def _after(self, save_dir: str, final: str, tag: str, save_latest: bool) -> None:
         """Rank 0, once the tag is committed and placed: ``latest``, then rotation."""
@@ -179,6 +246,8 @@ class Checkpointer:
                         load_lr_scheduler_states=load_lr_scheduler_states,
                         load_module_only=load_module_only)
         opts = self.storage_options
+        if self.tier is not None:
+            return self._load_fast(load_dir, tag, what)
         if tag is not None:
             path = place.join(load_dir, str(tag))
             k = resolve.listed(lambda: place.kind(path, opts), f"look at {path}")
@@ -200,8 +269,33 @@ class Checkpointer:
         return resolve.load_newest(names, lambda p: self._load(p, what, load_dir),
                                    "DeepSpeed checkpoint")
 
-    def _load(self, path: str, what: What, load_dir: str) -> dict:
-        client = load_tag(view(self.engine), path, what, self.storage_options)
+    def _load_fast(self, load_dir: str, tag: Any, what: What) -> tuple:
+        """A load with ``local_root``: the newest committed tag, from this node's fast
+        tier when it holds it (else its durable copy), falling back past a damaged one
+        (``tag``: that one only). Collective."""
+        from ..common import fast
+
+        self.rotation.flush()
+        if tag is not None:
+            choices = fast.one(self.tier, place.join(load_dir, str(tag)), self.storage_options)
+        else:
+            choices, _ = fast.candidates(self.tier, load_dir, ANY, self.storage_options)
+        if not choices:
+            log.warning("no committed checkpoint in %s", load_dir)
+            return None, None
+        by = {c.shown(): c for c in choices}
+        shown, client = resolve.load_newest(
+            list(by), lambda k: self._load(by[k].path, what, load_dir, by[k].manifest_name),
+            "DeepSpeed checkpoint")
+        return by[shown].name, client
+
+    def _load(self, path: str, what: What, load_dir: str,
+              manifest_name: str | None = None) -> dict:
+        client = load_tag(view(self.engine), path, what,
+                          None if manifest_name else self.storage_options,
+                          manifest_name=manifest_name)
+        if manifest_name is not None:
+            return client
         stamp = resolve.listed(lambda: place.stamp(path, self.storage_options),
                                f"read {path}'s manifest")
         newest = resolve.listed(lambda: resolve.newest_time(load_dir, ANY, self.storage_options),
@@ -211,9 +305,19 @@ class Checkpointer:
         return client
 
     def wait(self) -> None:
-        """Wait for the asynchronous save in flight and raise its error on every rank.
-        Collective when one is in flight."""
+        """Wait for the asynchronous save in flight and raise its error on every rank
+        (with ``local_root``: its local commit, then every durable copy queued: a failed
+        copy is logged, that tag stays local). Collective when one is in flight."""
         self.committer.finish()
+        if self.tier is not None:
+            self.rotation.flush()
+            self.tier.drain()
+
+
+class _Gone:
+    @staticmethod
+    def landed(final: str) -> None:
+        return None
 
 
 def _read_latest(load_dir: str, opts: dict | None) -> str | None:
@@ -229,7 +333,8 @@ def _read_latest(load_dir: str, opts: dict | None) -> str | None:
 
 
 def attach(engine: Any, *, async_save: bool = False, keep_last: int | None = None,
-           storage_options: dict | None = None, compression: str | None = None) -> Any:
+           storage_options: dict | None = None, compression: str | None = None,
+           local_root: str | None = None, keep_last_local: int = 2) -> Any:
     """Make ``engine`` (built by ``deepspeed.initialize``, the Trainer or Accelerate)
     save and load dckpt checkpoints: its ``save_checkpoint`` and ``load_checkpoint``
     are replaced by dckpt's, same signatures and return values (the originals stay as
@@ -242,7 +347,8 @@ def attach(engine: Any, *, async_save: bool = False, keep_last: int | None = Non
     _refusals(engine)
     view(engine)  # refuses a layout it does not know, now rather than at the first save
     ck = Checkpointer(engine, async_save=async_save, keep_last=keep_last,
-                      storage_options=storage_options, compression=compression)
+                      storage_options=storage_options, compression=compression,
+                      local_root=local_root, keep_last_local=keep_last_local)
 
     @functools.wraps(ck.save_checkpoint)
     def save_checkpoint(save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006

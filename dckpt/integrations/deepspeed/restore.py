@@ -73,7 +73,7 @@ def _check_names(v: View, meta: dict, strict: bool, optim: bool) -> None:
 
 
 def load_tag(v: View, path: str, what: What, storage_options: dict | None = None,
-             root: str = "") -> dict:
+             root: str = "", manifest_name: str | None = None) -> dict:
     """Restore the tag at ``path`` into ``v``'s engine (``root``: the tree key the tag
     is nested under in a framework's checkpoint, whose RNG is the framework's; "" for a
     tag of its own); returns the saved
@@ -115,7 +115,7 @@ def load_tag(v: View, path: str, what: What, storage_options: dict | None = None
     # cast: a stage or precision change stores buffers and frozen weights in another
     # floating dtype (ZeRO-3 casts them with the model, ZeRO-1/2 do not)
     dckpt_load(state, path, storage_options=storage_options, extra=extra, strict=False,
-               cast=True)
+               cast=True, manifest_name=manifest_name)
     if root:
         state = state[root]
     meta = box["meta"]

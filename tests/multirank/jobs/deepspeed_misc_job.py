@@ -234,7 +234,61 @@ def export_llama(root, r):
     return None
 
 
-SCENARIOS = {f.__name__: f for f in (export_llama, async_values, keep_last, damaged, other_model, excluded,
+def _raw(case: str, **options):
+    """A fresh engine attached with ``options`` (dj.engine attaches with none)."""
+    import deepspeed
+
+    c = dj.parse(case)
+    cfg = dj.config(c)
+    torch.manual_seed(0)
+    m = dj.Net(c["frozen"], c["tied"])
+    eng, *_ = deepspeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)
+    return dds.attach(eng, **options), c
+
+
+def fast_tier(root, r):
+    """local_root: each save commits on the node's fast tier and is copied to the
+    durable folder behind (latest once copied; keep_last over both); a load takes the
+    newest tag from the fast tier, or its durable copy when the fast tier lost it, or
+    the fast tier's when the durable copy is gone."""
+    import shutil
+
+    local, ck = os.path.join(root, "local"), os.path.join(root, "ck")
+    eng, c = _raw("z2-fp32", local_root=local, keep_last=2)
+    refs = {}
+    for x in dj.batches(c)[:3]:
+        dj.step(eng, x)
+        eng.save_checkpoint(ck, client_state={"at": eng.global_steps})
+        refs[eng.global_steps] = dj.full(eng, 2)
+    eng.dckpt.wait()
+    torch.distributed.barrier()
+    names = sorted(n for n in os.listdir(ck) if not n.startswith("."))
+    latest = open(os.path.join(ck, "latest")).read()
+    if names != ["global_step2", "global_step3", "latest"] or latest != "global_step3":
+        return f"durable: {names} latest={latest}"
+    fresh, _ = _raw("z2-fp32", local_root=local)
+    path, cs = fresh.load_checkpoint(ck)
+    if cs.get("at") != 3 or _same(refs[3], dj.full(fresh, 2)):
+        return f"fast tier load: {path} {cs}"
+    torch.distributed.barrier()
+    if r == 0:
+        shutil.rmtree(os.path.join(ck, "global_step3"))  # the durable copy lost
+    torch.distributed.barrier()
+    other, _ = _raw("z2-fp32", local_root=local)
+    path, cs = other.load_checkpoint(ck)
+    if cs.get("at") != 3 or _same(refs[3], dj.full(other, 2)):
+        return f"after the durable copy was lost: {path} {cs}"
+    torch.distributed.barrier()
+    shutil.rmtree(local, ignore_errors=True)  # every node lost its fast tier
+    torch.distributed.barrier()
+    last, _ = _raw("z2-fp32", local_root=local)
+    path, cs = last.load_checkpoint(ck)
+    if cs.get("at") != 2 or _same(refs[2], dj.full(last, 2)):
+        return f"after the fast tier was lost: {path} {cs}"
+    return None
+
+
+SCENARIOS = {f.__name__: f for f in (fast_tier, export_llama, async_values, keep_last, damaged, other_model, excluded,
                                      client_value, refusals, round_robin, module_only,
                                      stock_tag, none_saved)}
 

@@ -480,11 +480,214 @@ def client_per_rank_z3(root, r):
     return None if got == 10 + r else f"rank {r} got pos {got}, saved {10 + r}"
 
 
+def rewind_clock_behind(root, r):
+    """global_step1..3 saved; global_step1 loaded (a rewind), training goes on on a host
+    whose clock is an hour behind, global_step2 saved again with other state: tag=None
+    then loads the new global_step2 (the run's newest), exactly."""
+    eng = _build(lambda: dj.Net(False, False), _cfg(2))
+    for i in range(3):
+        _train(eng, 1, start=i)
+        eng.save_checkpoint(root)
+    back = _build(lambda: dj.Net(False, False), _cfg(2))
+    back.load_checkpoint(root, tag="global_step1")
+    real = time.time
+    time.time = lambda: real() - 3600.0
+    try:
+        _train(back, 1, start=5)  # another batch: another branch
+        back.save_checkpoint(root)
+        ref = _full(back)
+        fresh = _build(lambda: dj.Net(False, False), _cfg(2))
+        path, _ = fresh.load_checkpoint(root)
+    finally:
+        time.time = real
+    if os.path.basename(path) != "global_step2":
+        return f"tag=None loaded {path}"
+    bad = _same(ref, _full(fresh))
+    return f"global_step2 is not the re-saved one: differ {bad}" if bad else None
+
+
+def zero3_knobs(root, r):
+    """ZeRO-3 with several sub-groups per param group (sub_group_size 16), with
+    stage3_param_persistence_threshold 0 and 10**6, AdamW, 2 param groups: saved at 2
+    ranks for the 3-rank and ZeRO-2 loads (zero3_knobs_load)."""
+    for thr in (0, 10 ** 6):
+        cfg = _cfg(3, sub_group_size=16, stage3_param_persistence_threshold=thr)
+        eng = _build(lambda: dj.Net(True, False), cfg, groups_fn=_two_groups)
+        _train(eng, 3)
+        d = os.path.join(root, f"t{thr}")
+        eng.save_checkpoint(d, tag="t")
+        full = _full(eng)
+        if r == 0:
+            torch.save(full, os.path.join(d, "ref.pt"))
+        torch.distributed.barrier()
+    return None
+
+
+def zero3_knobs_load(root, r):
+    src = os.path.join(os.path.dirname(root), "zero3_knobs")
+    problems = []
+    for thr in (0, 10 ** 6):
+        ref = torch.load(os.path.join(src, f"t{thr}", "ref.pt"), weights_only=False)
+        for stage, knobs in ((3, dict(sub_group_size=7, stage3_param_persistence_threshold=thr)),
+                             (2, {})):
+            eng = _build(lambda: dj.Net(True, False), _cfg(stage, **knobs),
+                         groups_fn=_two_groups)
+            eng.load_checkpoint(os.path.join(src, f"t{thr}"), tag="t")
+            bad = _same(ref, _full(eng))
+            if bad:
+                problems.append(f"thr {thr} -> z{stage}: differ {bad}")
+            _train(eng, 1, start=3)
+    return "; ".join(problems) or None
+
+
+def offload_optimizer(root, r):
+    """offload_optimizer to the CPU (torch Adam, zero_force_ds_cpu_optimizer false) at
+    ZeRO-2 and ZeRO-3: the round trip is exact and a load at ZeRO-1 without offload
+    too."""
+    problems = []
+    for stage in (2, 3):
+        cfg = _cfg(stage, offload_optimizer={"device": "cpu"})
+        cfg["zero_force_ds_cpu_optimizer"] = False
+        d = os.path.join(root, f"z{stage}")
+        e = _raised(lambda: _build(lambda: dj.Net(False, False), cfg))
+        if e is not None:
+            problems.append(f"z{stage} attach/initialize raised {type(e).__name__}: {e}")
+            continue
+        eng = _build(lambda: dj.Net(False, False), cfg)
+        _train(eng, 3)
+        eng.save_checkpoint(d, tag="t")
+        ref = _full(eng)
+        for cf in (cfg, _cfg(1)):
+            fresh = _build(lambda: dj.Net(False, False), cf)
+            fresh.load_checkpoint(d, tag="t")
+            bad = _same(ref, _full(fresh))
+            if bad:
+                problems.append(f"z{stage} -> {cf['zero_optimization']}: differ {bad}")
+    return "; ".join(problems) or None
+
+
+def adagrad(root, r):
+    """A client torch Adagrad (its state made eagerly, step per parameter) at stages
+    0-3: saved after 2 steps, loaded by a fresh engine of the same stage: the sums and
+    steps as saved."""
+    problems = []
+    for stage in (0, 1, 2, 3):
+        cfg = _cfg(stage)
+        cfg.pop("optimizer")
+        cfg["zero_allow_untested_optimizer"] = True
+        mk = lambda ps: torch.optim.Adagrad(ps, lr=0.05)  # noqa: E731
+        d = os.path.join(root, f"z{stage}")
+        try:
+            eng = _build(lambda: dj.Net(False, False), cfg, optimizer_fn=mk)
+        except Exception as e:  # noqa: BLE001
+            problems.append(f"z{stage} initialize raised {type(e).__name__}: {str(e)[:120]}")
+            continue
+        _train(eng, 2)
+        e = _raised(lambda: eng.save_checkpoint(d, tag="t"))
+        if e is not None:
+            problems.append(f"z{stage} save raised {type(e).__name__}: {str(e)[:200]}")
+            continue
+        inner = eng.optimizer if stage == 0 else eng.optimizer.optimizer
+        want = sorted(float(s["sum"].double().sum()) for s in inner.state.values() if "sum" in s)
+        fresh = _build(lambda: dj.Net(False, False), cfg, optimizer_fn=mk)
+        e = _raised(lambda: fresh.load_checkpoint(d, tag="t"))
+        if e is not None:
+            problems.append(f"z{stage} load raised {type(e).__name__}: {str(e)[:200]}")
+            continue
+        inner = fresh.optimizer if stage == 0 else fresh.optimizer.optimizer
+        got = sorted(float(s["sum"].double().sum()) for s in inner.state.values() if "sum" in s)
+        if got != want:
+            problems.append(f"z{stage} sums {got[:3]} != {want[:3]}")
+    return "; ".join(problems) or None
+
+
+def async_fail_destroy(root, r):
+    """An asynchronous save that fails (an OSError at the write on rank 1), then
+    engine.destroy(): the failure is raised (as a CheckpointError) and the engine is
+    destroyed all the same (DeepSpeed's destroy ran)."""
+    eng = _build(lambda: dj.Net(False, False), _cfg(2))
+    eng.dckpt.committer.async_save = True
+    _train(eng, 1)
+    ran = []
+    stock = type(eng).destroy
+    os.environ["DCKPT_FAULT"] = "write:1:raise"
+    try:
+        eng.save_checkpoint(root, tag="t")
+    finally:
+        os.environ.pop("DCKPT_FAULT", None)
+    type(eng).destroy = lambda self, *a, **k: (ran.append(1), stock(self, *a, **k))[1]
+    try:
+        # attach captured the bound method before the patch: patch what it calls
+        e = _raised(lambda: eng.destroy())
+    finally:
+        type(eng).destroy = stock
+    problems = []
+    if not isinstance(e, CheckpointError):
+        problems.append(f"destroy raised {type(e).__name__}: {e}")
+    return "; ".join(problems) or None
+
+
+def trained_engine_no_step_tag(root, r):
+    """A tag saved before the first step, loaded into an engine that has trained 2
+    steps (ZeRO-2): the optimizer state is gone (as saved), and after one more step
+    DeepSpeed's own view of it (safe_get_full_optimizer_state) is the optimizer's new
+    state, not the stale pre-load tensors."""
+    eng = _build(lambda: dj.Net(False, False), _cfg(2))
+    eng.save_checkpoint(root, tag="t0")
+    other = _build(lambda: dj.Net(False, False), _cfg(2))
+    _train(other, 2)
+    other.load_checkpoint(root, tag="t0")
+    if other.optimizer.optimizer.state:
+        return "optimizer state kept after loading a tag that has none"
+    _train(other, 1, start=4)
+    _train(eng, 1, start=4)
+    bad = []
+    for (n, p), (_, q) in zip(other.module.named_parameters(), eng.module.named_parameters()):
+        for k in ("exp_avg", "exp_avg_sq"):
+            a, b = safe_get_full_optimizer_state(p, k), safe_get_full_optimizer_state(q, k)
+            if not torch.equal(a, b):
+                bad.append(f"{n}.{k}")
+    return f"stale DeepSpeed optimizer-state links: {bad}" if bad else None
+
+
+def resave_same_tag(root, r):
+    """The same tag saved twice with different state (the second after 2 more steps):
+    the tag holds the second state; nothing of the first remains."""
+    eng = _build(lambda: dj.Net(False, False), _cfg(2))
+    _train(eng, 1)
+    eng.save_checkpoint(root, tag="same")
+    _train(eng, 2, start=1)
+    eng.save_checkpoint(root, tag="same")
+    ref = _full(eng)
+    fresh = _build(lambda: dj.Net(False, False), _cfg(2))
+    fresh.load_checkpoint(root, tag="same")
+    bad = _same(ref, _full(fresh))
+    extra = sorted(n for n in os.listdir(os.path.join(root, "same")) if n.startswith("data-"))
+    return (f"differ {bad}" if bad else None) or None
+
+
+def newer_stock_tag(root, r):
+    """dckpt tag global_step1, then a stock DeepSpeed save global_step2 (the
+    integration was off for a while; stock writes latest=global_step2): tag=None loads
+    global_step2 (what latest names, the newest), not the older dckpt tag."""
+    eng = _build(lambda: dj.Net(False, False), _cfg(2))
+    _train(eng, 1)
+    eng.save_checkpoint(root)
+    _train(eng, 1, start=1)
+    eng.dckpt.stock_save(root)
+    fresh = _build(lambda: dj.Net(False, False), _cfg(2))
+    path, _ = fresh.load_checkpoint(root)
+    return None if path and "global_step2" in path else \
+        f"tag=None loaded {path}; latest names global_step2 (stock, newer)"
+
+
 SCENARIOS = {f.__name__: f for f in (
     sgd_momentum, unused_param_stage0, sometimes_param_stage0, regrouped,
     two_groups_resize_save, two_groups_resize_load, trained_then_frozen, other_shapes,
     zero_size_param, keep_last_other_checkpoints, keep_last_spares_latest, hostile_tags,
-    damaged_meta, client_per_rank_z3)}
+    damaged_meta, client_per_rank_z3, rewind_clock_behind, zero3_knobs, zero3_knobs_load,
+    offload_optimizer, adagrad, async_fail_destroy, trained_engine_no_step_tag,
+    resave_same_tag, newer_stock_tag)}
 
 
 def main() -> None:
