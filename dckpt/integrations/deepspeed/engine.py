@@ -80,6 +80,56 @@ def _write_latest(save_dir: str, tag: str, storage_options: dict | None) -> None
         raise
 
 
+def _check_tag(tag: str) -> None:
+    """Raise CheckpointError unless ``tag`` is a plain folder name on every platform."""
+    bad = [c for c in ("/", "\\", "\x00", ":") if c in tag]
+    if not tag or bad or tag.startswith(".") or tag == LATEST or len(tag.encode()) > 255 \
+            or tag != tag.strip():
+        raise CheckpointError(
+            f"tag {tag[:80]!r} is not a usable folder name: a tag is one plain name (no "
+            "'/', '\\', ':', NUL, leading '.' or spaces around it, at most 255 bytes, "
+            "not 'latest')")
+
+
+def _tags(load_dir: str, opts: dict | None) -> list[tuple[str, float, bool]]:
+    """(path, commit time, saved with save_latest) of every committed DeepSpeed tag of
+    ``load_dir``, oldest commit first; dckpt checkpoints that are not DeepSpeed tags
+    (another save into the same folder) are left out. Blocking I/O: a listing and a
+    manifest read per checkpoint."""
+    import json
+
+    from .tree import META
+
+    out = []
+    for c in resolve.committed_in(load_dir, ANY, opts):
+        try:
+            raw = place.read_manifest(c.path, opts).values.get(META)
+            meta = json.loads(raw) if isinstance(raw, str) else None
+        except Exception:  # noqa: BLE001 - damaged: kept, its load reports it
+            meta = {}
+        if meta is None or not isinstance(meta, dict):
+            continue
+        out.append((c.path, c.created, meta.get("save_latest", True) is not False))
+    return out
+
+
+def _stock_newer(load_dir: str, newest: float | None) -> str | None:
+    """The stock tag ``latest`` names, when it is newer than ``newest`` (the newest
+    dckpt tag's commit time; None: there is none): DeepSpeed's own save wrote it last.
+    Local I/O: ``latest`` and a listing of the tag."""
+    name = _read_latest(load_dir, None)
+    if not name or place.is_url(load_dir):
+        return None
+    path = place.join(load_dir, name)
+    if not _stock_tag(path):
+        return None
+    try:
+        written = max(os.path.getmtime(os.path.join(path, n)) for n in os.listdir(path))
+    except (OSError, ValueError):
+        return None
+    return name if newest is None or written > newest else None
+
+
 def _stock_tag(path: str) -> bool:
     """Whether ``path`` is a stock DeepSpeed tag folder (its pickles, no manifest)."""
     if place.is_url(path) or not os.path.isdir(path):
@@ -134,8 +184,7 @@ class Checkpointer:
             raise ValueError("save_checkpoint: save_dir is empty")
         eng = self.engine
         tag = f"global_step{eng.global_steps}" if tag is None else str(tag)
-        if not tag or "/" in tag or tag.startswith(".") or tag == LATEST:
-            raise CheckpointError(f"tag {tag!r} is not a usable folder name")
+        _check_tag(tag)
         comm = Comm()
         self.committer.finish()
         first = broadcast_json(comm, tag)
@@ -154,7 +203,8 @@ class Checkpointer:
             err, tree = None, None
             try:
                 tree = build(view(eng), client_state=client_state,
-                             exclude_frozen=exclude_frozen_parameters, tag=tag)
+                             exclude_frozen=exclude_frozen_parameters, tag=tag,
+                             save_latest=save_latest)
             except CheckpointError as e:
                 err = e
             agree(comm, err, f"save the DeepSpeed checkpoint {final}")
@@ -186,7 +236,7 @@ class Checkpointer:
             err, tree = None, None
             try:
                 tree = build(view(eng), client_state=client_state,
-                             exclude_frozen=exclude_frozen, tag=tag)
+                             exclude_frozen=exclude_frozen, tag=tag, save_latest=save_latest)
             except CheckpointError as e:
                 err = e
             agree(comm, err, f"save the DeepSpeed checkpoint {final}")
@@ -219,8 +269,16 @@ class Checkpointer:
             _faults.fault("latest", 0)  # crash tests: placed, ``latest`` not yet written
             _write_latest(save_dir, tag, self.storage_options)
         if self.keep_last is not None:
-            got = resolve.committed_in(save_dir, ANY, self.storage_options)
-            for old in to_remove(got, self.keep_last, final):
+            # DeepSpeed tags only (never another checkpoint saved into the folder), and
+            # never the one ``latest`` names (what stock tools and tag=None resume)
+            from ..common.rotation import Committed
+
+            latest = _read_latest(save_dir, self.storage_options)
+            held = place.join(save_dir, latest) if latest else None
+            got = [Committed(p, t) for p, t, _ in _tags(save_dir, self.storage_options)]
+            keep = held is not None and held != final and any(c.path == held for c in got)
+            pool = [c for c in got if not (keep and c.path == held)]
+            for old in to_remove(pool, max(1, self.keep_last - int(keep)), final):
                 _faults.fault("rotate", 0)
                 log.info("keep_last=%d: removing %s", self.keep_last, old)
                 place.remove_whole(old, self.storage_options)
@@ -257,14 +315,19 @@ class Checkpointer:
                 log.warning("no checkpoint at %s", path)
                 return None, None
             return path, self._load(path, what, load_dir)
-        names = resolve.listed(lambda: [c.path for c in resolve.committed_in(
-            load_dir, ANY, opts)], f"list {load_dir}")
+        def look() -> list:
+            tags = _tags(load_dir, opts)
+            # tag=None resumes what a run saved as its latest: evaluation snapshots
+            # saved with save_latest=False are passed over (as stock's ``latest``)
+            names = [p for p, _, latest in tags if latest]
+            newest = max((t for p, t, latest in tags if latest), default=None)
+            return [names, _stock_newer(load_dir, newest), len(tags)]
+        names, stock, found = resolve.listed(look, f"list {load_dir}")
+        if stock is not None:  # DeepSpeed's own save wrote the newest tag (latest names it)
+            return self.stock_load(load_dir, None, **stock_kw)
         if not names:
-            latest = resolve.listed(lambda: _read_latest(load_dir, opts), f"read {load_dir}/latest")
-            if latest and resolve.listed(lambda: _stock_tag(place.join(load_dir, latest)),
-                                         "look at the stock tag"):
-                return self.stock_load(load_dir, None, **stock_kw)
-            log.warning("no committed checkpoint in %s", load_dir)
+            log.warning("no committed checkpoint in %s%s", load_dir,
+                        f" saved with save_latest=True ({found} without)" if found else "")
             return None, None
         return resolve.load_newest(names, lambda p: self._load(p, what, load_dir),
                                    "DeepSpeed checkpoint")

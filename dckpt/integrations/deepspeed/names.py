@@ -31,20 +31,31 @@ def weights(values: dict[str, Any], tensors: dict[str, Any],
     except (ValueError, KeyError, TypeError):
         return None
     out = []
-    for prefix, shapes in (("master.", {n: s for n, s in params.items()}),
-                           ("frozen.", {n: s[0] for n, s in frozen.items()})):
+    try:  # an untrusted record: every shape a list of ints, or a clear error
+        shaped = [("master.", {n: _dims(s) for n, s in params.items()}),
+                  ("frozen.", {n: _dims(s[0]) for n, s in frozen.items()})]
+    except (TypeError, KeyError, IndexError, ValueError) as e:
+        raise ValueError(f"its {META} record has a malformed shape ({e})") from None
+    for prefix, shapes in shaped:
         for name, shape in shapes.items():
             key = head + prefix + name
             e = tensors.get(key)
             if e is None:
                 continue  # a frozen parameter saved with exclude_frozen_parameters
-            shape = tuple(int(x) for x in shape)
             if math.prod(shape) != math.prod(e.shape):
                 raise ValueError(f"{key}: {list(e.shape)} stored, the record says {list(shape)}")
             out.append((key, name, shape))
     for name in buffers:
+        if not isinstance(name, str):
+            raise ValueError(f"its {META} record names a buffer {name!r}")
         key = head + "buffers." + name
         e = tensors.get(key)
         if e is not None:
             out.append((key, name, tuple(e.shape)))
     return out
+
+
+def _dims(shape: Any) -> tuple[int, ...]:
+    if not isinstance(shape, list) or not all(type(x) is int and x >= 0 for x in shape):
+        raise ValueError(f"{shape!r} is not a list of sizes")
+    return tuple(shape)

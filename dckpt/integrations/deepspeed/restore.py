@@ -37,8 +37,8 @@ def _check_names(v: View, meta: dict, strict: bool, optim: bool) -> None:
     here = set(v.params) | set(v.frozen)
     saved = set(meta["params"]) | set(meta["frozen"])
     unexpected = sorted(saved - here - set(v.aliases))
-    frozen_now_trained = sorted(n for n in v.params if n not in meta["params"]
-                                and n in meta["frozen"])
+    frozen_now_trained = sorted(n for n, p in v.params.items() if p.numel
+                                and n not in meta["params"] and n in meta["frozen"])
     if frozen_now_trained:
         raise StateMismatchError(
             f"parameter(s) {frozen_now_trained[:8]} were frozen when saved and are trained "
@@ -56,8 +56,8 @@ def _check_names(v: View, meta: dict, strict: bool, optim: bool) -> None:
                 "load_optimizer_states=False)")
     if not strict:
         return
-    lacking = sorted(n for n in v.frozen if _numel(v.frozen[n])
-                     and n not in set(meta["stored_frozen"]))
+    lacking = sorted(n for n in v.frozen if _numel(v.frozen[n])  # trained when saved: its master
+                     and n not in set(meta["stored_frozen"]) and n not in meta["params"])
     lacking_buf = sorted(n for n in v.buffers if n not in set(meta["buffers"]))
     problems = []
     if unexpected:
@@ -101,7 +101,13 @@ def load_tag(v: View, path: str, what: What, storage_options: dict | None = None
             out["hyper"] = codec.target(m, head + "hyper")
         if what.scheduler and not what.module_only and _has(m, head + "scheduler"):
             out["scheduler"] = codec.target(m, head + "scheduler")
-        out["client"] = codec.target(m, head + "client")
+        # rank r's client_state; beyond the saved ranks rank r mod N's (as the RNG)
+        r = torch.distributed.get_rank()
+        src = r % max(1, int(meta["dp_world_size"]))
+        if not _has(m, f"{head}client.rank{src}"):
+            src = 0  # an imported stock tag: rank 0's, as stock's ZeRO-1/2 load
+        box["client"] = f"rank{src}"
+        out["client"] = {box["client"]: codec.target(m, f"{head}client.rank{src}")}
         if not what.module_only and not root:
             sd, box["rng"] = rng.target(m, torch.distributed.get_rank())
             if sd:
@@ -125,7 +131,7 @@ def load_tag(v: View, path: str, what: What, storage_options: dict | None = None
             for k, val in saved.items():
                 if k != "params":
                     g[k] = val
-    _refresh(v, relink=optim and bool(meta["state_keys"]))
+    _refresh(v, optim, has_state=bool(meta["state_keys"]))
     if not what.module_only:
         eng.global_steps = int(meta["global_steps"])
         eng.global_samples = int(meta["global_samples"])
@@ -135,7 +141,7 @@ def load_tag(v: View, path: str, what: What, storage_options: dict | None = None
         if optim:
             _set_scaler(opt_w, meta.get("loss_scaler", {}))
         rng.apply(box.get("rng"))
-    client = codec.decode(state["client"], "client_state")
+    client = codec.decode(state["client"][box["client"]], "client_state")
     for k in ("global_samples", "ds_version"):
         client.setdefault(k, meta[k])
     return client
@@ -155,15 +161,16 @@ def _set_scaler(opt: Any, saved: dict) -> None:
             setattr(s, k, float(val) if val in ("inf", "-inf", "nan") else val)
 
 
-def _refresh(v: View, relink: bool) -> None:
+def _refresh(v: View, relink: bool, has_state: bool) -> None:
     """DeepSpeed's low-precision copies from the freshly loaded fp32 masters, and the
     optimizer's fragment links to its new state tensors. Collective (ZeRO-1/2's
     all-gather of the partitions; ZeRO-3's gather of persistent parameters)."""
     opt = v.engine.optimizer
     if v.kind in ("zero12", "bf16"):
-        if relink:
+        if relink:  # the state tensors were replaced (or dropped): link them anew
             opt._hp_optimizer_states_linked = False
-            opt._lazy_init_hp_params_optimizer_state()
+            if has_state:
+                opt._lazy_init_hp_params_optimizer_state()
         opt.update_lp_params()
     elif v.kind == "zero3":
         for sg, flat in enumerate(opt.fp32_partitioned_groups_flat):

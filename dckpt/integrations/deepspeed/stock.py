@@ -522,7 +522,8 @@ def import_tag(src_tag_dir: str, dst: str, *, storage_options: dict | None = Non
     if sched is not None:
         tree["scheduler"] = codec.encode(sched, "lr_scheduler")
     try:
-        tree["client"] = codec.encode(client, "client_state")
+        # rank 0's model-states file: what stock's ZeRO-1/2 load gives every rank
+        tree["client"] = {"rank0": codec.encode(client, "client_state")}
     except UnsupportedValueError as e:
         raise UnsupportedValueError(f"{m0path}: {e}") from None
     tree["hyper"] = codec.encode([{k: v for k, v in g.items() if k != "params"} for g in hyper],
@@ -530,6 +531,7 @@ def import_tag(src_tag_dir: str, dst: str, *, storage_options: dict | None = Non
     params = {n: list(s) for grp in pshapes for n, s in grp}
     meta = {
         "format": FORMAT, "tag": os.path.basename(dst.rstrip("/")), "kind": kind,
+        "save_latest": True,
         "zero_stage": stage, "dp_world_size": world,
         "ds_version": str(ms0.get("ds_version", "")),
         "global_steps": _int(ms0.get("global_steps", 0), "global_steps", m0path),

@@ -90,8 +90,9 @@ def _states(v: View) -> tuple[list[str], list[Any]]:
             elif isinstance(val, torch.Tensor) and val.numel() == numel and numel:
                 if k not in keys:
                     keys.append(k)
-            elif isinstance(val, torch.Tensor) and val.numel() == 0 and numel == 0:
-                continue
+            elif val is None or (isinstance(val, torch.Tensor) and val.numel() == 0
+                                 and numel == 0):
+                continue  # SGD without momentum keeps momentum_buffer None
             else:
                 raise CheckpointError(
                     f"the optimizer state {k!r} ({type(val).__name__}) is neither shaped "
@@ -100,7 +101,7 @@ def _states(v: View) -> tuple[list[str], list[Any]]:
 
 
 def build(v: View, *, client_state: dict, exclude_frozen: bool, tag: str,
-          with_rng: bool = True) -> dict[str, Any]:
+          with_rng: bool = True, save_latest: bool = True) -> dict[str, Any]:
     """The tree of one save of ``v``'s engine (views of the live buffers: copy before
     the next step, as dckpt's save or async snapshot does). Raises CheckpointError
     (UnsupportedValueError naming the key) for a ``client_state`` value dckpt cannot
@@ -117,6 +118,8 @@ def build(v: View, *, client_state: dict, exclude_frozen: bool, tag: str,
     tree: dict[str, Any] = {"master": {}, "optim": {k: {} for k in keys}}
     st = opt.state
     for n, p in v.params.items():
+        if not p.numel:  # a zero-size parameter: its shape (meta) is all there is
+            continue
         src = p.param if v.kind == "plain" else v.flats[p.flat].tensor
         tree["master"][n] = _ranged(v, p, src)
         s = st.get(v.state_key(p)) if keys else None
@@ -136,11 +139,13 @@ def build(v: View, *, client_state: dict, exclude_frozen: bool, tag: str,
     sched = getattr(eng, "lr_scheduler", None)
     if sched is not None and hasattr(sched, "state_dict"):
         tree["scheduler"] = codec.encode(sched.state_dict(), "lr_scheduler")
-    tree["client"] = codec.encode(dict(client_state), "client_state")
+    # each rank's own (stock ZeRO-3 keeps one per rank: a data shard's position)
+    tree["client"] = {f"rank{v.rank}": codec.encode(dict(client_state), "client_state")}
     tree["hyper"] = codec.encode([{k: val for k, val in g.items() if k != "params"}
                                   for g in opt.param_groups], "param_groups")
     meta = {
         "format": FORMAT, "tag": tag, "kind": v.kind, "zero_stage": v.stage,
+        "save_latest": bool(save_latest),
         "dp_world_size": v.world, "ds_version": deepspeed.__version__,
         "global_steps": int(eng.global_steps), "global_samples": int(eng.global_samples),
         "skipped_steps": int(eng.skipped_steps),
@@ -241,22 +246,32 @@ def target(v: View, meta: dict, *, masters: bool, optim: bool, frozen: bool,
     ``stored(key)``: whether the tag holds tensor ``key`` (a stage-0 parameter that never
     had a gradient has no optimizer state: it gets none here either). Raises
     StateMismatchError naming parameters missing on either side or of another size."""
-    saved = meta["params"]
-    missing = [n for n in v.params if n not in saved]
-    shaped = [n for n, p in v.params.items() if n in saved and math.prod(saved[n]) != p.numel]
+    saved, saved_frozen = meta["params"], meta["frozen"]
+    live = {n: p for n, p in v.params.items() if p.numel}  # a zero-size one: nothing to load
+    missing = [n for n in live if n not in saved]
+    shapes = {n: list(p.shape) for n, p in live.items()}
+    shapes.update({n: list(_shape(q)) for n, q in v.frozen.items()})
+    shaped = [n for n, sh in shapes.items() if (n in saved and list(saved[n]) != sh) or (
+        n not in saved and n in saved_frozen and list(saved_frozen[n][0]) != sh)]
     if missing or shaped:
+        def was(n: str) -> list:
+            return list(saved[n]) if n in saved else list(saved_frozen[n][0])
         raise StateMismatchError(
             (f"the checkpoint lacks trainable parameter(s) {missing[:8]}" if missing else "")
             + ("; " if missing and shaped else "")
-            + (f"parameter(s) {[(n, saved[n], list(v.params[n].shape)) for n in shaped[:8]]}"
-               " have another number of elements here" if shaped else "")
+            + (f"parameter(s) {[(n, was(n), shapes[n]) for n in shaped[:8]]} (saved, here) "
+               "have another shape here" if shaped else "")
             + " (is it a checkpoint of another model?)")
     out: dict[str, Any] = {}
     if masters:
         for f in v.flats:  # the load fills every parameter's range: zero the rest only
             _zero_pads(f.tensor, f.pad)
         out["master"] = {n: _ranged(v, p, p.param if v.kind == "plain" else
-                                         v.flats[p.flat].tensor) for n, p in v.params.items()}
+                                         v.flats[p.flat].tensor) for n, p in live.items()}
+    if frozen:  # trained when saved, frozen here: its weights from the saved master
+        for n, q in v.frozen.items():
+            if n in saved and _numel(q):
+                out.setdefault("master", {})[n] = _frozen_target(v, n, q)
     keys = meta["state_keys"] if optim else []
     if optim:
         _prepare_state(v, meta)
@@ -265,10 +280,10 @@ def target(v: View, meta: dict, *, masters: bool, optim: bool, frozen: bool,
         st = v.optimizer.state
         for k in keys:
             out["optim"][k] = {n: _ranged(v, p, st[v.state_key(p)][k])
-                               for n, p in v.params.items()
+                               for n, p in live.items()
                                if stored is None or stored(f"optim.{k}.{n}")}
         if v.kind == "plain" and stored is not None:  # as saved: no state, no entry
-            for n, p in v.params.items():
+            for n, p in live.items():
                 if not all(stored(f"optim.{k}.{n}") for k in keys):
                     st.pop(p.param, None)
     if frozen:
@@ -277,12 +292,18 @@ def target(v: View, meta: dict, *, masters: bool, optim: bool, frozen: bool,
         for n, q in v.frozen.items():
             if n not in stored:
                 continue
-            local, fs, numel = frozen_local(v, n, q)
-            out["frozen"][n] = (local if v.kind != "zero3" or not hasattr(q, "ds_tensor")
-                                else sharded(local, fs, numel, _dtype(q), v.rank))
+            out["frozen"][n] = _frozen_target(v, n, q)
     if buffers:
         out["buffers"] = {n: b for n, b in v.buffers.items() if n in meta["buffers"]}
     return out
+
+
+def _frozen_target(v: View, n: str, q: Any) -> Any:
+    """The load target of frozen parameter ``q``: its live storage (ZeRO-3: this rank's
+    range of ``ds_tensor``), filled in place."""
+    local, fs, numel = frozen_local(v, n, q)
+    return (local if v.kind != "zero3" or not hasattr(q, "ds_tensor")
+            else sharded(local, fs, numel, _dtype(q), v.rank))
 
 
 def _zero_pads(t: torch.Tensor, pads: list[tuple[int, int]]) -> None:
@@ -304,7 +325,7 @@ def _prepare_state(v: View, meta: dict) -> None:
     pads = {id(f.tensor): f.pad for f in v.flats}
     for t, g in holders:
         step = steps[g] if g < len(steps) else None
-        if step is None or not keys:
+        if not keys:  # saved before the first step: no state, as then
             st.pop(t, None)
             continue
         old = st.get(t, {})
@@ -317,6 +338,9 @@ def _prepare_state(v: View, meta: dict) -> None:
                 continue
             _zero_pads(s[k], pads[id(t)])
         prev = old.get("step")
+        if step is None:  # an optimizer without a step count (SGD)
+            st[t] = s
+            continue
         if isinstance(prev, _t.Tensor):
             s["step"] = _t.tensor(float(step), dtype=prev.dtype, device=prev.device)
         else:  # as torch's Adam creates it: a 0-d tensor of its scalar dtype
