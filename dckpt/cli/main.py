@@ -254,10 +254,20 @@ def cmd_import(args) -> int:
         if not (eq and new and old):
             raise CheckpointError(f"--alias {a!r} must be NEW=EXISTING")
         aliases[new] = old
-    info = import_checkpoint(args.src, args.dst, format=args.format, prefix=args.prefix,
-                             aliases=aliases, overwrite=args.overwrite,
-                             max_shard_size=args.max_shard_size,
-                             compression=args.compression, storage_options=_opts(args))
+    from ..interop.importer import deepspeed_tag
+
+    if args.format == "deepspeed" or (args.format == "auto" and deepspeed_tag(args.src)):
+        from ..integrations.deepspeed.stock import import_tag
+
+        if args.prefix or aliases:
+            raise CheckpointError("--prefix and --alias do not apply to a DeepSpeed tag")
+        info = import_tag(args.src, args.dst, storage_options=_opts(args),
+                          overwrite=args.overwrite, compression=args.compression)
+    else:
+        info = import_checkpoint(args.src, args.dst, format=args.format, prefix=args.prefix,
+                                 aliases=aliases, overwrite=args.overwrite,
+                                 max_shard_size=args.max_shard_size,
+                                 compression=args.compression, storage_options=_opts(args))
     print(f"imported {args.src} into {info.path}: {size_text(info.bytes_written)} in "
           f"{info.num_files} file(s) ({info.seconds:.1f} s)")
     return 0

@@ -146,7 +146,7 @@ def _select(m: mf.Manifest, prefix: str, out_dtype: torch.dtype | None,
     dtypes. Pure. Raises CheckpointError when none matches or a name would be empty."""
     outs = []
     if (prefix + "deepspeed.meta") in m.values:  # a DeepSpeed tag: its module's names
-        from ..integrations.deepspeed.names import weights
+        from .deepspeed_names import weights
 
         try:
             named = weights(m.values, m.tensors, prefix)

@@ -86,13 +86,11 @@ def import_checkpoint(src: str, dst: str, *, format: str = "auto", prefix: str |
     t0 = time.perf_counter()
     if format not in FORMATS:
         raise CheckpointError(f"format={format!r} is not one of {', '.join(FORMATS)}")
-    if format == "deepspeed" or (format == "auto" and _deepspeed_tag(src)):
-        from ..integrations.deepspeed.stock import import_tag
-
-        if prefix or aliases:
-            raise CheckpointError("prefix and aliases do not apply to a DeepSpeed tag import")
-        return import_tag(src, dst, storage_options=storage_options, overwrite=overwrite,
-                          compression=compression)
+    if format == "deepspeed" or (format == "auto" and deepspeed_tag(src)):
+        # its reader lives with the DeepSpeed adapter (which this layer does not import)
+        raise CheckpointError(
+            f"{src} is a DeepSpeed tag: import it with `dckpt import` or "
+            "dckpt.integrations.deepspeed.stock.import_tag")
     limit = parse_size(max_shard_size)
     flag = codec.compression_flag(compression)
     kind = detect(src) if format == "auto" else format
@@ -128,7 +126,7 @@ def import_checkpoint(src: str, dst: str, *, format: str = "auto", prefix: str |
     return info
 
 
-def _deepspeed_tag(src: str) -> bool:
+def deepspeed_tag(src: str) -> bool:
     """Whether ``src`` is a stock DeepSpeed tag folder (``*_model_states.pt`` files).
     Lists one folder."""
     try:

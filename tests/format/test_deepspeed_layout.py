@@ -1,5 +1,5 @@
 """The pure range arithmetic of DeepSpeed's ZeRO partitions
-(dckpt.integrations.deepspeed.layout): every element of every parameter held by
+(dckpt.integrations.common.zero.layout): every element of every parameter held by
 exactly one rank, at the place DeepSpeed's flat buffers hold it."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dckpt.integrations.deepspeed.layout import Fragment, grouped, mine, split, zero3_partition
+from dckpt.integrations.common.zero.layout import Fragment, grouped, mine, split, zero3_partition
 
 
 def _brute_grouped(numels, offsets, part, world):

@@ -45,8 +45,8 @@ def launch(mode: str, root, n: int, *specs: str) -> dict[str, list[str]]:
 def imported(tmp_path_factory):
     """Every case trained 3 steps at 2 ranks, saved by dckpt's adapter (ROOT/CASE/dckpt)
     and by DeepSpeed (ROOT/CASE/stock), the stock tag imported into ROOT/CASE/imported:
-    z1-fp32 through the CLI's auto-detection, z2-bf16 through import_checkpoint's
-    format="deepspeed", the others through import_tag."""
+    z1-fp32 through the CLI's auto-detection, z2-bf16 through the CLI's --format
+    deepspeed, the others through import_tag."""
     root = tmp_path_factory.mktemp("dsi")
     got = launch("save", root, 2, *CASES)
     for c in CASES:
@@ -58,7 +58,10 @@ def imported(tmp_path_factory):
                                capture_output=True, text=True, timeout=120, env=job_env())
             assert p.returncode == 0 and "imported" in p.stdout, p.stdout + p.stderr
         elif c == "z2-bf16":
-            dckpt.import_checkpoint(str(src), str(dst), format="deepspeed")
+            p = subprocess.run([sys.executable, "-m", "dckpt", "import", str(src), str(dst),
+                                "--format", "deepspeed"],
+                               capture_output=True, text=True, timeout=120, env=job_env())
+            assert p.returncode == 0 and "imported" in p.stdout, p.stdout + p.stderr
         else:
             info = import_tag(str(src), str(dst))
             assert info.world_size == 1 and info.path.endswith(TAG)
@@ -199,3 +202,13 @@ def test_files_over_the_size_bound_and_model_parallel_files_are_refused(imported
     with pytest.raises(CheckpointError, match="model-parallel") as e:
         import_tag(str(src), str(tmp_path / "out"))
     assert "mp_rank_01_model_states.pt" in str(e.value)
+
+
+def test_import_checkpoint_points_a_deepspeed_tag_to_its_importer(imported, tmp_path):
+    """``dckpt.import_checkpoint`` (the core's importer, below the adapters) does not read
+    DeepSpeed's pickles: a stock tag gets a CheckpointError naming the tag and the way
+    (``dckpt import`` or import_tag), nothing is written."""
+    src = imported / "z1-fp32" / "stock" / TAG
+    with pytest.raises(CheckpointError, match="DeepSpeed tag.*dckpt import"):
+        dckpt.import_checkpoint(str(src), str(tmp_path / "x"))
+    assert not (tmp_path / "x").exists()

@@ -151,7 +151,7 @@ def test_export_of_a_malformed_deepspeed_record_is_not_a_raw_type_error():
     shape that is a number (a hand-made or damaged manifest): names.weights raises a raw
     TypeError, which hf_export does not catch (it catches ValueError). It should
     return None (fall back to keys) or raise ValueError."""
-    from dckpt.integrations.deepspeed.names import weights
+    from dckpt.interop.deepspeed_names import weights
 
     class E:
         shape = (5,)

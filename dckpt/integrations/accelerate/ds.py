@@ -25,13 +25,13 @@ def enabled(acc: Any) -> bool:
 def build(acc: Any) -> dict[str, Any]:
     """``{"<i>": engine i's tree}`` (views of its live buffers: the commit copies them).
     Raises CheckpointError for an engine dckpt does not support."""
-    from ..deepspeed.engine import _refusals
-    from ..deepspeed.tree import build as build_tree
-    from ..deepspeed.view import view
+    from ..common.zero.view import refusals
+    from ..common.zero.tree import build as build_tree
+    from ..common.zero.view import view
 
     out = {}
     for i, eng in engines(acc):
-        _refusals(eng)
+        refusals(eng)
         opt = eng.optimizer
         prologue = getattr(opt, "checkpoint_event_prologue", None)
         if prologue is not None:
@@ -50,8 +50,8 @@ def load(acc: Any, path: str, strict: bool, storage_options: dict | None) -> Non
     """Restore every engine from the checkpoint at ``path``. Collective; blocking I/O
     (this rank's ranges). Raises on every rank alike: StateMismatchError,
     IntegrityError, CheckpointError (a checkpoint without DeepSpeed engines)."""
-    from ..deepspeed.restore import What, load_tag
-    from ..deepspeed.view import view
+    from ..common.zero.restore import What, load_tag
+    from ..common.zero.view import view
 
     for i, eng in engines(acc):
         load_tag(view(eng), path, What(strict=strict), storage_options,

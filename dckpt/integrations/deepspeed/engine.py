@@ -21,39 +21,13 @@ from ...protocol.collectives import Comm, agree
 from ..common import place, resolve
 from ..common.commit import Committer, broadcast_json
 from ..common.rotation import to_remove
-from .restore import What, load_tag
-from .tree import build
-from .view import view
+from ..common.zero.restore import What, load_tag
+from ..common.zero.tree import build
+from ..common.zero.view import refusals, view
 
 log = logging.getLogger(__name__)
 ANY = re.compile(r"[^/\\]+")
 LATEST = "latest"
-
-
-def _refusals(engine: Any) -> None:
-    """Raise CheckpointError for what dckpt's DeepSpeed checkpoints do not cover."""
-    name = type(engine).__name__
-    if name == "PipelineEngine" or hasattr(engine, "num_stages"):
-        raise CheckpointError("dckpt's DeepSpeed checkpoints do not support pipeline "
-                              "parallelism (PipelineEngine)")
-    if getattr(engine, "has_moe_layers", False):
-        raise CheckpointError("dckpt's DeepSpeed checkpoints do not support MoE expert "
-                              "parallelism")
-    nvme = False
-    for fn in ("zero_nvme_offload_optimizer", "zero_nvme_offload_param"):
-        try:
-            nvme = nvme or bool(getattr(engine, fn)())
-        except Exception:  # noqa: BLE001 - an older engine without the query
-            pass
-    if nvme:
-        raise CheckpointError("dckpt's DeepSpeed checkpoints do not support ZeRO-Infinity's "
-                              "NVMe offload")
-    if int(getattr(engine, "mp_world_size", 1) or 1) > 1:
-        raise CheckpointError("dckpt's DeepSpeed checkpoints do not support model (tensor) "
-                              "parallelism yet")
-    if getattr(getattr(engine, "_config", None), "load_universal_checkpoint", False):
-        raise CheckpointError("load_universal is set: dckpt's checkpoints reshard by "
-                              "themselves; remove checkpoint.load_universal")
 
 
 def _write_latest(save_dir: str, tag: str, storage_options: dict | None) -> None:
@@ -98,7 +72,7 @@ def _tags(load_dir: str, opts: dict | None) -> list[tuple[str, float, bool]]:
     manifest read per checkpoint."""
     import json
 
-    from .tree import META
+    from ..common.zero.tree import META
 
     out = []
     for c in resolve.committed_in(load_dir, ANY, opts):
@@ -407,7 +381,7 @@ def attach(engine: Any, *, async_save: bool = False, keep_last: int | None = Non
     model parallelism, an unknown optimizer wrapper, round-robin gradients)."""
     if isinstance(getattr(engine, "dckpt", None), Checkpointer):
         raise CheckpointError("this engine is already attached to dckpt")
-    _refusals(engine)
+    refusals(engine)
     view(engine)  # refuses a layout it does not know, now rather than at the first save
     ck = Checkpointer(engine, async_save=async_save, keep_last=keep_last,
                       storage_options=storage_options, compression=compression,

@@ -39,8 +39,8 @@ import torch
 
 from ...errors import CheckpointError, UnsupportedValueError
 from ..common import codec
-from .layout import grouped, split
-from .tree import FORMAT
+from ..common.zero.layout import grouped, split
+from ..common.zero.tree import FORMAT
 
 MAX_FILE = 1 << 40  # a rank file larger than this is refused before it is opened
 MAX_PICKLE = 1 << 30  # the pickle record inside a file (its tensors are memory-mapped)
@@ -381,8 +381,6 @@ def import_tag(src_tag_dir: str, dst: str, *, storage_options: dict | None = Non
     disagree with DeepSpeed's ``param_slice_mappings``, optimizer state that is not
     flat-shaped; UnsupportedValueError naming a client_state key dckpt cannot store;
     AlreadyExistsError when ``dst`` holds a checkpoint and not ``overwrite``."""
-    import dckpt
-
     src = os.path.normpath(src_tag_dir)
     tag = _scan(src)
     m0path = tag.model[min(tag.model)]
@@ -543,14 +541,16 @@ def import_tag(src_tag_dir: str, dst: str, *, storage_options: dict | None = Non
         "loss_scaler": scaler, "buffers": sorted(buffers),
     }
     tree["deepspeed"] = {"meta": json.dumps(meta, sort_keys=True)}
-    return _save(dckpt, tree, dst, storage_options, overwrite, compression)
+    return _save(tree, dst, storage_options, overwrite, compression)
 
 
-def _save(dckpt: Any, tree: dict, dst: str, storage_options: dict | None, overwrite: bool,
+def _save(tree: dict, dst: str, storage_options: dict | None, overwrite: bool,
           compression: str | None) -> Any:
     """``dckpt.save`` by this process alone (a private one-rank group when a job's
     process group is up)."""
     import torch.distributed as dist
+
+    from ...protocol.commit import save
 
     group = None
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -558,8 +558,8 @@ def _save(dckpt: Any, tree: dict, dst: str, storage_options: dict | None, overwr
 
         group = OwnGroup([dist.get_rank()], 600.0)
     try:
-        return dckpt.save(tree, dst, process_group=group, storage_options=storage_options,
-                          overwrite=overwrite, compression=compression)
+        return save(tree, dst, process_group=group, storage_options=storage_options,
+                    overwrite=overwrite, compression=compression)
     finally:
         if group is not None:
             group.shutdown()

@@ -51,12 +51,12 @@ def build(trainer: Any) -> dict[str, Any]:
     A PEFT model's frozen base weights are left out (stock's
     ``exclude_frozen_parameters=True``). Local: no collective, no I/O. Raises
     CheckpointError for an engine dckpt does not support."""
-    from ..deepspeed.engine import _refusals
-    from ..deepspeed.tree import build as build_tree
-    from ..deepspeed.view import view
+    from ..common.zero.view import refusals
+    from ..common.zero.tree import build as build_tree
+    from ..common.zero.view import view
 
     eng = engine_of(trainer)
-    _refusals(eng)
+    refusals(eng)
     opt = eng.optimizer
     prologue = getattr(opt, "checkpoint_event_prologue", None)
     if prologue is not None:
@@ -74,8 +74,8 @@ def load(trainer: Any, path: str, module_only: bool = False) -> None:
     """Load the engine's part of the dckpt checkpoint at ``path`` (``module_only``: the
     weights only, for ``load_best_model_at_end``). Collective; blocking I/O (this rank's
     ranges). Raises on every rank alike: StateMismatchError, IntegrityError."""
-    from ..deepspeed.restore import What, load_tag
-    from ..deepspeed.view import view
+    from ..common.zero.restore import What, load_tag
+    from ..common.zero.view import view
 
     peft = _peft(trainer)
     what = What(optimizer=not module_only, scheduler=not module_only,

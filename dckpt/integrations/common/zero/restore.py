@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from ...errors import StateMismatchError
-from ...protocol.restore import load as dckpt_load
-from ..common import codec, rng
+from ....errors import StateMismatchError
+from ....protocol.restore import load as dckpt_load
+from .. import codec, rng
 from .tree import _numel, read_meta, target
 from .view import View
 

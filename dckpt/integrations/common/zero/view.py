@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ...errors import CheckpointError
+from ....errors import CheckpointError
 from .layout import Fragment, grouped, mine, split
 
 # the optimizer wrappers whose layout this module knows (class names: DeepSpeed's
@@ -252,3 +252,29 @@ def frozen_local(v: View, name: str, p: torch.nn.Parameter) -> tuple[torch.Tenso
         return local, fs, numel
     numel = p.numel()
     return p.detach().view(-1), [Fragment(r, 0, numel) for r in range(v.world)], numel
+
+
+def refusals(engine: Any) -> None:
+    """Raise CheckpointError for what dckpt's DeepSpeed checkpoints do not cover."""
+    name = type(engine).__name__
+    if name == "PipelineEngine" or hasattr(engine, "num_stages"):
+        raise CheckpointError("dckpt's DeepSpeed checkpoints do not support pipeline "
+                              "parallelism (PipelineEngine)")
+    if getattr(engine, "has_moe_layers", False):
+        raise CheckpointError("dckpt's DeepSpeed checkpoints do not support MoE expert "
+                              "parallelism")
+    nvme = False
+    for fn in ("zero_nvme_offload_optimizer", "zero_nvme_offload_param"):
+        try:
+            nvme = nvme or bool(getattr(engine, fn)())
+        except Exception:  # noqa: BLE001 - an older engine without the query
+            pass
+    if nvme:
+        raise CheckpointError("dckpt's DeepSpeed checkpoints do not support ZeRO-Infinity's "
+                              "NVMe offload")
+    if int(getattr(engine, "mp_world_size", 1) or 1) > 1:
+        raise CheckpointError("dckpt's DeepSpeed checkpoints do not support model (tensor) "
+                              "parallelism yet")
+    if getattr(getattr(engine, "_config", None), "load_universal_checkpoint", False):
+        raise CheckpointError("load_universal is set: dckpt's checkpoints reshard by "
+                              "themselves; remove checkpoint.load_universal")

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from ...errors import CheckpointError, StateMismatchError
-from ..common import codec, rng
+from ....errors import CheckpointError, StateMismatchError
+from .. import codec, rng
 from .fragments import sharded
 from .view import Param, View, frozen_local, local_range
 
@@ -228,7 +228,7 @@ _FIELDS = {
 def _check_meta(meta: dict) -> None:
     """Raise ManifestError naming the first field of ``meta`` that is missing or of the
     wrong type, or steps that do not match the groups."""
-    from ...errors import ManifestError
+    from ....errors import ManifestError
 
     for k, ok in _FIELDS.items():
         if k not in meta or not ok(meta[k]):
