@@ -24,26 +24,13 @@ def enabled(acc: Any) -> bool:
 
 def build(acc: Any) -> dict[str, Any]:
     """``{"<i>": engine i's tree}`` (views of its live buffers: the commit copies them).
-    Raises CheckpointError for an engine dckpt does not support."""
-    from ..common.zero.view import refusals
-    from ..common.zero.tree import build as build_tree
-    from ..common.zero.view import view
+    Collective under ZeRO-3 (its epilogue's gather). Raises CheckpointError for an
+    engine dckpt does not support."""
+    from ..common.zero.tree import engine_tree
 
-    out = {}
-    for i, eng in engines(acc):
-        refusals(eng)
-        opt = eng.optimizer
-        prologue = getattr(opt, "checkpoint_event_prologue", None)
-        if prologue is not None:
-            prologue()
-        try:
-            out[str(i)] = build_tree(view(eng), client_state={}, exclude_frozen=False,
-                                     tag=f"pytorch_model_{i}", with_rng=False)
-        finally:
-            epilogue = getattr(opt, "checkpoint_event_epilogue", None)
-            if epilogue is not None:
-                epilogue()
-    return out
+    return {str(i): engine_tree(eng, client_state={}, exclude_frozen=False,
+                                tag=f"pytorch_model_{i}", with_rng=False)
+            for i, eng in engines(acc)}
 
 
 def load(acc: Any, path: str, strict: bool, storage_options: dict | None) -> None:

@@ -98,11 +98,17 @@ def write_index(target: str) -> None:
 def write_json_atomic(path: str, doc: dict) -> None:
     """Write ``doc`` as JSON at ``path``: a temporary name beside it, fsync, rename.
     Local I/O; raises OSError (the temporary file removed)."""
+    write_text_atomic(path, json.dumps(doc, indent=2) + "\n")
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Write ``text`` at ``path`` (replacing what is there in one step): a temporary
+    name beside it, fsync, rename. Local I/O; raises OSError (the temporary file
+    removed)."""
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
     try:
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

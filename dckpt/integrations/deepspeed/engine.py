@@ -12,7 +12,6 @@ import functools
 import logging
 import os
 import re
-import uuid
 from typing import Any
 
 from ... import _faults
@@ -20,9 +19,10 @@ from ...errors import CheckpointError
 from ...protocol.collectives import Comm, agree
 from ..common import place, resolve
 from ..common.commit import Committer, broadcast_json
+from ..common.modelfolder import write_text_atomic
 from ..common.rotation import to_remove
 from ..common.zero.restore import What, load_tag
-from ..common.zero.tree import build
+from ..common.zero.tree import engine_tree
 from ..common.zero.view import refusals, view
 
 log = logging.getLogger(__name__)
@@ -38,20 +38,7 @@ def _write_latest(save_dir: str, tag: str, storage_options: dict | None) -> None
         fs, p = place.fresh_fs(path, storage_options)
         fs.pipe(p, tag.encode())
         return
-    local = place.local_path(path)
-    tmp = f"{local}.tmp-{uuid.uuid4().hex[:12]}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(tag)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, local)
-    except BaseException:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
-        raise
+    write_text_atomic(place.local_path(path), tag)
 
 
 def _check_tag(tag: str) -> None:
@@ -169,27 +156,24 @@ class Checkpointer:
         if self.tier is not None:
             return self._save_fast(save_dir, final, tag, client_state, save_latest,
                                    exclude_frozen_parameters)
-        opt = eng.optimizer
-        prologue = getattr(opt, "checkpoint_event_prologue", None)
-        if prologue is not None:
-            prologue()
-        try:
-            err, tree = None, None
-            try:
-                tree = build(view(eng), client_state=client_state,
-                             exclude_frozen=exclude_frozen_parameters, tag=tag,
-                             save_latest=save_latest)
-            except CheckpointError as e:
-                err = e
-            agree(comm, err, f"save the DeepSpeed checkpoint {final}")
-            plan = self.committer.plan(final)
-            self.committer.commit(tree, plan, after=lambda: self._after(save_dir, final, tag,
-                                                                        save_latest))
-        finally:
-            epilogue = getattr(opt, "checkpoint_event_epilogue", None)
-            if epilogue is not None:
-                epilogue()
+        tree = self._tree(comm, final, client_state=client_state,
+                          exclude_frozen=exclude_frozen_parameters, tag=tag,
+                          save_latest=save_latest)
+        plan = self.committer.plan(final)
+        self.committer.commit(tree, plan, after=lambda: self._after(save_dir, final, tag,
+                                                                    save_latest))
         return True
+
+    def _tree(self, comm: Comm, final: str, **build_options: Any) -> dict:
+        """The engine's tree (:func:`engine_tree`), or its error raised on every rank
+        alike (nothing written yet). Collective."""
+        err, tree = None, None
+        try:
+            tree = engine_tree(self.engine, **build_options)
+        except CheckpointError as e:
+            err = e
+        agree(comm, err, f"save the DeepSpeed checkpoint {final}")
+        return tree
 
     def _save_fast(self, save_dir: str, final: str, tag: str, client_state: dict,
                    save_latest: bool, exclude_frozen: bool) -> bool:
@@ -202,25 +186,11 @@ class Checkpointer:
         eng, comm = self.engine, Comm()
         self.rotation.flush()
         fast.check_name(self.committer, final)
-        opt = eng.optimizer
-        prologue = getattr(opt, "checkpoint_event_prologue", None)
-        if prologue is not None:
-            prologue()
-        try:
-            err, tree = None, None
-            try:
-                tree = build(view(eng), client_state=client_state,
-                             exclude_frozen=exclude_frozen, tag=tag, save_latest=save_latest)
-            except CheckpointError as e:
-                err = e
-            agree(comm, err, f"save the DeepSpeed checkpoint {final}")
-            if save_latest:
-                self._landed_dir[place.durable_name(final)] = tag
-            fast.save(self.tier, self.committer, tree, final, int(eng.global_steps))
-        finally:
-            epilogue = getattr(opt, "checkpoint_event_epilogue", None)
-            if epilogue is not None:
-                epilogue()
+        tree = self._tree(comm, final, client_state=client_state,
+                          exclude_frozen=exclude_frozen, tag=tag, save_latest=save_latest)
+        if save_latest:
+            self._landed_dir[place.durable_name(final)] = tag
+        fast.save(self.tier, self.committer, tree, final, int(eng.global_steps))
         if self.keep_last is not None:
             self.rotation.after_save(self.committer.async_save, self.tier, save_dir, ANY,
                                      place.durable_name(final), self.keep_last,

@@ -49,25 +49,13 @@ def _peft(trainer: Any) -> bool:
 def build(trainer: Any) -> dict[str, Any]:
     """The engine's part of a save (views of its live buffers: the commit copies them).
     A PEFT model's frozen base weights are left out (stock's
-    ``exclude_frozen_parameters=True``). Local: no collective, no I/O. Raises
-    CheckpointError for an engine dckpt does not support."""
-    from ..common.zero.view import refusals
-    from ..common.zero.tree import build as build_tree
-    from ..common.zero.view import view
+    ``exclude_frozen_parameters=True``). Collective under ZeRO-3 (its epilogue's
+    gather); no I/O. Raises CheckpointError for an engine dckpt does not support."""
+    from ..common.zero.tree import engine_tree
 
     eng = engine_of(trainer)
-    refusals(eng)
-    opt = eng.optimizer
-    prologue = getattr(opt, "checkpoint_event_prologue", None)
-    if prologue is not None:
-        prologue()
-    try:
-        return build_tree(view(eng), client_state={}, exclude_frozen=_peft(trainer),
-                          tag=f"global_step{eng.global_steps}", with_rng=False)
-    finally:
-        epilogue = getattr(opt, "checkpoint_event_epilogue", None)
-        if epilogue is not None:
-            epilogue()
+    return engine_tree(eng, client_state={}, exclude_frozen=_peft(trainer),
+                       tag=f"global_step{eng.global_steps}", with_rng=False)
 
 
 def load(trainer: Any, path: str, module_only: bool = False) -> None:

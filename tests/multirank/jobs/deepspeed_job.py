@@ -205,6 +205,10 @@ def crash(root: str, spec: str, r: int) -> None:
                 torch.save(ref, os.path.join(root, f"ref{eng.global_steps}.pt"))
             torch.distributed.barrier()
             if eng.global_steps == 5:
+                # global_step3's asynchronous commit and placement first: the fault is
+                # armed for global_step5's save only (a background placement of
+                # global_step3 would otherwise meet it)
+                eng.dckpt.wait()
                 os.environ["DCKPT_FAULT"] = fault
             eng.save_checkpoint(os.path.join(root, "ck"), client_state={"at": eng.global_steps})
     eng.dckpt.wait()

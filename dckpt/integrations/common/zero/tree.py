@@ -164,6 +164,28 @@ def build(v: View, *, client_state: dict, exclude_frozen: bool, tag: str,
     return tree
 
 
+def engine_tree(engine: Any, **build_options: Any) -> dict[str, Any]:
+    """:func:`build` of a live engine between DeepSpeed's checkpoint prologue and
+    epilogue (ZeRO-3: every parameter partitioned while read; the persistent ones
+    gathered again after), as stock's ``save_checkpoint`` brackets its writes: the tree
+    holds fp32 flats, optimizer state, ``ds_tensor`` ranges and buffers, none of which
+    the epilogue changes. Collective (ZeRO-3's gather). Raises CheckpointError for an
+    engine dckpt does not support."""
+    from .view import refusals, view
+
+    refusals(engine)
+    opt = engine.optimizer
+    prologue = getattr(opt, "checkpoint_event_prologue", None)
+    if prologue is not None:
+        prologue()
+    try:
+        return build(view(engine), **build_options)
+    finally:
+        epilogue = getattr(opt, "checkpoint_event_epilogue", None)
+        if epilogue is not None:
+            epilogue()
+
+
 def _numel(p: Any) -> int:
     """A parameter's true size (ZeRO-3 partitions leave ``p.numel()`` 0)."""
     return int(p.ds_numel) if hasattr(p, "ds_numel") else p.numel()
