@@ -4,7 +4,7 @@ DeepSpeed tag, in one process, without DeepSpeed and without a process group.
 The tag folder (``global_step<N>/``) holds ``mp_rank_00_model_states.pt`` (ZeRO-1/2) or
 ``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` per rank (ZeRO-3), and
 ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` per rank. Each file is read by
-``torch.load(weights_only=True, mmap=True)`` with exactly the DeepSpeed globals a tag
+torch's loader with ``weights_only=True`` (:mod:`.stock_files`) and exactly the DeepSpeed globals a tag
 holds allowed (:data:`.stock_files.DEEPSPEED_GLOBALS`), each mapped to a stand-in defined here: a
 plain record whose attributes the pickle fills, or a function returning an int. No
 DeepSpeed code and no other global runs; any other global (``os.system``...) makes
