@@ -127,6 +127,9 @@ class Refs(Callback):
         if args.kill_last_at == step and self.saves[step] == 2:  # the save of last.ckpt
             arm_kill()
         if args.stall_commit_at == step and self.saves[step] == 1:
+            # the async save before this one must have voted first: its commit thread
+            # reads the fault too, and stalled there it would hold this save (a hang)
+            trainer.strategy._dckpt.finish()
             os.environ["DCKPT_FAULT"] = "vote:*:sleep=600"
         if step in (args.slow_last_vote_at, args.fail_last_save_at) and self.saves[step] == 2:
             # the save before (an async top-k save of this step) commits first, so the

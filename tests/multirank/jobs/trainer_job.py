@@ -91,7 +91,9 @@ class Job(Base):
             os.environ["DCKPT_FAULT"] = "committed:*:kill" if a.local_root else "commit:0:kill"
         if a.kill_in_export == self.state.global_step and a.impl == "dckpt":
             # every rank killed in the model folder's background export: its own files
-            # written, before rank 0's index
+            # written, before rank 0's index; the earlier save's export must be done
+            # first (its thread reads the fault too: killed there, this save never runs)
+            self._dckpt_export.join()
             os.environ["DCKPT_FAULT"] = "export:*:kill"
         rng = torch.get_rng_state().clone()
         super()._save_checkpoint(model, trial)
