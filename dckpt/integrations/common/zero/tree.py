@@ -47,17 +47,26 @@ def _ranged(v: View, p: Param, t: torch.Tensor) -> Any:
 def _scaler(opt: Any) -> dict:
     """The loss scaler's plain fields (a static 1.0 for fp32/bf16; fp16's dynamic
     scaler's counters), stored as JSON: never the pickled object."""
+    return scaler_record(getattr(opt, "loss_scaler", None),
+                         {k: getattr(opt, k, None)
+                          for k in ("dynamic_loss_scale", "overflow", "clip_grad")})
+
+
+def scaler_record(scaler: Any, extra: dict[str, Any]) -> dict:
+    """The ``loss_scaler`` record of ``deepspeed.meta``: ``scaler``'s plain attributes
+    (one-element tensors as numbers, non-finite floats as their repr, other values
+    dropped) and each number of ``extra`` (the optimizer's flags) under ``@<name>``.
+    Shared by a live engine's save and the stock-tag importer, so both write the same
+    record. Pure."""
     out: dict[str, Any] = {}
-    s = getattr(opt, "loss_scaler", None)
-    for k, val in (vars(s).items() if s is not None else ()):
+    for k, val in (vars(scaler).items() if scaler is not None else ()):
         if isinstance(val, torch.Tensor) and val.numel() == 1:
             val = val.item()
         if val is None or isinstance(val, (bool, int, float, str)):
             if isinstance(val, float) and not math.isfinite(val):
                 val = repr(val)
             out[k] = val
-    for k in ("dynamic_loss_scale", "overflow", "clip_grad"):
-        val = getattr(opt, k, None)
+    for k, val in extra.items():
         if isinstance(val, (bool, int, float)):
             out["@" + k] = val
     return out
