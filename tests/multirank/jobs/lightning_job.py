@@ -125,6 +125,8 @@ class Refs(Callback):
         if trainer.is_global_zero:
             torch.save(st, os.path.join(args.root, "refs", f"save-{step}.pt"))
         if args.kill_last_at == step and self.saves[step] == 2:  # the save of last.ckpt
+            if args.strategy == "dckpt":  # an async top-k save of this step votes first
+                trainer.strategy._dckpt.finish()
             arm_kill()
         if args.stall_commit_at == step and self.saves[step] == 1:
             # the async save before this one must have voted first: its commit thread

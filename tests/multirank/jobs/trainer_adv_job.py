@@ -43,9 +43,13 @@ rank = int(os.environ.get("RANK", "0"))
 
 class Job(DckptTrainer):
     def _save_checkpoint(self, model, trial):
-        if a.fault_at == self.state.global_step and a.fault:
+        armed = a.fault_at == self.state.global_step and a.fault
+        if armed:  # the earlier async save first: its background commit reads it too
+            self._dckpt.finish()
             os.environ["DCKPT_FAULT"] = a.fault
         super()._save_checkpoint(model, trial)
+        if armed:  # this save's background part reads it too
+            self._dckpt.finish()
         os.environ.pop("DCKPT_FAULT", None)
         print(f"SAVED step={self.state.global_step} rank={rank}", flush=True)
 

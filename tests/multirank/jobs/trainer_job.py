@@ -86,6 +86,7 @@ class Job(Base):
         if a.kill_at == self.state.global_step and a.impl == "dckpt":
             # the fast tier: every rank killed once its local commit is written (its
             # durable copy not begun); else rank 0 before the commit
+            self._dckpt.finish()  # an earlier async save's commit reads the fault too
             if a.local_root:  # the earlier copies first: "committed" is their point too
                 self._dckpt_tier.drain()
             os.environ["DCKPT_FAULT"] = "committed:*:kill" if a.local_root else "commit:0:kill"
@@ -93,6 +94,7 @@ class Job(Base):
             # every rank killed in the model folder's background export: its own files
             # written, before rank 0's index; the earlier save's export must be done
             # first (its thread reads the fault too: killed there, this save never runs)
+            self._dckpt.finish()  # an async save starts its export once placed
             self._dckpt_export.join()
             os.environ["DCKPT_FAULT"] = "export:*:kill"
         rng = torch.get_rng_state().clone()
