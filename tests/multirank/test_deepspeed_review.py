@@ -18,7 +18,7 @@ TWO = ["sgd_momentum", "regrouped", "trained_then_frozen", "other_shapes", "zero
        "keep_last_other_checkpoints", "keep_last_spares_latest", "hostile_tags",
        "client_per_rank_z3", "trained_engine_no_step_tag", "newer_stock_tag", "backslash_tag",
        "damaged_meta", "rewind_clock_behind", "offload_optimizer", "adagrad",
-       "two_groups_resize_save", "zero3_knobs"]
+       "two_groups_resize_save", "zero3_knobs", "model_only_tag"]
 THREE = ["two_groups_resize_load", "zero3_knobs_load"]
 
 
@@ -200,3 +200,10 @@ def test_two_groups_and_zero3_sub_groups_load_at_three_ranks(ran):
     _check(ran, "zero3_knobs")
     _check(ran, "two_groups_resize_load", "three")
     _check(ran, "zero3_knobs_load", "three")
+
+
+def test_a_weights_only_tag_loads_module_only_and_refuses_a_full_load(ran):
+    """The Trainer's save_only_model under DeepSpeed commits the weights only: asked
+    for the optimizer's state, the load refuses it by name (never loads the weights
+    beside a stale optimizer); module-only, it loads exactly at another stage."""
+    _check(ran, "model_only_tag")

@@ -21,11 +21,14 @@ pytest.importorskip("transformers")
 JOB = os.path.join(os.path.dirname(__file__), "jobs", "trainer_ds_job.py")
 
 
-def run(impl: str, out, n: int, stage: int, resume: bool = False) -> str:
+def run(impl: str, out, n: int, stage: int, resume: bool = False, only: bool = False,
+        ok: bool = True) -> str:
+    """Run the job; it must exit 0 (``ok``) or fail with an error (not by the deadline)."""
     env = dict(job_env(), DS_ACCELERATOR="cpu")
     rc, text = run_cmd(torchrun(JOB, n) + [impl, str(out), str(stage)]
-                       + (["resume"] if resume else []), 300, env=env)
-    assert rc == 0, text[-4000:]
+                       + (["resume"] if resume else []) + (["only"] if only else []),
+                       300, env=env)
+    assert (rc == 0) == ok, text[-4000:]
     return text
 
 
@@ -91,3 +94,37 @@ def test_a_deepspeed_checkpoint_is_a_model_folder(runs):
     want = torch.load(base / "dckpt" / "full4.pt")
     got = LlamaForCausalLM.from_pretrained(str(base / "dckpt" / "checkpoint-4")).state_dict()
     assert all(torch.equal(want[n], got[n]) for n in want)
+
+
+def test_a_save_only_model_checkpoint_resumes_its_weights_at_another_size_and_stage(
+        tmp_path):
+    """``save_only_model=True`` under DeepSpeed: checkpoint-N holds the weights (fp32
+    masters, no optimizer state, no scheduler) and is a model folder; the resume at 3
+    ranks under ZeRO-3 starts from step 4's weights exactly, the optimizer fresh, and
+    trains to the end. Stock's resume of its own such checkpoint fails (it needs the
+    engine's ``global_step*`` folder, which save_only_model does not write): the
+    premise."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    import dckpt
+
+    text = run("stock", tmp_path / "stock", 2, 2, only=True)
+    shutil.rmtree(tmp_path / "stock" / "checkpoint-6")
+    text = run("stock", tmp_path / "stock", 2, 2, resume=True, only=True, ok=False)
+    assert "Can't find a valid checkpoint" in text, text[-3000:]
+
+    out = tmp_path / "dckpt"
+    run("dckpt", out, 2, 2, only=True)
+    ck = out / "checkpoint-4"
+    with dckpt.open(str(ck)) as c:
+        keys = list(c.keys())
+    assert any(k.startswith("engine.master.") for k in keys), keys[:20]
+    assert not any(k.startswith(("engine.optim.", "engine.scheduler")) for k in keys), keys
+    want = torch.load(out / "full4.pt")
+    got = LlamaForCausalLM.from_pretrained(str(ck)).state_dict()
+    assert all(torch.equal(want[n], got[n]) for n in want)
+    shutil.rmtree(out / "checkpoint-6")
+    text = run("dckpt", out, 3, 3, resume=True, only=True)
+    assert text.count("LOADED ok at step 4") == 3, text[-3000:]
+    assert len(re.findall(r"^DONE \d ", text, re.M)) == 3, text[-3000:]

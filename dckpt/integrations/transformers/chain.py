@@ -216,8 +216,8 @@ class DckptChainEnd(Trainer):
             c, ignore = tree.Contents([self.model]), ("optimizers.",)
         loaded = tree.load(spath, c, META_KEY, check=self._dckpt_check(spath),
                            ignore=ignore, manifest_name=view)
-        if deep:
-            ds.load(self, spath)
+        if deep:  # a model-only checkpoint holds the weights only (save_only_model)
+            ds.load(self, spath, module_only=bool(loaded.meta.get("model_only")))
         self._dckpt_loaded = None if loaded.meta.get("model_only") else loaded
         # the next commit continues this one, after every checkpoint present on the
         # run's timeline (only rank 0's values are recorded)

@@ -49,18 +49,21 @@ def _peft(trainer: Any) -> bool:
 def build(trainer: Any) -> dict[str, Any]:
     """The engine's part of a save (views of its live buffers: the commit copies them).
     A PEFT model's frozen base weights are left out (stock's
-    ``exclude_frozen_parameters=True``). Collective under ZeRO-3 (its epilogue's
+    ``exclude_frozen_parameters=True``); ``save_only_model``: the weights only (no
+    optimizer state, no engine scheduler). Collective under ZeRO-3 (its epilogue's
     gather); no I/O. Raises CheckpointError for an engine dckpt does not support."""
     from ..common.zero.tree import engine_tree
 
     eng = engine_of(trainer)
     return engine_tree(eng, client_state={}, exclude_frozen=_peft(trainer),
-                       tag=f"global_step{eng.global_steps}", with_rng=False)
+                       tag=f"global_step{eng.global_steps}", with_rng=False,
+                       model_only=bool(trainer.args.save_only_model))
 
 
 def load(trainer: Any, path: str, module_only: bool = False) -> None:
     """Load the engine's part of the dckpt checkpoint at ``path`` (``module_only``: the
-    weights only, for ``load_best_model_at_end``). Collective; blocking I/O (this rank's
+    weights only, for ``load_best_model_at_end`` and a checkpoint saved with
+    ``save_only_model``: the optimizer and the engine's counters start fresh). Collective; blocking I/O (this rank's
     ranges). Raises on every rank alike: StateMismatchError, IntegrityError."""
     from ..common.zero.restore import What, load_tag
     from ..common.zero.view import view

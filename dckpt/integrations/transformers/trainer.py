@@ -84,10 +84,9 @@ class DckptTrainerMixin:
         if async_save and self.args.push_to_hub:
             raise CheckpointError("DckptTrainer: async_save=True with push_to_hub: the push "
                                   "reads the checkpoint before its background commit places it")
-        if ds.enabled(self) and (tier is not None or self.args.save_only_model):
-            raise CheckpointError(
-                "DckptTrainer under DeepSpeed does not support "
-                + ("local_root" if tier is not None else "save_only_model") + " yet")
+        if ds.enabled(self) and tier is not None:
+            raise CheckpointError("DckptTrainer under DeepSpeed does not support local_root "
+                                  "yet")
         if is_url(str(self.args.output_dir)):
             raise CheckpointError(f"DckptTrainer: output_dir {self.args.output_dir!r} is a "
                                   "URL; the Trainer reads its checkpoints locally")

@@ -749,13 +749,47 @@ def many_saves(root, r):
     return None if f1 <= f0 + 2 and t1 <= t0 + 1 else f"fds {f0}->{f1}, threads {t0}->{t1}"
 
 
+def model_only_tag(root, r):
+    """A weights-only tree (the Trainer's save_only_model) at ZeRO-2: loaded with the
+    optimizer's state asked for, a CheckpointError naming save_only_model (no mix of
+    loaded weights and a stale optimizer); loaded module-only into a fresh ZeRO-3
+    engine, every master equal, its optimizer without state."""
+    from dckpt.integrations.common.zero.restore import What, load_tag
+    from dckpt.integrations.common.zero.tree import engine_tree
+    from dckpt.integrations.common.zero.view import view
+
+    eng = _build(lambda: dj.Net(False, False), _cfg(2))
+    _train(eng, 2)
+    tree = engine_tree(eng, client_state={}, exclude_frozen=False, tag="mo",
+                       with_rng=False, model_only=True)
+    dckpt.save(tree, root)
+    with dckpt.open(root) as c:
+        optim = [k for k in c.keys() if k.startswith(("optim.", "scheduler"))]
+    ref = {n: v[:1] for n, v in _full(eng).items()}
+    fresh = _build(lambda: dj.Net(False, False), _cfg(3))
+    e = _raised(lambda: load_tag(view(fresh), root, What()))
+    problems = []
+    if optim:
+        problems.append(f"optimizer state stored: {optim[:4]}")
+    if not isinstance(e, CheckpointError) or "save_only_model" not in str(e):
+        problems.append(f"full load of a weights-only tag: {e!r}")
+    load_tag(view(fresh), root, What(module_only=True))
+    bad = _same(ref, {n: v[:1] for n, v in _full(fresh).items()})
+    if bad:
+        problems.append(f"masters differ {bad}")
+    if fresh.optimizer.optimizer.state:
+        problems.append("optimizer state after a module-only load")
+    return "; ".join(problems) or None
+
+
 SCENARIOS = {f.__name__: f for f in (
     sgd_momentum, unused_param_stage0, sometimes_param_stage0, regrouped,
     two_groups_resize_save, two_groups_resize_load, trained_then_frozen, other_shapes,
     zero_size_param, keep_last_other_checkpoints, keep_last_spares_latest, hostile_tags,
     damaged_meta, client_per_rank_z3, rewind_clock_behind, zero3_knobs, zero3_knobs_load,
     offload_optimizer, adagrad, async_fail_destroy, trained_engine_no_step_tag,
-    resave_same_tag, newer_stock_tag, memory_url, backslash_tag, many_saves)}
+    resave_same_tag, newer_stock_tag, memory_url, backslash_tag, many_saves,
+    model_only_tag)}
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """The transformers Trainer under DeepSpeed ZeRO (CPU, gloo) with stock's Trainer or
 DckptTrainer: ``python -m torch.distributed.run ... trainer_ds_job.py IMPL OUT STAGE
-[resume]``. A tiny Llama, 6 steps, a checkpoint every 2; prints ``DONE <rank> <losses>``.
+[resume] [only]`` (``only``: ``save_only_model=True``). A tiny Llama, 6 steps, a checkpoint every 2; prints ``DONE <rank> <losses>``.
 At step 4 the full fp32 masters are written to OUT/full4.pt (rank 0); a resumed run
 compares the engine's full masters with them at the start of training (``LOADED ok``)."""
 from __future__ import annotations
@@ -18,7 +18,8 @@ from transformers import (LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallbac
                           TrainingArguments)
 
 impl, out, stage = sys.argv[1], sys.argv[2], int(sys.argv[3])
-resume = len(sys.argv) > 4
+resume = "resume" in sys.argv[4:]
+only = "only" in sys.argv[4:]
 if impl == "dckpt":
     from dckpt.integrations.transformers import DckptTrainer as Trainer  # noqa: F811
 
@@ -60,7 +61,7 @@ ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "
       "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}}}
 args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=6,
                          save_steps=2, deepspeed=ds, report_to=[], use_cpu=True,
-                         logging_steps=1, save_total_limit=2)
+                         logging_steps=1, save_total_limit=2, save_only_model=only)
 conf = LlamaConfig(vocab_size=61, hidden_size=16, intermediate_size=37, num_hidden_layers=2,
                    num_attention_heads=2, num_key_value_heads=1)
 torch.manual_seed(0)
@@ -68,7 +69,11 @@ probe = Probe()
 trainer = Trainer(model=LlamaForCausalLM(conf), args=args, train_dataset=Data(),
                   callbacks=[probe])
 probe.trainer = trainer
-trainer.train(resume_from_checkpoint=True if resume else None)
+try:
+    trainer.train(resume_from_checkpoint=True if resume else None)
+except Exception as e:  # one line, whole: the test reads each rank's error
+    os.write(1, f"FAILED {os.environ['RANK']} {type(e).__name__}: {e}\n".encode())
+    os._exit(3)
 losses = [round(h["loss"], 6) for h in trainer.state.log_history if "loss" in h]
 os.write(1, f"DONE {os.environ['RANK']} {losses}\n".encode())
 sys.stdout.flush()

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ....errors import StateMismatchError
+from ....errors import CheckpointError, StateMismatchError
 from ....protocol.restore import load as dckpt_load
 from .. import codec, rng
 from .tree import _numel, read_meta, target
@@ -93,6 +93,10 @@ def load_tag(v: View, path: str, what: What, storage_options: dict | None = None
         meta = read_meta(m, head)
         box["meta"] = meta
         optim = what.optimizer and not what.module_only
+        if meta.get("model_only") and not what.module_only:
+            raise CheckpointError(
+                f"{path} holds the weights only (saved with save_only_model=True): no "
+                "optimizer, scheduler, counters or RNG to restore; load it module-only")
         _check_names(v, meta, what.strict, optim)
         out = target(v, meta, masters=True, optim=optim, frozen=True, buffers=True,
                      stored=lambda k: (head + k) in m.tensors)

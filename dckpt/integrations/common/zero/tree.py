@@ -110,9 +110,13 @@ def _states(v: View) -> tuple[list[str], list[Any]]:
 
 
 def build(v: View, *, client_state: dict, exclude_frozen: bool, tag: str,
-          with_rng: bool = True, save_latest: bool = True) -> dict[str, Any]:
+          with_rng: bool = True, save_latest: bool = True,
+          model_only: bool = False) -> dict[str, Any]:
     """The tree of one save of ``v``'s engine (views of the live buffers: copy before
-    the next step, as dckpt's save or async snapshot does). Raises CheckpointError
+    the next step, as dckpt's save or async snapshot does). ``model_only`` (the
+    Trainer's ``save_only_model``): the weights only (fp32 masters, frozen parameters,
+    buffers), no optimizer state and no scheduler; such a tag loads with
+    ``module_only`` only. Raises CheckpointError
     (UnsupportedValueError naming the key) for a ``client_state`` value dckpt cannot
     store, a reserved key, or optimizer state it cannot store."""
     import deepspeed
@@ -123,7 +127,7 @@ def build(v: View, *, client_state: dict, exclude_frozen: bool, tag: str,
     for k in client_state:
         if k in RESERVED:
             raise CheckpointError(f"client_state key {k!r} is reserved by DeepSpeed")
-    keys, steps = _states(v)
+    keys, steps = ([], [None] * len(v.groups)) if model_only else _states(v)
     tree: dict[str, Any] = {"master": {}, "optim": {k: {} for k in keys}}
     st = opt.state
     for n, p in v.params.items():
@@ -145,7 +149,7 @@ def build(v: View, *, client_state: dict, exclude_frozen: bool, tag: str,
                              sharded(local, fs, numel, local.dtype if local is not None else
                                      _dtype(v.frozen[n]), v.rank))
     tree["buffers"] = {n: b.detach() for n, b in v.buffers.items()}
-    sched = getattr(eng, "lr_scheduler", None)
+    sched = None if model_only else getattr(eng, "lr_scheduler", None)
     if sched is not None and hasattr(sched, "state_dict"):
         tree["scheduler"] = codec.encode(sched.state_dict(), "lr_scheduler")
     # each rank's own (stock ZeRO-3 keeps one per rank: a data shard's position)
@@ -165,7 +169,7 @@ def build(v: View, *, client_state: dict, exclude_frozen: bool, tag: str,
                                                   for n, p in v.params.items()},
         "groups": v.groups, "steps": steps, "state_keys": keys,
         "aliases": v.aliases, "loss_scaler": _scaler(eng.optimizer),
-        "buffers": sorted(v.buffers),
+        "buffers": sorted(v.buffers), "model_only": bool(model_only),
     }
     tree["deepspeed"] = {"meta": json.dumps(meta, sort_keys=True)}
     if with_rng:  # a framework that nests the tag saves the RNG itself
@@ -264,6 +268,8 @@ def _check_meta(meta: dict) -> None:
     for k, ok in _FIELDS.items():
         if k not in meta or not ok(meta[k]):
             raise ManifestError(f"its {META} record's {k!r} is missing or malformed")
+    if type(meta.get("model_only", False)) is not bool:
+        raise ManifestError(f"its {META} record's 'model_only' is malformed")
     if len(meta["steps"]) != len(meta["groups"]):
         raise ManifestError(f"its {META} record has {len(meta['steps'])} step counts for "
                             f"{len(meta['groups'])} param groups")
