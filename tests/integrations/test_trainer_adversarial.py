@@ -180,3 +180,27 @@ def test_a_second_jobs_save_into_the_same_output_dir_never_strips_this_save(tmp_
         return  # refused loudly, nothing placed: fine
     names = os.listdir(tmp_path / "checkpoint-4")
     assert "trainer_state.json" in names and "config.json" in names, names
+
+
+def test_a_trainer_record_whose_model_only_is_not_a_bool_is_refused(tmp_path):
+    """A manifest edited (and re-sealed) so that the Trainer's record says
+    ``"model_only": "yes"``: the resume raises a ManifestError naming the field, never
+    reads the string as true (a full checkpoint loaded as weights only, its optimizer,
+    scheduler and RNG silently dropped)."""
+    import json
+
+    from dckpt.errors import ManifestError
+    from dckpt.format import manifest as mf
+
+    _trainer(tmp_path, max_steps=2).train()
+    ck = os.path.join(tmp_path, "checkpoint-2", "manifest.json")
+    with open(ck, "rb") as f:
+        m = mf.parse(f.read(), ck)
+    key = next(k for k in m.values if k.startswith("__") and "transformers" in k)
+    rec = json.loads(m.values[key])
+    rec["model_only"] = "yes"
+    m.values[key] = json.dumps(rec, sort_keys=True)
+    with open(ck, "wb") as f:
+        f.write(mf.to_json(m))
+    with pytest.raises(ManifestError, match="model_only"):
+        _trainer(tmp_path, max_steps=4).train(resume_from_checkpoint=True)

@@ -279,7 +279,7 @@ def import_tag(src_tag_dir: str, dst: str, *, storage_options: dict | None = Non
         "params": params, "frozen": frozen_meta, "stored_frozen": list(stored),
         "dtypes": {n: _dtype_name(module[n].dtype) for n in params},
         "groups": group_names, "steps": steps, "state_keys": keys, "aliases": aliases,
-        "loss_scaler": scaler, "buffers": sorted(buffers),
+        "loss_scaler": scaler, "buffers": sorted(buffers), "model_only": False,
     }
     tree["deepspeed"] = {"meta": json.dumps(meta, sort_keys=True)}
     return _save(tree, dst, storage_options, overwrite, compression)

@@ -22,7 +22,7 @@ from typing import Any
 
 from transformers import Trainer
 
-from ...errors import CheckpointError, StateMismatchError
+from ...errors import CheckpointError, ManifestError, StateMismatchError
 from ...protocol.collectives import Comm
 from ...view.open import MissingKeyError
 from ..common import resolve, tree
@@ -217,7 +217,8 @@ class DckptChainEnd(Trainer):
         loaded = tree.load(spath, c, META_KEY, check=self._dckpt_check(spath),
                            ignore=ignore, manifest_name=view)
         if deep:  # a model-only checkpoint holds the weights only (save_only_model)
-            ds.load(self, spath, module_only=bool(loaded.meta.get("model_only")))
+            only = loaded.meta.get("model_only", False)  # a bool: checked (_dckpt_check)
+            ds.load(self, spath, module_only=only, model_only=only)
         self._dckpt_loaded = None if loaded.meta.get("model_only") else loaded
         # the next commit continues this one, after every checkpoint present on the
         # run's timeline (only rank 0's values are recorded)
@@ -304,6 +305,9 @@ class DckptChainEnd(Trainer):
         """The check of a checkpoint's metadata before its load (a Trainer's; holding a
         scheduler when one is trained). Raises StateMismatchError, MissingKeyError."""
         def run(meta: dict, names: set) -> None:
+            if type(meta.get("model_only", False)) is not bool:
+                raise ManifestError(f"{path}: its Trainer record's 'model_only' is "
+                                    f"{meta.get('model_only')!r}, not true or false")
             if meta.get("framework") != "transformers":
                 raise StateMismatchError(f"{path} is a dckpt checkpoint of "
                                          f"{meta.get('framework')!r}, not of the Trainer")

@@ -60,17 +60,19 @@ def build(trainer: Any) -> dict[str, Any]:
                        model_only=bool(trainer.args.save_only_model))
 
 
-def load(trainer: Any, path: str, module_only: bool = False) -> None:
+def load(trainer: Any, path: str, module_only: bool = False,
+         model_only: bool | None = None) -> None:
     """Load the engine's part of the dckpt checkpoint at ``path`` (``module_only``: the
     weights only, for ``load_best_model_at_end`` and a checkpoint saved with
-    ``save_only_model``: the optimizer and the engine's counters start fresh). Collective; blocking I/O (this rank's
+    ``save_only_model``: the optimizer and the engine's counters start fresh;
+    ``model_only``: the Trainer record's flag, which the tag's must equal). Collective; blocking I/O (this rank's
     ranges). Raises on every rank alike: StateMismatchError, IntegrityError."""
     from ..common.zero.restore import What, load_tag
     from ..common.zero.view import view
 
     peft = _peft(trainer)
     what = What(optimizer=not module_only, scheduler=not module_only,
-                module_only=module_only, strict=not peft)
+                module_only=module_only, strict=not peft, model_only=model_only)
     load_tag(view(engine_of(trainer)), path, what, root=ROOT)
 
 

@@ -750,10 +750,12 @@ def many_saves(root, r):
 
 
 def model_only_tag(root, r):
-    """A weights-only tree (the Trainer's save_only_model) at ZeRO-2: loaded with the
-    optimizer's state asked for, a CheckpointError naming save_only_model (no mix of
-    loaded weights and a stale optimizer); loaded module-only into a fresh ZeRO-3
-    engine, every master equal, its optimizer without state."""
+    """A weights-only tree (the Trainer's save_only_model) at ZeRO-2: no optimizer
+    state, param groups or scheduler stored; loaded with the optimizer's state asked
+    for, a CheckpointError naming save_only_model (no mix of loaded weights and a stale
+    optimizer); loaded module-only into a fresh ZeRO-3 engine, every master equal, its
+    optimizer without state. A full tag the framework's record calls weights-only:
+    refused."""
     from dckpt.integrations.common.zero.restore import What, load_tag
     from dckpt.integrations.common.zero.tree import engine_tree
     from dckpt.integrations.common.zero.view import view
@@ -764,7 +766,8 @@ def model_only_tag(root, r):
                        with_rng=False, model_only=True)
     dckpt.save(tree, root)
     with dckpt.open(root) as c:
-        optim = [k for k in c.keys() if k.startswith(("optim.", "scheduler"))]
+        # no param groups either: a group value dckpt cannot store must not fail it
+        optim = [k for k in c.keys() if k.startswith(("optim.", "scheduler", "hyper"))]
     ref = {n: v[:1] for n, v in _full(eng).items()}
     fresh = _build(lambda: dj.Net(False, False), _cfg(3))
     e = _raised(lambda: load_tag(view(fresh), root, What()))
@@ -779,6 +782,14 @@ def model_only_tag(root, r):
         problems.append(f"masters differ {bad}")
     if fresh.optimizer.optimizer.state:
         problems.append("optimizer state after a module-only load")
+    # a full tag whose framework record was edited to say weights-only: refused, never
+    # loaded as weights with the optimizer silently dropped
+    full = root + "-full"
+    dckpt.save(engine_tree(eng, client_state={}, exclude_frozen=False, tag="f",
+                           with_rng=False), full)
+    e = _raised(lambda: load_tag(view(fresh), full, What(module_only=True, model_only=True)))
+    if not isinstance(e, CheckpointError) or "disagree" not in str(e):
+        problems.append(f"a full tag loaded as weights-only: {e!r}")
     return "; ".join(problems) or None
 
 

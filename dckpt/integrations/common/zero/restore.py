@@ -27,6 +27,9 @@ class What:
     scheduler: bool = True
     module_only: bool = False
     strict: bool = True
+    # what the framework's own record says of the tag (the Trainer's model_only flag):
+    # it must agree with the tag's record, else the load refuses it (None: unchecked)
+    model_only: bool | None = None
 
 
 def _check_names(v: View, meta: dict, strict: bool, optim: bool) -> None:
@@ -93,6 +96,11 @@ def load_tag(v: View, path: str, what: What, storage_options: dict | None = None
         meta = read_meta(m, head)
         box["meta"] = meta
         optim = what.optimizer and not what.module_only
+        if what.model_only is not None and bool(meta.get("model_only")) != what.model_only:
+            raise StateMismatchError(
+                f"{path}: the checkpoint's records disagree: the framework's says "
+                f"model_only={what.model_only}, its DeepSpeed tag's "
+                f"model_only={bool(meta.get('model_only'))} (edited or assembled by hand)")
         if meta.get("model_only") and not what.module_only:
             raise CheckpointError(
                 f"{path} holds the weights only (saved with save_only_model=True): no "

@@ -115,7 +115,7 @@ def build(v: View, *, client_state: dict, exclude_frozen: bool, tag: str,
     """The tree of one save of ``v``'s engine (views of the live buffers: copy before
     the next step, as dckpt's save or async snapshot does). ``model_only`` (the
     Trainer's ``save_only_model``): the weights only (fp32 masters, frozen parameters,
-    buffers), no optimizer state and no scheduler; such a tag loads with
+    buffers), no optimizer state, param groups or scheduler; such a tag loads with
     ``module_only`` only. Raises CheckpointError
     (UnsupportedValueError naming the key) for a ``client_state`` value dckpt cannot
     store, a reserved key, or optimizer state it cannot store."""
@@ -154,8 +154,9 @@ def build(v: View, *, client_state: dict, exclude_frozen: bool, tag: str,
         tree["scheduler"] = codec.encode(sched.state_dict(), "lr_scheduler")
     # each rank's own (stock ZeRO-3 keeps one per rank: a data shard's position)
     tree["client"] = {f"rank{v.rank}": codec.encode(dict(client_state), "client_state")}
-    tree["hyper"] = codec.encode([{k: val for k, val in g.items() if k != "params"}
-                                  for g in opt.param_groups], "param_groups")
+    if not model_only:  # a weights-only save never reads the optimizer's groups
+        tree["hyper"] = codec.encode([{k: val for k, val in g.items() if k != "params"}
+                                      for g in opt.param_groups], "param_groups")
     meta = {
         "format": FORMAT, "tag": tag, "kind": v.kind, "zero_stage": v.stage,
         "save_latest": bool(save_latest),
