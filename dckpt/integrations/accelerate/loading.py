@@ -19,7 +19,8 @@ from ..common.place import dckpt_leftover, is_url, join, kind
 from . import contents as cn
 from . import ds as dsa
 
-log = logging.getLogger(__name__)
+# the accelerator's logger: a user's level or handler on it covers loads too
+log = logging.getLogger(__name__.rsplit(".", 1)[0] + ".accelerator")
 NAME = re.compile(r"checkpoint_[0-9]+")
 
 
@@ -77,7 +78,7 @@ def load(acc: Any, input_dir: str | None, load_kwargs: dict | None, stock_load: 
         return
     if not acc.project_configuration.automatic_checkpoint_naming:
         raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
-    parent = checkpoints_dir(acc)
+    parent = acc._checkpoints_dir()  # a subclass may override it (as saves do)
     if tier is not None:
         choices, names = fast.candidates(tier, parent, NAME, opts)
         if choices:
@@ -117,7 +118,7 @@ def continue_run(acc: Any, comm: Comm) -> None:
     run's timeline (after a rewind on a host whose clock is behind, rotation keeps
     the new saves and a resume takes them, not the abandoned branch). Collective
     (one broadcast); blocking I/O on rank 0 (a listing, a manifest read each)."""
-    parent = checkpoints_dir(acc)
+    parent = acc._checkpoints_dir()  # a subclass may override it (as saves do)
     opts = acc._dckpt.storage_options
 
     def look() -> int:
