@@ -22,12 +22,12 @@ JOB = os.path.join(os.path.dirname(__file__), "jobs", "trainer_ds_job.py")
 
 
 def run(impl: str, out, n: int, stage: int, resume: bool = False, only: bool = False,
-        ok: bool = True) -> str:
+        ok: bool = True, *flags: str) -> str:
     """Run the job; it must exit 0 (``ok``) or fail with an error (not by the deadline)."""
     env = dict(job_env(), DS_ACCELERATOR="cpu")
     rc, text = run_cmd(torchrun(JOB, n) + [impl, str(out), str(stage)]
-                       + (["resume"] if resume else []) + (["only"] if only else []),
-                       300, env=env)
+                       + (["resume"] if resume else []) + (["only"] if only else [])
+                       + list(flags), 300, env=env)
     assert (rc == 0) == ok, text[-4000:]
     return text
 
@@ -128,3 +128,28 @@ def test_a_save_only_model_checkpoint_resumes_its_weights_at_another_size_and_st
     text = run("dckpt", out, 3, 3, resume=True, only=True)
     assert text.count("LOADED ok at step 4") == 3, text[-3000:]
     assert len(re.findall(r"^DONE \d ", text, re.M)) == 3, text[-3000:]
+
+
+def test_the_fast_tier_resumes_a_save_killed_before_its_copy_and_serves_its_own_layout_only(
+        tmp_path):
+    """``local_root`` under DeepSpeed (a node per rank): every rank is SIGKILLed once
+    checkpoint-4 is committed on the fast tier, before its durable copy. A resume with
+    the same layout (2 ranks, ZeRO-2) takes checkpoint-4 from the fast tier, exactly. A
+    resume under ZeRO-3 at the same size cannot read it there (each node holds its own
+    ranges only): it resumes the newest checkpoint its layout can read, checkpoint-2's
+    durable copy, and says why; never a missing-file error in the middle of train()."""
+    def killed(name: str):
+        out = tmp_path / name
+        text = run("dckpt", out, 2, 2, False, False, False, "local", "kill4")
+        assert "DONE" not in text
+        held = sorted(n for n in os.listdir(out) if n.startswith("checkpoint-"))
+        assert held == ["checkpoint-2"], held  # checkpoint-4: on the fast tier only
+        return out
+
+    text = run("dckpt", killed("same"), 2, 2, True, False, True, "local")
+    assert text.count("LOADED ok at step 4") == 2, text[-3000:]  # from the fast tier
+    text = run("dckpt", killed("z3"), 2, 3, True, False, True, "local")
+    assert "its durable copy does" in text, text[-3000:]  # the warning naming the layout
+    assert text.count("at step 2") == 2, text[-3000:]
+    assert len(re.findall(r"^DONE \d ", text, re.M)) == 2, text[-3000:]
+    assert "LOADED ok at step 4" not in text

@@ -218,7 +218,7 @@ class DckptChainEnd(Trainer):
                            ignore=ignore, manifest_name=view)
         if deep:  # a model-only checkpoint holds the weights only (save_only_model)
             only = loaded.meta.get("model_only", False)  # a bool: checked (_dckpt_check)
-            ds.load(self, spath, module_only=only, model_only=only)
+            ds.load(self, spath, module_only=only, model_only=only, manifest_name=view)
         self._dckpt_loaded = None if loaded.meta.get("model_only") else loaded
         # the next commit continues this one, after every checkpoint present on the
         # run's timeline (only rank 0's values are recorded)
@@ -276,17 +276,23 @@ class DckptChainEnd(Trainer):
         from ..common.place import kind
 
         best = self.state.best_model_checkpoint
-        if ds.enabled(self) and best is not None and resolve.listed(
-                lambda: kind(best), f"look up {best}") == "dckpt":
-            tree.load(best, tree.Contents([]), META_KEY, check=self._dckpt_check(best),
-                      ignore=(ds.PREFIX,))
-            ds.load(self, best, module_only=True)
+        tier = getattr(self, "_dckpt_tier", None)
+        choices = [] if best is None or tier is None else fast.one(tier, best, None)
+        if ds.enabled(self) and best is not None and (choices or resolve.listed(
+                lambda: kind(best), f"look up {best}") == "dckpt"):
+            by = {c.shown(): c for c in choices} or {best: None}
+
+            def one(k: str) -> None:  # the engine's weights (its node-local view, if any)
+                path, view = (k, None) if by[k] is None else (by[k].path,
+                                                              by[k].manifest_name)
+                tree.load(path, tree.Contents([]), META_KEY, check=self._dckpt_check(path),
+                          ignore=(ds.PREFIX,), manifest_name=view)
+                ds.load(self, path, module_only=True, manifest_name=view)
+            resolve.load_newest(list(by), one)
             if Comm().rank == 0:
                 log.info("loaded the best model from %s (score: %s)", best,
                          self.state.best_metric)
             return
-        tier = getattr(self, "_dckpt_tier", None)
-        choices = [] if best is None or tier is None else fast.one(tier, best, None)
         if choices:  # the fast tier's commit of it, or its durable copy
             by = {c.shown(): c for c in choices}
             resolve.load_newest(list(by), lambda k: tree.load(

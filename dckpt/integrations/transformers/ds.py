@@ -60,8 +60,42 @@ def build(trainer: Any) -> dict[str, Any]:
                        model_only=bool(trainer.args.save_only_model))
 
 
+def _configured(trainer: Any) -> tuple[int, str | None]:
+    """(the ZeRO stage, the low precision: "bfloat16", "float16" or None) this run's
+    DeepSpeed config asks for, before the engine exists (the Trainer resolves "auto"
+    values into ``args.hf_deepspeed_config``). Pure."""
+    cfg = getattr(getattr(trainer.args, "hf_deepspeed_config", None), "config", None) or {}
+    zero = cfg.get("zero_optimization") or {}
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    low = next((dt for key, dt in (("bf16", "bfloat16"), ("fp16", "float16"))
+                if isinstance(cfg.get(key), dict) and cfg[key].get("enabled") is True), None)
+    return (stage if type(stage) is int else -1), low
+
+
+def local_accept(trainer: Any) -> Any:
+    """The check of a fast-tier commit before a resume reads it from this node: a view
+    holds this node's ranges only, so its engine tag must have been saved at this
+    world size (the tier checks it), ZeRO stage and precision; else CheckpointError
+    (the resume then takes the durable copy, which any layout reads). Pure check of a
+    manifest; no I/O."""
+    from ..common.zero.tree import read_meta
+
+    stage, low = _configured(trainer)
+
+    def accept(m: Any) -> None:
+        meta = read_meta(m, PREFIX)
+        saved_low = {dt for dt in meta["dtypes"].values() if dt in ("bfloat16", "float16")}
+        if meta.get("zero_stage") != stage or saved_low != ({low} if low else set()):
+            raise CheckpointError(
+                f"saved under ZeRO stage {meta.get('zero_stage')} "
+                f"({', '.join(sorted(saved_low)) or 'float32'}), this run's config is "
+                f"stage {stage} ({low or 'float32'}): its ranges on this node do not "
+                "serve this layout; its durable copy does")
+    return accept
+
+
 def load(trainer: Any, path: str, module_only: bool = False,
-         model_only: bool | None = None) -> None:
+         model_only: bool | None = None, manifest_name: str | None = None) -> None:
     """Load the engine's part of the dckpt checkpoint at ``path`` (``module_only``: the
     weights only, for ``load_best_model_at_end`` and a checkpoint saved with
     ``save_only_model``: the optimizer and the engine's counters start fresh;
@@ -73,7 +107,24 @@ def load(trainer: Any, path: str, module_only: bool = False,
     peft = _peft(trainer)
     what = What(optimizer=not module_only, scheduler=not module_only,
                 module_only=module_only, strict=not peft, model_only=model_only)
-    load_tag(view(engine_of(trainer)), path, what, root=ROOT)
+    v = view(engine_of(trainer))
+    if manifest_name is not None:  # a fast-tier view: only the saved layout reads it
+        from ...format import manifest as mf
+        from ...protocol.restore import read_manifest_bytes
+        from ...storage.fsspec_storage import make_storage
+        from ..common.zero.tree import read_meta
+
+        storage, root = make_storage(path)
+        meta = read_meta(mf.parse(read_manifest_bytes(storage, root, manifest_name),
+                                  f"{path}/{manifest_name}"), PREFIX)
+        saved = (meta.get("zero_stage"), meta.get("dp_world_size"), meta.get("kind"))
+        if saved != (v.stage, v.world, v.kind):
+            raise CheckpointError(
+                f"the fast tier's commit {path} holds a ZeRO stage {saved[0]} ({saved[2]}) "
+                f"tag of {saved[1]} ranks; this engine is stage {v.stage} ({v.kind}) at "
+                f"{v.world} ranks: this node holds only its own ranges of it; resume from "
+                "its durable copy")
+    load_tag(v, path, what, root=ROOT, manifest_name=manifest_name)
 
 
 def install(trainer: Any) -> None:

@@ -119,12 +119,13 @@ def precheck(path: str) -> None:
                              "Trainer cannot resume it")
 
 
-def precheck_local(slot: str, view: str) -> None:
+def precheck_local(slot: str, view: str, accept=None) -> None:
     """:func:`precheck` for a fast-tier commit: this rank's ``view`` of ``slot`` is a
     Trainer's checkpoint whose metadata holds its trainer_state.json, at the commit's
     step, and the node's files of it verify (read by each node's local rank 0).
     Collective (the outcome agreed); local I/O. Raises on every rank alike:
-    StateMismatchError (another framework's), IntegrityError."""
+    StateMismatchError (another framework's, or refused by ``accept(manifest)``, which
+    raises for a commit this run cannot read from its node), IntegrityError."""
     from ...format import manifest as mf
     from ...protocol.collectives import agree
     from ...protocol.restore import read_manifest_bytes
@@ -135,6 +136,8 @@ def precheck_local(slot: str, view: str) -> None:
         storage, root = make_storage(slot)
         m = mf.parse(read_manifest_bytes(storage, root, view), f"{slot}/{view}")
         state_json(m, slot)
+        if accept is not None:  # e.g. a DeepSpeed tag of another layout: its durable copy
+            accept(m)
         # the node's files read once before the Trainer reads anything (as the durable
         # copy is verified): damage falls back to the name's durable copy now, not in
         # the middle of train() where nothing can fall back
@@ -248,11 +251,13 @@ def named(p: str) -> str | None:
     log.info("%s is not a dckpt checkpoint: the stock Trainer resumes it", p)
     return None
 
-def pick(tier, choices: list) -> tuple[str | None, tuple[str, str | None] | None]:
+def pick(tier, choices: list,
+         accept=None) -> tuple[str | None, tuple[str, str | None] | None]:
     """With the fast ``tier`` (a :class:`..common.tier.LocalTier`): the newest of ``choices`` (:class:`..common.fast.Choice`)
     that passes its checks, as (the folder the Trainer is told to resume, what the
     load reads); (None, None) when there is none. A fast-tier commit's folder is a
-    per-rank one holding its trainer_state.json (removed when train() ends).
+    per-rank one holding its trainer_state.json (removed when train() ends);
+    ``accept(manifest)`` may refuse a fast-tier commit (see :func:`precheck_local`).
     Collective; local I/O."""
     if not choices:
         return None, None
@@ -264,7 +269,7 @@ def pick(tier, choices: list) -> tuple[str | None, tuple[str, str | None] | None
             precheck(c.path)
             verify_shared(c.path)
         else:
-            precheck_local(c.path, c.manifest_name)
+            precheck_local(c.path, c.manifest_name, accept)
     key, _ = resolve.load_newest(list(by), check)
     c = by[key]
     if c.manifest_name is None:

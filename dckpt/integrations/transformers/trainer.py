@@ -84,9 +84,6 @@ class DckptTrainerMixin:
         if async_save and self.args.push_to_hub:
             raise CheckpointError("DckptTrainer: async_save=True with push_to_hub: the push "
                                   "reads the checkpoint before its background commit places it")
-        if ds.enabled(self) and tier is not None:
-            raise CheckpointError("DckptTrainer under DeepSpeed does not support local_root "
-                                  "yet")
         if is_url(str(self.args.output_dir)):
             raise CheckpointError(f"DckptTrainer: output_dir {self.args.output_dir!r} is a "
                                   "URL; the Trainer reads its checkpoints locally")
@@ -395,11 +392,13 @@ class DckptTrainerMixin:
             rs.sweep_resume_folders(tier.root)  # left by killed runs of this host
         path: str | None = None
         src: tuple[str, str | None] | None = None  # what the load reads (a fast-tier view)
+        # a DeepSpeed tag on the fast tier serves its own layout only (ds.local_accept)
+        accept = ds.local_accept(self) if ds.enabled(self) else None
         if resume_from_checkpoint is True:
             out = str(self.args.output_dir)
             rs.warn_leftovers(out)
             if tier is not None:
-                path, src = rs.pick(tier, fast.candidates(tier, out, NAME, None)[0])
+                path, src = rs.pick(tier, fast.candidates(tier, out, NAME, None)[0], accept)
             else:
                 paths = resolve.listed(lambda: [c.path for c in resolve.committed_in(
                     out, NAME)], f"list {out}")
@@ -409,7 +408,7 @@ class DckptTrainerMixin:
         elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
             p = os.path.abspath(os.path.expanduser(os.fspath(resume_from_checkpoint)))
             if tier is not None:
-                path, src = rs.pick(tier, fast.one(tier, p, None))
+                path, src = rs.pick(tier, fast.one(tier, p, None), accept)
             if path is None:
                 path = rs.named(p)
         if ds.enabled(self):

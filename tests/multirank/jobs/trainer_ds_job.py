@@ -1,6 +1,8 @@
 """The transformers Trainer under DeepSpeed ZeRO (CPU, gloo) with stock's Trainer or
 DckptTrainer: ``python -m torch.distributed.run ... trainer_ds_job.py IMPL OUT STAGE
-[resume] [only]`` (``only``: ``save_only_model=True``). A tiny Llama, 6 steps, a checkpoint every 2; prints ``DONE <rank> <losses>``.
+[resume] [only] [local] [kill4]`` (``only``: ``save_only_model=True``; ``local``: the
+fast tier in OUT-local/<rank> (a node per rank); ``kill4``: every rank SIGKILLed once
+checkpoint-4 is committed on the fast tier, before its durable copy). A tiny Llama, 6 steps, a checkpoint every 2; prints ``DONE <rank> <losses>``.
 At step 4 the full fp32 masters are written to OUT/full4.pt (rank 0); a resumed run
 compares the engine's full masters with them at the start of training (``LOADED ok``)."""
 from __future__ import annotations
@@ -20,8 +22,18 @@ from transformers import (LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallbac
 impl, out, stage = sys.argv[1], sys.argv[2], int(sys.argv[3])
 resume = "resume" in sys.argv[4:]
 only = "only" in sys.argv[4:]
+local = "local" in sys.argv[4:]
+kill4 = "kill4" in sys.argv[4:]
 if impl == "dckpt":
-    from dckpt.integrations.transformers import DckptTrainer as Trainer  # noqa: F811
+    from dckpt.integrations.transformers import DckptTrainer
+
+    class Trainer(DckptTrainer):  # noqa: F811
+        def _save_checkpoint(self, model, trial):
+            if kill4 and self.state.global_step == 4:
+                self._dckpt.finish()  # the earlier saves' commits and copies first
+                self._dckpt_tier.drain()
+                os.environ["DCKPT_FAULT"] = "committed:*:kill"
+            super()._save_checkpoint(model, trial)
 
 
 class Data(Dataset):
@@ -66,8 +78,10 @@ conf = LlamaConfig(vocab_size=61, hidden_size=16, intermediate_size=37, num_hidd
                    num_attention_heads=2, num_key_value_heads=1)
 torch.manual_seed(0)
 probe = Probe()
+extra = ({"local_root": os.path.join(out + "-local", os.environ["LOCAL_RANK"])}
+         if local else {})
 trainer = Trainer(model=LlamaForCausalLM(conf), args=args, train_dataset=Data(),
-                  callbacks=[probe])
+                  callbacks=[probe], **extra)
 probe.trainer = trainer
 try:
     trainer.train(resume_from_checkpoint=True if resume else None)
