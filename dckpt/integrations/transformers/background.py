@@ -30,10 +30,14 @@ log = logging.getLogger(__name__)
 
 class FolderExport:
     """One background export per process at a time. ``start`` and ``join`` are called
-    by the training thread; the export runs in a daemon thread."""
+    by the training thread and, with the fast tier, by its copy thread (an export
+    starts once a durable copy landed): both are thread-safe. The export runs in a
+    daemon thread."""
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # guards _thread
+        self._starting = threading.Lock()  # one start at a time
         self.error: BaseException | None = None
         # what the folder is exported from: model 0's keys, or a DeepSpeed engine's tag
         # nested in the checkpoint (its fp32 masters, written in the model's dtype)
@@ -44,14 +48,17 @@ class FolderExport:
         """Begin writing ``final``'s model folder (every rank, after the commit of save
         ``save_id``: the thread first waits until ``final`` holds that commit, placed by
         rank 0; None: ``final`` is committed already). Waits for the export before.
-        No collective; returns at once."""
-        self.join()
-        comm = Comm()
-        rank, world = comm.rank, comm.size
-        self.error = None
-        self._thread = threading.Thread(target=self._run, args=(final, save_id, rank, world),
-                                        name="dckpt-model-folder", daemon=True)
-        self._thread.start()
+        No collective; returns once the thread runs."""
+        with self._starting:
+            self.join()
+            comm = Comm()
+            rank, world = comm.rank, comm.size
+            self.error = None
+            t = threading.Thread(target=self._run, args=(final, save_id, rank, world),
+                                 name="dckpt-model-folder", daemon=True)
+            t.start()  # started before it is published: a join never sees it unstarted
+            with self._lock:
+                self._thread = t
 
     def _run(self, final: str, save_id: str | None, rank: int, world: int) -> None:
         from ...interop.hf_export_ranks import WAIT_S, export_share
@@ -71,7 +78,8 @@ class FolderExport:
 
     def join(self) -> None:
         """Wait for the export in flight, if any. Blocking; never raises."""
-        t, self._thread = self._thread, None
+        with self._lock:
+            t, self._thread = self._thread, None
         if t is not None:
             t.join()
 
